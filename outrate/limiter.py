@@ -1,0 +1,345 @@
+"""GCRA limiter: per-user theoretical arrival times in exact integer arithmetic.
+
+The decision is `gcra()`, a pure function over integers. `Limiter` holds the
+per-user table and an injected clock; it never sleeps and never reads the wall
+clock on its own unless no `now` is passed.
+
+Time is kept in *scaled units*: for a rate p/q tokens/s (a reduced fraction)
+one nanosecond is `p` units and one token costs `1e9 * q` units, so any rate the
+policy can express (fractions included) is paced exactly, with no rounding
+drift over long runs. Each `Limit` carries its own scale; a user's state is the
+theoretical arrival time (TAT) in its limit's units.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from decimal import Decimal
+from fractions import Fraction
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from outrate.compiler import CompiledPolicy
+
+NS_PER_S = 1_000_000_000
+ANONYMOUS = "__anonymous__"
+"""The user id of requests that carry no identity; they share one budget."""
+
+
+def exact_rate(value: int | float | str | Decimal | Fraction) -> Fraction:
+    """The exact rate a human wrote: 0.1 is 1/10, not the nearest binary float."""
+    if isinstance(value, Fraction):
+        return value
+    if isinstance(value, float):
+        return Fraction(Decimal(repr(value)))
+    return Fraction(Decimal(str(value)))
+
+
+class Limit:
+    """One resolved limit: rate (None = unlimited), burst and stream cap.
+
+    Immutable and shared by every user that resolves to the same rule, so it
+    costs nothing per user. `scale`, `interval` and `tolerance` are the GCRA
+    integers in this limit's scaled units (see module docstring).
+    """
+
+    __slots__ = ("rate", "burst_ns", "max_streams", "rule", "scale", "interval", "tolerance")
+
+    def __init__(
+        self,
+        rate: Fraction | int | float | str | None,
+        burst_ns: int,
+        max_streams: int | None = None,
+        rule: str = "",
+    ) -> None:
+        if rate is not None:
+            rate = exact_rate(rate)
+            if rate <= 0:
+                raise ValueError(f"rate must be > 0, got {rate}")
+        if burst_ns <= 0:
+            raise ValueError(f"burst must be > 0 ns, got {burst_ns}")
+        if max_streams is not None and max_streams < 1:
+            raise ValueError(f"max_streams must be >= 1, got {max_streams}")
+        self.rate: Fraction | None = rate
+        self.burst_ns = int(burst_ns)
+        self.max_streams = max_streams
+        self.rule = rule
+        if rate is None:
+            self.scale = 0
+            self.interval = 0
+            self.tolerance = 0
+        else:
+            self.scale = rate.numerator
+            self.interval = NS_PER_S * rate.denominator
+            self.tolerance = self.burst_ns * rate.numerator
+
+    @property
+    def unlimited(self) -> bool:
+        return self.rate is None
+
+    def _key(self) -> tuple[Fraction | None, int, int | None]:
+        return (self.rate, self.burst_ns, self.max_streams)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Limit) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def describe(self) -> str:
+        """Human form used in log lines: `20 tok/s burst 100ms` or `unlimited`."""
+        if self.rate is None:
+            text = "unlimited"
+        else:
+            r = self.rate
+            rate = str(r.numerator) if r.denominator == 1 else f"{float(r):g}"
+            text = f"{rate} tok/s burst {_fmt_ns(self.burst_ns)}"
+        if self.max_streams is not None:
+            text += f" max_streams {self.max_streams}"
+        return text
+
+    def __repr__(self) -> str:
+        return f"Limit({self.describe()!r}, rule={self.rule!r})"
+
+
+def _fmt_ns(ns: int) -> str:
+    if ns % 1_000_000 == 0:
+        return f"{ns // 1_000_000}ms"
+    return f"{ns / 1e6:g}ms"
+
+
+def gcra(tat: int, now: int, interval: int, tolerance: int) -> int | None:
+    """The GCRA decision. All arguments in one limit's scaled units.
+
+    Returns the new TAT if one token may be taken at `now`, else None.
+    A token is conforming when `tat - now <= tolerance`; a TAT in the past
+    counts as `now` (an idle user is a fresh user).
+    """
+    if tat < now:
+        tat = now
+    elif tat - now > tolerance:
+        return None
+    return tat + interval
+
+
+class Bucket:
+    """A user's state: the TAT, plus what is needed to keep it valid.
+
+    `limit` and `gen` let a policy swap be O(1): a bucket re-resolves its limit
+    (carrying its debt in tokens) the next time it is touched. `pins` counts
+    live requests holding this bucket, so cleanup never splits a user's state.
+    """
+
+    __slots__ = ("key", "tat", "limit", "gen", "pins")
+
+    def __init__(self, key: str, limit: Limit, gen: int) -> None:
+        self.key = key
+        self.tat = 0
+        self.limit = limit
+        self.gen = gen
+        self.pins = 0
+
+
+class Stats(NamedTuple):
+    """What a user of redis-cell or throttled-py expects to see."""
+
+    limit: Limit
+    remaining: int
+    """Tokens that could be taken right now, back to back; -1 when unlimited."""
+    retry_after_ns: int
+    """0 when a token can be taken now."""
+    ready_at_ns: int
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Limiter:
+    """The per-user table. One per engine; only the scheduler thread mutates it."""
+
+    def __init__(
+        self, policy: CompiledPolicy, clock: Callable[[], int] = time.monotonic_ns
+    ) -> None:
+        self._policy = policy
+        self._gen = 0
+        self._buckets: dict[str, Bucket] = {}
+        self._sweep: deque[str] = deque()
+        self.clock = clock
+
+    # -- policy ------------------------------------------------------------
+
+    @property
+    def policy(self) -> CompiledPolicy:
+        return self._policy
+
+    def set_policy(self, policy: CompiledPolicy) -> None:
+        """Swap the policy in O(1). Each bucket carries its debt over lazily.
+
+        Debt is carried in tokens, not time: raising a rate pays the debt off
+        faster at once; lowering a rate never grants a token the old rate would
+        not have (nor one a fresh user under the new rate would not have).
+        """
+        self._policy = policy
+        self._gen += 1
+
+    def _refresh(self, b: Bucket, now: int) -> None:
+        new = self._policy.limit_for(b.key)
+        old = b.limit
+        b.gen = self._gen
+        if new.scale == old.scale and new.interval == old.interval:
+            b.limit = new  # same units: the TAT stands as it is
+            return
+        debt = b.tat - now * old.scale if old.scale else 0
+        if debt > 0 and new.scale:
+            b.tat = now * new.scale + _ceil_div(debt * new.interval, old.interval)
+        else:
+            b.tat = 0
+        b.limit = new
+
+    # -- the table ---------------------------------------------------------
+
+    def bucket(self, user: str) -> Bucket:
+        """The user's bucket, created on first use."""
+        b = self._buckets.get(user)
+        if b is None:
+            b = Bucket(user, self._policy.limit_for(user), self._gen)
+            self._buckets[user] = b
+            self._sweep.append(user)
+        return b
+
+    def pin(self, user: str) -> Bucket:
+        """Take a reference a request can keep; cleanup will not drop it."""
+        b = self.bucket(user)
+        b.pins += 1
+        return b
+
+    @staticmethod
+    def unpin(b: Bucket) -> None:
+        b.pins -= 1
+
+    def limit_of(self, b: Bucket, now: int) -> Limit:
+        if b.gen != self._gen:
+            self._refresh(b, now)
+        return b.limit
+
+    # -- hot path ----------------------------------------------------------
+
+    def take(self, b: Bucket, now: int) -> bool:
+        """Take one token from `b` at `now` (ns) if it conforms. O(1), no allocation
+        beyond the new TAT integer. Same decision as `gcra()`, inlined."""
+        if b.gen != self._gen:
+            self._refresh(b, now)
+        lim = b.limit
+        s = lim.scale
+        if not s:
+            return True
+        now_s = now * s
+        tat = b.tat
+        if tat < now_s:
+            tat = now_s
+        elif tat - now_s > lim.tolerance:
+            return False
+        b.tat = tat + lim.interval
+        return True
+
+    def give_back(self, b: Bucket, now: int) -> None:
+        """Undo one `take` that succeeded (the refund point)."""
+        if b.gen != self._gen:
+            self._refresh(b, now)
+        b.tat -= b.limit.interval
+
+    def ready_at(self, b: Bucket, now: int) -> int:
+        """Earliest time (ns) at which `take(b)` succeeds; `now` if it does now."""
+        if b.gen != self._gen:
+            self._refresh(b, now)
+        lim = b.limit
+        if not lim.scale:
+            return now
+        t = _ceil_div(b.tat - lim.tolerance, lim.scale)
+        return t if t > now else now
+
+    def available(self, b: Bucket, now: int) -> int:
+        """Tokens `b` could take at `now` back to back (its remaining burst).
+
+        Unlimited buckets answer a number larger than any step can use.
+        """
+        if b.gen != self._gen:
+            self._refresh(b, now)
+        lim = b.limit
+        if not lim.scale:
+            return 1 << 30
+        now_s = now * lim.scale
+        ahead = b.tat - now_s if b.tat > now_s else 0
+        if ahead > lim.tolerance:
+            return 0
+        return (lim.tolerance - ahead) // lim.interval + 1
+
+    # -- keyed verbs (API for tools and tests) -----------------------------
+
+    def _now(self, now: int | None) -> int:
+        return self.clock() if now is None else now
+
+    def try_take(self, user: str, now: int | None = None) -> bool:
+        return self.take(self.bucket(user), self._now(now))
+
+    def refund(self, user: str, now: int | None = None) -> None:
+        self.give_back(self.bucket(user), self._now(now))
+
+    def ready_at_ns(self, user: str, now: int | None = None) -> int:
+        now = self._now(now)
+        b = self._buckets.get(user)
+        return now if b is None else self.ready_at(b, now)
+
+    def stats(self, user: str, now: int | None = None) -> Stats:
+        now = self._now(now)
+        b = self._buckets.get(user)
+        lim = self._policy.limit_for(user) if b is None else self.limit_of(b, now)
+        if not lim.scale:
+            return Stats(lim, -1, 0, now)
+        if b is None:
+            return Stats(lim, lim.tolerance // lim.interval + 1, 0, now)
+        remaining = self.available(b, now)
+        ready = self.ready_at(b, now)
+        return Stats(lim, remaining, ready - now, ready)
+
+    def clear(self, user: str) -> None:
+        """Forget a user's debt (operator action). Keeps any pins valid."""
+        b = self._buckets.get(user)
+        if b is not None:
+            b.tat = 0
+
+    # -- housekeeping ------------------------------------------------------
+
+    def cleanup(self, now: int | None = None, budget: int = 64) -> int:
+        """Drop up to `budget` examined idle users; bounded work per call.
+
+        A user whose TAT is not ahead of `now` is indistinguishable from a user
+        never seen, so dropping it changes no decision. Pinned buckets stay.
+        """
+        now = self._now(now)
+        sweep, buckets = self._sweep, self._buckets
+        removed = 0
+        for _ in range(min(budget, len(sweep))):
+            key = sweep.popleft()
+            b = buckets[key]
+            if b.pins == 0 and b.tat <= now * b.limit.scale:
+                del buckets[key]
+                removed += 1
+            else:
+                sweep.append(key)
+        return removed
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+    def __contains__(self, user: object) -> bool:
+        return user in self._buckets
+
+    def export(self, now: int | None = None) -> Iterator[tuple[str, Stats]]:
+        """Every known user's stats: the hook for metrics and shared budgets."""
+        now = self._now(now)
+        for key in list(self._buckets):
+            yield key, self.stats(key, now)
