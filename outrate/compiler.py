@@ -1,0 +1,224 @@
+"""`Policy` -> `CompiledPolicy`: what the scheduler asks on every new user.
+
+A loaded policy is resolved once into shared `Limit` objects (one per rule, not
+per user or lookup), so `limit_for` is a dict lookup for listed users and a
+bounded cache in front of the ordered patterns for everyone else. Compiling a
+policy the loader accepted cannot fail: every value was checked there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from decimal import Decimal
+from fnmatch import translate
+from types import MappingProxyType
+from typing import Any
+
+from outrate.errors import PolicyError, Problem
+from outrate.limiter import ANONYMOUS, Limit
+from outrate.loader import load_policy, validate
+from outrate.policy import UNLIMITED, LimitRule, Policy, TierRule
+
+PATTERN_CACHE_SIZE = 65_536
+"""Pattern results remembered per policy; bounded so hostile ids cannot grow it."""
+
+DEFAULT_FLAG = "--default-user-output-tokens-per-second"
+USERS_FLAG = "--user-output-tokens-per-second"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CompiledPolicy:
+    """An immutable, resolved policy. Swapped whole on reload, never edited.
+
+    `_cache` is the one mutable part: a private, bounded memo of pattern
+    matches. Only the scheduler thread calls `limit_for`, and losing the cache
+    (clearing when full) only costs a re-match, never a different answer.
+    """
+
+    source: str
+    default: Limit
+    anonymous: Limit
+    burst_ns: int
+    users: Mapping[str, Limit] = field(default_factory=dict)
+    tiers: Mapping[str, Limit] = field(default_factory=dict)
+    patterns: tuple[tuple[str, Limit], ...] = ()
+    policy: Policy | None = field(default=None, repr=False)
+    """The validated policy this came from, for lint and `outrate` tooling."""
+    _lookup: dict[str, Limit] = field(init=False, repr=False)
+    _matchers: tuple[tuple[Any, Limit], ...] = field(init=False, repr=False)
+    _cache: dict[str, Limit] = field(init=False, repr=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        lookup = dict(self.users)
+        object.__setattr__(self, "_lookup", lookup)
+        object.__setattr__(self, "users", MappingProxyType(lookup))
+        object.__setattr__(self, "tiers", MappingProxyType(dict(self.tiers)))
+        object.__setattr__(self, "patterns", tuple(self.patterns))
+        matchers = tuple((re.compile(translate(p)).match, lim) for p, lim in self.patterns)
+        object.__setattr__(self, "_matchers", matchers)
+
+    def limit_for(self, user_id: str) -> Limit:
+        """The limit of `user_id`: exact user, then first matching pattern, then
+        default. `ANONYMOUS` is the shared budget of requests without identity."""
+        limit = self._lookup.get(user_id)
+        if limit is not None:
+            return limit
+        if user_id == ANONYMOUS:
+            return self.anonymous
+        if not self._matchers:
+            return self.default
+        cache = self._cache
+        limit = cache.get(user_id)
+        if limit is not None:
+            return limit
+        limit = self.default
+        for match, candidate in self._matchers:
+            if match(user_id) is not None:
+                limit = candidate
+                break
+        if len(cache) >= PATTERN_CACHE_SIZE:
+            cache.clear()
+        cache[user_id] = limit
+        return limit
+
+    @property
+    def is_unlimited(self) -> bool:
+        """True iff no rule limits anything (rate or streams): the engine can then
+        behave exactly like stock vLLM."""
+        limits = [self.default, self.anonymous, *self.users.values(), *self.tiers.values()]
+        limits += [lim for _, lim in self.patterns]
+        return all(lim.rate is None and lim.max_streams is None for lim in limits)
+
+    def summary(self) -> str:
+        """One line for logs and `outrate lint`."""
+        counts = ", ".join(
+            _count(n, word)
+            for n, word in (
+                (len(self.users), "user"),
+                (len(self.tiers), "tier"),
+                (len(self.patterns), "pattern"),
+            )
+        )
+        return (
+            f"outrate policy from {self.source}: {counts}; "
+            f"default {self.default.describe()}; anonymous {self.anonymous.describe()}"
+        )
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _limit(
+    rule: TierRule,
+    name: str,
+    burst_ns: int,
+    tiers: Mapping[str, TierRule],
+    tier_limits: Mapping[str, Limit],
+) -> Limit:
+    """One rule -> one Limit. Inheritance: the rule's own burst/max_streams, then
+    its tier's, then the policy burst."""
+    if isinstance(rule, LimitRule) and rule.tier is not None:
+        base = tiers[rule.tier]
+        if rule.burst is None and rule.max_streams is None:
+            return tier_limits[rule.tier]  # shared: same rule as the tier
+        rate = base.rate
+        burst = rule.burst or base.burst or burst_ns
+        streams = rule.max_streams if rule.max_streams is not None else base.max_streams
+        name = f"{name} (tiers.{rule.tier})"
+    else:
+        rate = rule.rate if rule.rate is not None else UNLIMITED
+        burst = rule.burst or burst_ns
+        streams = rule.max_streams
+    return Limit(None if rate == UNLIMITED else rate, burst, streams, rule=name)
+
+
+def compile_policy(policy: Policy, source: str) -> CompiledPolicy:
+    """Resolve a validated policy into shared Limits. Never fails on a loaded
+    policy: tier references and every value were checked by the loader."""
+    burst = policy.burst
+    tier_limits = {
+        name: _limit(rule, f"tiers.{name}", burst, policy.tiers, {})
+        for name, rule in policy.tiers.items()
+    }
+
+    def resolve(rule: TierRule, name: str) -> Limit:
+        return _limit(rule, name, burst, policy.tiers, tier_limits)
+
+    default = resolve(policy.default, "default")
+    if policy.anonymous is not None:
+        anonymous = resolve(policy.anonymous, "anonymous")
+    else:  # one shared bucket at the default limit
+        d = default
+        anonymous = Limit(d.rate, d.burst_ns, d.max_streams, rule="anonymous (default)")
+    return CompiledPolicy(
+        source=source,
+        default=default,
+        anonymous=anonymous,
+        burst_ns=burst,
+        users={uid: resolve(rule, f"users.{uid}") for uid, rule in policy.users.items()},
+        tiers=tier_limits,
+        patterns=tuple(
+            (m.pattern, resolve(m, f"match[{i}] {m.pattern}")) for i, m in enumerate(policy.match)
+        ),
+        policy=policy,
+    )
+
+
+def load_compiled(path: str | os.PathLike[str]) -> CompiledPolicy:
+    """Load, validate and compile a policy file (what the engine and lint run)."""
+    return compile_policy(load_policy(path), os.fspath(path))
+
+
+def policy_from_flags(
+    default_rate: float | None,
+    user_rates: dict[str, float] | str | None,
+    source: str = "flags",
+) -> CompiledPolicy:
+    """The seed's flags as a policy, validated exactly like a file.
+
+    `user_rates` is the JSON of `--user-output-tokens-per-second` (or the parsed
+    dict). Without a default flag identified users are unlimited. Errors name the
+    flag: `--user-output-tokens-per-second:1:1: users.user-a: must be > 0`.
+    """
+    if isinstance(user_rates, str):
+        try:
+            user_rates = json.loads(user_rates, parse_float=Decimal)
+        except json.JSONDecodeError as e:
+            raise PolicyError(
+                [Problem(USERS_FLAG, e.lineno, e.colno, "users", f"invalid JSON: {e.msg}")]
+            ) from e
+    if user_rates is not None and not isinstance(user_rates, dict):
+        raise PolicyError(
+            [
+                Problem(
+                    USERS_FLAG,
+                    1,
+                    1,
+                    "users",
+                    "must be a JSON object of user id -> tokens per second",
+                )
+            ]
+        )
+    data: dict[str, Any] = {"version": 1}
+    data["default"] = UNLIMITED if default_rate is None else default_rate
+    if user_rates is not None:
+        data["users"] = user_rates
+
+    def flag_for(path: tuple[Any, ...]) -> str:
+        return USERS_FLAG if path[:1] == ("users",) else DEFAULT_FLAG
+
+    policy = validate(data, source, file_for=flag_for)
+    return compile_policy(policy, source)
+
+
+__all__ = [
+    "CompiledPolicy",
+    "compile_policy",
+    "load_compiled",
+    "policy_from_flags",
+]

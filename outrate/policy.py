@@ -1,0 +1,457 @@
+"""The policy file format as pydantic models.
+
+These models are the one definition of what a policy may say: the loader
+validates against them, `outrate schema` exports them for editors, and the
+compiler trusts what they accept. So every value rule lives here, with the short
+human message a file author sees; the loader only adds the file and line.
+
+Layout rules that keep the format growable: every model forbids unknown keys
+(a typo is an error, not a silently ignored limit), and each section is its own
+field of `Policy`, so a future `shadow:` or `metrics:` section is one new field.
+
+A *limit spec* is written anywhere a limit goes (`default`, `anonymous`, each
+user, tier and match entry) in one of these forms::
+
+    100                      # tokens per second; fractions too: 0.5, 1/3
+    unlimited
+    {rate: 100, burst: 250ms, max_streams: 4}
+    {tier: pro}              # users, match entries, default, anonymous only
+    {tier: pro, burst: 1s, max_streams: 2}   # a tier with overrides
+
+With `tier`, only `burst` and `max_streams` may be overridden: a `rate` beside
+`tier` would make the tier name a lie, so it is an error.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from decimal import Decimal, InvalidOperation
+from fractions import Fraction
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    PrivateAttr,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from outrate.limiter import ANONYMOUS, NS_PER_S, exact_rate
+
+MAX_RATE = 1_000_000
+"""Tokens per second above which a rate is a typo, not a limit."""
+MAX_BURST_NS = 3600 * NS_PER_S
+"""A burst longer than this lets a user take hours of budget at once."""
+DEFAULT_BURST_NS = 100_000_000
+MAX_USER_ID_LEN = 256
+UNLIMITED = "unlimited"
+
+RateValue = Fraction | Literal["unlimited"]
+
+
+def _problem(message: str) -> PydanticCustomError:
+    """Our own error type, so the loader can show `message` as it is."""
+    return PydanticCustomError("outrate", message)
+
+
+def _shown(value: object) -> str:
+    """A value as the file author wrote it (YAML spelling), for `(got ...)`."""
+    if value is None:
+        return "nothing"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and math.isnan(value):
+        return ".nan"
+    if isinstance(value, float) and math.isinf(value):
+        return ".inf" if value > 0 else "-.inf"
+    if isinstance(value, str):
+        return repr(value if len(value) <= 40 else value[:37] + "...")
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list | tuple):
+        return "a list"
+    return str(value)
+
+
+# -- rates ------------------------------------------------------------------
+
+_FRACTION = re.compile(r"\s*(\d+)\s*/\s*(\d+)\s*")
+_RATE_EXPECTED = "must be a number of tokens per second or 'unlimited'"
+
+
+def parse_rate(value: object) -> RateValue:
+    """A rate exactly as written: 0.1 stays 1/10 so pacing never drifts."""
+    if isinstance(value, Fraction):
+        rate = value
+    elif isinstance(value, bool) or value is None:
+        raise _problem(f"{_RATE_EXPECTED} (got {_shown(value)})")
+    elif isinstance(value, int | Decimal | float):
+        if isinstance(value, float | Decimal) and not math.isfinite(value):
+            raise _problem(
+                f"must be a finite number; use 'unlimited' for no limit (got {_shown(value)})"
+            )
+        rate = exact_rate(value)
+    elif isinstance(value, str):
+        if value == UNLIMITED:
+            return UNLIMITED
+        m = _FRACTION.fullmatch(value)
+        if m is None:
+            raise _problem(f"{_RATE_EXPECTED} (got {_shown(value)})")
+        if int(m.group(2)) == 0:
+            raise _problem(f"{_RATE_EXPECTED} (got {_shown(value)}, a division by zero)")
+        rate = Fraction(int(m.group(1)), int(m.group(2)))
+    else:
+        raise _problem(f"{_RATE_EXPECTED} (got {_shown(value)})")
+    if rate <= 0:
+        raise _problem("must be > 0")
+    if rate > MAX_RATE:
+        raise _problem(
+            f"must be at most {MAX_RATE} tokens per second (use 'unlimited' for no limit)"
+        )
+    return rate
+
+
+def _dump_rate(rate: RateValue) -> int | float | str:
+    """Plain YAML/JSON that parses back to the same exact rate."""
+    if isinstance(rate, str):
+        return rate
+    if rate.denominator == 1:
+        return rate.numerator
+    if exact_rate(float(rate)) == rate:
+        return float(rate)
+    return f"{rate.numerator}/{rate.denominator}"
+
+
+RATE_SCHEMA: dict[str, Any] = {
+    "description": "Output tokens per second (> 0, at most 1000000; a fraction "
+    "like 0.5 or '1/3' is kept exact) or 'unlimited'.",
+    "anyOf": [
+        {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_RATE},
+        {"const": UNLIMITED},
+        {"type": "string", "pattern": r"^\s*\d+\s*/\s*[1-9]\d*\s*$"},
+    ],
+}
+
+Rate = Annotated[
+    RateValue,
+    PlainValidator(parse_rate),
+    PlainSerializer(_dump_rate),
+    WithJsonSchema(RATE_SCHEMA),
+]
+
+
+# -- durations --------------------------------------------------------------
+
+_DURATION = re.compile(r"\s*([-+]?(?:\d+\.?\d*|\.\d+))\s*(ns|us|µs|ms|s)\s*")
+_UNIT_NS = {"ns": 1, "us": 1_000, "µs": 1_000, "ms": 1_000_000, "s": NS_PER_S}
+_DURATION_EXPECTED = "must be a duration like '100ms' or '0.25s'"
+
+
+def parse_duration(value: object) -> int:
+    """A duration string to whole nanoseconds, the limiter's clock unit."""
+    if not isinstance(value, str):
+        raise _problem(f"{_DURATION_EXPECTED}, with a unit (got {_shown(value)})")
+    m = _DURATION.fullmatch(value)
+    if m is None:
+        raise _problem(f"{_DURATION_EXPECTED} (got {_shown(value)})")
+    try:
+        ns = Decimal(m.group(1)) * _UNIT_NS[m.group(2)]
+    except InvalidOperation as e:  # pragma: no cover - the regex admits only decimals
+        raise _problem(f"{_DURATION_EXPECTED} (got {_shown(value)})") from e
+    if ns <= 0:
+        raise _problem("must be > 0")
+    if ns != ns.to_integral_value():
+        raise _problem("must be a whole number of nanoseconds")
+    if ns > MAX_BURST_NS:
+        raise _problem("must be at most 3600s")
+    return int(ns)
+
+
+def format_duration(ns: int) -> str:
+    """The shortest exact spelling, so a dumped policy reads like a written one."""
+    for unit in ("s", "ms", "us"):
+        if ns % _UNIT_NS[unit] == 0:
+            return f"{ns // _UNIT_NS[unit]}{unit}"
+    return f"{ns}ns"
+
+
+Duration = Annotated[
+    int,
+    PlainValidator(parse_duration),
+    PlainSerializer(format_duration),
+    WithJsonSchema(
+        {
+            "type": "string",
+            "pattern": r"^\s*\+?(\d+\.?\d*|\.\d+)\s*(ns|us|µs|ms|s)\s*$",
+            "description": "A duration with a unit: ns, us, ms or s (e.g. '100ms', "
+            "'0.25s'); > 0 and at most 3600s.",
+        }
+    ),
+]
+
+
+# -- small scalars ----------------------------------------------------------
+
+
+def _parse_max_streams(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | Decimal | float):
+        raise _problem(f"must be a whole number >= 1 (got {_shown(value)})")
+    if isinstance(value, Decimal | float) and (not math.isfinite(value) or value != int(value)):
+        raise _problem(f"must be a whole number >= 1 (got {_shown(value)})")
+    if value < 1:
+        raise _problem("must be >= 1")
+    return int(value)
+
+
+MaxStreams = Annotated[
+    int,
+    PlainValidator(_parse_max_streams),
+    WithJsonSchema({"type": "integer", "minimum": 1}),
+]
+
+
+def _has_control(text: str) -> bool:
+    return any(ord(c) < 32 or 0x7F <= ord(c) < 0xA0 for c in text)
+
+
+def check_user_id(value: object) -> str:
+    """User ids arrive from request bodies; reject ones no request can carry."""
+    if not isinstance(value, str):
+        raise _problem(f"user id must be a string; quote it: '{value}'")
+    if value == "":
+        raise _problem("user id must not be empty")
+    if len(value) > MAX_USER_ID_LEN:
+        raise _problem(f"user id must be at most {MAX_USER_ID_LEN} characters (got {len(value)})")
+    if _has_control(value):
+        raise _problem(f"user id must not contain control characters (got {value!r})")
+    if value == ANONYMOUS:
+        raise _problem(
+            f"'{ANONYMOUS}' is reserved for requests without identity; "
+            "set their limit with the top-level 'anonymous' key"
+        )
+    return value
+
+
+UserId = Annotated[
+    str,
+    PlainValidator(check_user_id),
+    WithJsonSchema({"type": "string", "minLength": 1, "maxLength": MAX_USER_ID_LEN}),
+]
+
+
+def _check_name(value: object) -> str:
+    if not isinstance(value, str):
+        raise _problem(f"must be a string (got {_shown(value)})")
+    if value == "":
+        raise _problem("must not be empty")
+    if _has_control(value):
+        raise _problem(f"must not contain control characters (got {value!r})")
+    return value
+
+
+Name = Annotated[
+    str, PlainValidator(_check_name), WithJsonSchema({"type": "string", "minLength": 1})
+]
+
+
+def _check_version(value: object) -> int:
+    if isinstance(value, str) and value.strip() == "1":
+        raise _problem("must be the number 1, not the string '1'")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _problem(f"must be 1 (got {_shown(value)})")
+    if value != 1:
+        raise _problem(f"unsupported version {value}; this outrate reads version 1")
+    return value
+
+
+# -- limit specs ------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    """Frozen, and unknown keys are errors: a typo must not silently drop a limit."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class _ScalarOrMapping:
+    """Schema hook: a limit spec may be a bare rate as well as a mapping."""
+
+    def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> dict[str, Any]:
+        return {"anyOf": [dict(RATE_SCHEMA), handler(core_schema)]}
+
+
+_RATE_DOC = "Output tokens per second, or 'unlimited'."
+Burst = Annotated[
+    Duration | None,
+    Field(
+        description="How far ahead of the even pace a user may run; default: the policy's burst."
+    ),
+]
+Streams = Annotated[
+    MaxStreams | None,
+    Field(
+        description="At most this many of the user's requests run at once; more wait in the queue."
+    ),
+]
+
+
+class _Spec(_Strict):
+    """What every limit spec shares: the bare-rate shorthand."""
+
+    _kind: ClassVar[str] = "a number of tokens per second, 'unlimited', or a mapping"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _scalar_is_rate(cls, data: Any) -> Any:
+        """`alice: 50` is short for `alice: {rate: 50}`."""
+        if isinstance(data, dict):
+            return data
+        if isinstance(data, list | tuple) or data is None:
+            raise _problem(f"must be {cls._kind} (got {_shown(data)})")
+        return {"rate": data}
+
+
+class TierRule(_Spec):
+    """A named limit users and patterns can refer to. Cannot name another tier."""
+
+    rate: Rate = Field(description=_RATE_DOC)
+    burst: Burst = None
+    max_streams: Streams = None
+
+
+class LimitRule(_Spec):
+    """A limit spec: a rate of its own, or a tier with optional overrides.
+
+    `tier` is declared before `rate` so the rate check below can see it.
+    """
+
+    tier: Name | None = Field(
+        default=None,
+        description="Take rate, burst and max_streams from this tier; burst and "
+        "max_streams may be overridden here, rate may not.",
+    )
+    rate: Rate | None = Field(default=None, description=_RATE_DOC)
+    burst: Burst = None
+    max_streams: Streams = None
+
+    @field_validator("rate", mode="after")
+    @classmethod
+    def _not_with_tier(cls, rate: RateValue | None, info: ValidationInfo) -> RateValue | None:
+        if rate is not None and info.data.get("tier") is not None:
+            raise _problem("cannot be set together with 'tier'; the tier brings its rate")
+        return rate
+
+    @model_validator(mode="after")
+    def _rate_or_tier(self) -> LimitRule:
+        if self.rate is None and self.tier is None:
+            raise _problem("needs a 'rate' (tokens per second or 'unlimited') or a 'tier'")
+        return self
+
+
+class MatchRule(LimitRule):
+    """One ordered pattern entry; the first pattern matching a user id wins."""
+
+    pattern: Name = Field(
+        description="A glob over user ids (fnmatch: *, ?, [seq]), case-sensitive."
+    )
+
+    _kind: ClassVar[str] = "a mapping with 'pattern' and a limit"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _scalar_is_rate(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            raise _problem(f"must be {cls._kind} (got {_shown(data)})")
+        return data
+
+
+LimitSpec = Annotated[LimitRule, _ScalarOrMapping()]
+TierSpec = Annotated[TierRule, _ScalarOrMapping()]
+
+
+class Policy(_Strict):
+    """A whole policy file. `default` is required so nobody's limit depends on an
+    omitted key; `anonymous` falls back to one shared bucket at the default."""
+
+    version: Annotated[int, PlainValidator(_check_version), WithJsonSchema({"const": 1})] = Field(
+        description="Format version; must be 1."
+    )
+    default: LimitSpec = Field(
+        description="Limit of identified users not listed in users nor matched by a pattern."
+    )
+    anonymous: LimitSpec | None = Field(
+        default=None,
+        description=f"The one budget shared by all requests without a user id "
+        f"('{ANONYMOUS}'). Default: the default limit.",
+    )
+    burst: Duration = Field(
+        default=DEFAULT_BURST_NS,
+        description="Default burst of every rule that sets none (default 100ms).",
+    )
+    tiers: dict[Name, TierSpec] = Field(
+        default_factory=dict, description="Named limits that users and patterns refer to."
+    )
+    users: dict[UserId, LimitSpec] = Field(
+        default_factory=dict, description="Exact user ids; checked before patterns."
+    )
+    match: tuple[MatchRule, ...] = Field(
+        default=(), description="Ordered globs over user ids; the first match wins."
+    )
+
+    # Where each value was written ((field path) -> (line, col)), filled by
+    # the loader so lint findings can point into the file. Not part of equality.
+    _positions: dict[tuple[str | int, ...], tuple[int, int]] = PrivateAttr(default_factory=dict)
+    _source: str = PrivateAttr(default="")
+
+    @model_validator(mode="after")
+    def _tiers_exist(self, info: ValidationInfo) -> Policy:
+        """The loader reports these with positions first; this guards direct use."""
+        if info.context and info.context.get("tiers_checked"):
+            return self
+        for where, rule in self.rules():
+            if isinstance(rule, LimitRule) and rule.tier is not None:
+                if rule.tier not in self.tiers:
+                    raise _problem(f"{where}.tier: {unknown_tier(rule.tier, self.tiers)}")
+        return self
+
+    def rules(self) -> list[tuple[str, TierRule]]:
+        """Every limit spec with its field path, in resolution-independent order."""
+        out: list[tuple[str, TierRule]] = [("default", self.default)]
+        if self.anonymous is not None:
+            out.append(("anonymous", self.anonymous))
+        out += [(f"tiers.{name}", rule) for name, rule in self.tiers.items()]
+        out += [(f"users.{uid}", rule) for uid, rule in self.users.items()]
+        out += [(f"match[{i}]", rule) for i, rule in enumerate(self.match)]
+        return out
+
+    def position(self, *path: str | int) -> tuple[int, int] | None:
+        """(line, col) where `path` was written, if this policy came from a file."""
+        return self._positions.get(tuple(path))
+
+    @property
+    def source(self) -> str:
+        return self._source
+
+
+def unknown_tier(name: str, tiers: Any) -> str:
+    """The message for a reference to a tier that is not defined."""
+    names = sorted(str(t) for t in tiers)
+    if not names:
+        return f"unknown tier '{name}' (no tiers are defined)"
+    return f"unknown tier '{name}' (defined tiers: {', '.join(names)})"
+
+
+def policy_json_schema() -> dict[str, Any]:
+    """The JSON Schema editors use (yaml-language-server), from the models."""
+    schema = Policy.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "outrate policy"
+    return schema
