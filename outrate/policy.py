@@ -44,6 +44,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from outrate.identity import MAX_IDENTITY_LEN
 from outrate.limiter import ANONYMOUS, NS_PER_S, exact_rate
 
 MAX_RATE = 1_000_000
@@ -51,7 +52,7 @@ MAX_RATE = 1_000_000
 MAX_BURST_NS = 3600 * NS_PER_S
 """A burst longer than this lets a user take hours of budget at once."""
 DEFAULT_BURST_NS = 100_000_000
-MAX_USER_ID_LEN = 256
+MAX_USER_ID_LEN = MAX_IDENTITY_LEN
 UNLIMITED = "unlimited"
 
 RateValue = Fraction | Literal["unlimited"]
@@ -219,7 +220,8 @@ MaxStreams = Annotated[
 
 
 def _has_control(text: str) -> bool:
-    return any(ord(c) < 32 or 0x7F <= ord(c) < 0xA0 for c in text)
+    """The same control characters the API refuses in an identity (identity.py)."""
+    return any(ord(c) < 32 or ord(c) == 127 for c in text)
 
 
 def check_user_id(value: object) -> str:

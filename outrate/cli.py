@@ -1,0 +1,120 @@
+"""The `outrate` command. Thin on purpose: each command calls one core function,
+prints, and picks the exit code (0 ok, 1 policy or deployment errors, 2 usage).
+
+Nothing here imports vLLM at import time, so `outrate lint` starts in a blink
+and runs where vLLM is not installed; `outrate serve` imports it when run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from outrate.deployment import Deployment, load_deployment
+from outrate.errors import OutrateError
+from outrate.lint import LintReport, lint_all
+from outrate.policy import policy_json_schema
+
+app = typer.Typer(
+    name="outrate",
+    help="Per-user output-token rate limits for vLLM.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+
+class Format(StrEnum):
+    text = "text"
+    json = "json"
+
+
+def _err(line: str) -> None:
+    typer.echo(line, err=True)
+
+
+@app.command(context_settings={"allow_extra_args": True})
+def lint(
+    ctx: typer.Context,
+    policy: Annotated[Path, typer.Argument(help="Policy YAML file.", show_default=False)],
+    vllm_config: Annotated[
+        Path | None,
+        typer.Option("--vllm-config", help="A `vllm serve --config` YAML file to check too."),
+    ] = None,
+    strict: Annotated[bool, typer.Option("--strict", help="Fail on warnings too.")] = False,
+    output: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.text,
+) -> None:
+    """Check a policy, and the vLLM deployment it will run under.
+
+    vLLM serve arguments go after `--`:  outrate lint p.yaml -- -tp 2 --max-num-seqs 64
+    """
+    argv = list(ctx.args)
+    deployment: Deployment | None = None
+    if vllm_config is not None or argv:
+        try:
+            deployment = load_deployment(vllm_config, argv or None)
+        except OutrateError as e:
+            _err(str(e))
+            raise typer.Exit(1) from e
+    report = lint_all(policy, deployment)
+    if output is Format.json:
+        typer.echo(json.dumps(report.to_json(strict), indent=2))
+    else:
+        _print_text(report, strict)
+    raise typer.Exit(0 if report.ok(strict) else 1)
+
+
+def _print_text(report: LintReport, strict: bool) -> None:
+    for problem in report.problems:  # exactly the loader's messages
+        _err(str(problem))
+    for finding in report.findings:
+        if finding.code != "OR000":
+            _err(str(finding))
+    errors, warnings = len(report.errors), len(report.warnings)
+    counts = f"{_count(errors, 'error')}, {_count(warnings, 'warning')}"
+    if not report.ok(strict):
+        why = " (--strict)" if strict and not errors else ""
+        typer.echo(f"{report.source}: failed{why}: {counts}")
+    elif report.policy is not None:
+        noted = f", {_count(warnings, 'warning')}" if warnings else ""
+        typer.echo(f"ok{noted}: {report.policy.summary()}")
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+@app.command()
+def schema() -> None:
+    """Print the JSON Schema of policy files (for editors: yaml-language-server)."""
+    typer.echo(schema_text(), nl=False)
+
+
+def schema_text() -> str:
+    """The schema exactly as shipped in policies/policy.schema.json."""
+    return json.dumps(policy_json_schema(), indent=2, sort_keys=True) + "\n"
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def serve(ctx: typer.Context) -> None:
+    """Run `vllm serve` in-process with outrate loaded; every argument goes to vLLM."""
+    from vllm_integration.launcher import main as launch  # vLLM only when serving
+
+    raise typer.Exit(launch(list(ctx.args)))
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover - `python -m outrate.cli`
+    sys.exit(main())

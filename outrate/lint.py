@@ -1,0 +1,420 @@
+"""Lint rules: a policy that loads can still be a mistake, and a vLLM deployment
+can make any policy unenforceable. `outrate lint` and the engine at startup run
+the same rules, so what lint accepts is what the engine accepts.
+
+Codes are stable (tools and CI filter on them); never renumber, only add:
+
+- OR000 error    the policy does not load (each problem, with its location)
+- OR001 warning  a burst shorter than an engine step
+- OR002 warning  a tier nobody refers to
+- OR003 warning  a match pattern that can never match (shadowed by an earlier one)
+- OR004 warning  a match pattern without wildcards (an exact user id)
+- OR005 warning  anonymous requests unlimited while identified users are limited
+- OR101 error    speculative decoding
+- OR102 error    data parallel size > 1
+- OR103 error    pipeline parallel size > 1
+- OR104 error    a KV connector
+- OR105 error    an EC (encoder cache) connector
+- OR106 error    KV offloading
+- OR107 error    auxiliary outputs (routed experts) through the aux-output connector
+- OR108 error    a scheduler class other than outrate's
+- OR109 error    a model kind outrate cannot limit
+- OR111 warning  --max-num-active-seqs unset or not below --max-num-seqs
+- OR112 warning  chunked prefill disabled
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any, Literal, NamedTuple
+
+from outrate.compiler import CompiledPolicy, compile_policy
+from outrate.deployment import Deployment
+from outrate.errors import PolicyError, Problem
+from outrate.loader import load_policy
+from outrate.policy import LimitRule, Policy, TierRule, format_duration
+
+Severity = Literal["error", "warning"]
+
+SHORT_BURST_NS = 50_000_000
+"""An engine step under load takes tens of milliseconds on most GPUs."""
+
+OFFLOAD_CONNECTORS = frozenset(
+    {"OffloadingConnector", "SimpleCPUOffloadConnector", "LMCacheMPConnector"}
+)
+"""Connectors vLLM 0.32 installs itself for --kv-offloading-size (reported as OR106)."""
+
+REJECTED_MODEL_KINDS = {
+    "multimodal": "encoder inputs are scheduled under a separate encoder budget that "
+    "the per-user limiter does not see",
+    "encoder-decoder": "encoder steps are scheduled outside the decoder path the limiter charges",
+    "hybrid": "hybrid (attention + state-space) models keep per-request state whose "
+    "preemption and caching outrate's scheduler does not handle",
+    "attention-free": "state-space models keep per-request state whose preemption "
+    "and caching outrate's scheduler does not handle",
+    "diffusion": "diffusion language models produce a canvas of tokens per step, "
+    "so charging one token per sampling step would not match what users receive",
+}
+
+
+class Finding(NamedTuple):
+    """One lint result. `location` is `path:line:col`, a flag, or a source name."""
+
+    code: str
+    severity: Severity
+    message: str
+    location: str
+
+    def __str__(self) -> str:
+        return f"{self.location}: {self.code} {self.severity}: {self.message}"
+
+
+# -- policy rules -------------------------------------------------------------
+
+
+def _rules(policy: Policy) -> list[tuple[tuple[Any, ...], TierRule]]:
+    out: list[tuple[tuple[Any, ...], TierRule]] = [(("default",), policy.default)]
+    if policy.anonymous is not None:
+        out.append((("anonymous",), policy.anonymous))
+    out += [(("tiers", name), rule) for name, rule in policy.tiers.items()]
+    out += [(("users", uid), rule) for uid, rule in policy.users.items()]
+    out += [(("match", i), rule) for i, rule in enumerate(policy.match)]
+    return out
+
+
+class _Where:
+    """Turns field paths into `path:line:col` when the policy came from a file."""
+
+    def __init__(self, policy: Policy | None, source: str) -> None:
+        self.policy = policy
+        self.source = source
+
+    def __call__(self, *path: Any) -> str:
+        while self.policy is not None and path:
+            pos = self.policy.position(*path)
+            if pos is not None:
+                return f"{self.source}:{pos[0]}:{pos[1]}"
+            path = path[:-1]
+        return self.source
+
+
+def _short_burst(ns: int) -> str:
+    return (
+        f"burst {format_duration(ns)} is shorter than an engine step on most GPUs "
+        "(50 ms or more under load): budget that accrues between two steps beyond "
+        "the burst is lost, so users get less than their rate"
+    )
+
+
+def _burst_findings(
+    policy: Policy | None, compiled: CompiledPolicy, where: _Where
+) -> list[Finding]:
+    out = []
+    if policy is None:  # a hand-built CompiledPolicy: check what it resolved to
+        limits = [compiled.default, compiled.anonymous, *compiled.users.values()]
+        limits += [*compiled.tiers.values(), *(lim for _, lim in compiled.patterns)]
+        seen: set[int] = set()
+        for lim in limits:
+            if lim.rate is not None and lim.burst_ns < SHORT_BURST_NS and id(lim) not in seen:
+                seen.add(id(lim))
+                out.append(
+                    Finding(
+                        "OR001", "warning", f"{lim.rule}: {_short_burst(lim.burst_ns)}", where()
+                    )
+                )
+        return out
+    if policy.burst < SHORT_BURST_NS:
+        out.append(Finding("OR001", "warning", _short_burst(policy.burst), where("burst")))
+    for path, rule in _rules(policy):
+        if rule.burst is not None and rule.burst < SHORT_BURST_NS and rule.rate != "unlimited":
+            out.append(Finding("OR001", "warning", _short_burst(rule.burst), where(*path, "burst")))
+    return out
+
+
+def _tier_findings(policy: Policy, where: _Where) -> list[Finding]:
+    used = {r.tier for _, r in _rules(policy) if isinstance(r, LimitRule) and r.tier}
+    return [
+        Finding(
+            "OR002",
+            "warning",
+            f"tier '{name}' is defined but nothing refers to it (no user, match entry, "
+            "default or anonymous), so its limit applies to nobody",
+            where("tiers", name),
+        )
+        for name in policy.tiers
+        if name not in used
+    ]
+
+
+_GLOB = re.compile(r"[*?\[]")
+
+
+def _pattern_findings(policy: Policy, where: _Where) -> list[Finding]:
+    out = []
+    patterns = [m.pattern for m in policy.match]
+    for j, later in enumerate(patterns):
+        literal = _GLOB.search(later) is None
+        for i, earlier in enumerate(patterns[:j]):
+            if (
+                earlier == later
+                or set(earlier) == {"*"}
+                or (literal and fnmatchcase(later, earlier))
+            ):
+                out.append(
+                    Finding(
+                        "OR003",
+                        "warning",
+                        f"pattern '{later}' can never match: match[{i}] '{earlier}' "
+                        "comes first and matches every id it would (first match wins)",
+                        where("match", j, "pattern"),
+                    )
+                )
+                break
+        else:
+            if literal:
+                out.append(
+                    Finding(
+                        "OR004",
+                        "warning",
+                        f"pattern '{later}' has no wildcard (*, ?, [...]) so it matches "
+                        "one user id only; list that user under 'users' instead",
+                        where("match", j, "pattern"),
+                    )
+                )
+    return out
+
+
+def _anonymous_finding(
+    policy: Policy | None, compiled: CompiledPolicy, where: _Where
+) -> list[Finding]:
+    if compiled.anonymous.rate is not None:
+        return []
+    others = [compiled.default, *compiled.users.values(), *(lim for _, lim in compiled.patterns)]
+    if all(lim.rate is None for lim in others):
+        return []
+    written = policy is not None and policy.anonymous is not None
+    how = (
+        "'anonymous' is unlimited"
+        if written
+        else "'anonymous' is not set and the default is unlimited"
+    )
+    return [
+        Finding(
+            "OR005",
+            "warning",
+            f"requests without a user id are unlimited ({how}) while identified users "
+            "are limited: a client escapes its limit by sending no user id; set "
+            "'anonymous' to a rate",
+            where("anonymous") if written else where("default"),
+        )
+    ]
+
+
+def lint_policy(compiled_or_policy: CompiledPolicy | Policy) -> list[Finding]:
+    """Warnings about a policy that loads but probably does not do what was meant."""
+    if isinstance(compiled_or_policy, CompiledPolicy):
+        compiled = compiled_or_policy
+        policy = compiled.policy
+        source = compiled.source
+    else:
+        policy = compiled_or_policy
+        source = policy.source or "<policy>"
+        compiled = compile_policy(policy, source)
+    where = _Where(policy, source)
+    out = _burst_findings(policy, compiled, where)
+    if policy is not None:
+        out += _tier_findings(policy, where)
+        out += _pattern_findings(policy, where)
+    out += _anonymous_finding(policy, compiled, where)
+    return out
+
+
+# -- deployment rules ---------------------------------------------------------
+
+
+def is_outrate_scheduler(name: str | None) -> bool:
+    """None lets the outrate plugin pick its scheduler; anything else must be ours."""
+    return name is None or "vllm_integration" in name or "outrate" in name
+
+
+def lint_deployment(dep: Deployment) -> list[Finding]:
+    """Errors: configurations where the per-user limit cannot hold. Warnings:
+    configurations where it holds but serves users worse than it could."""
+    out: list[Finding] = []
+
+    def error(code: str, field: str, message: str) -> None:
+        out.append(Finding(code, "error", message, dep.where(field)))
+
+    if dep.speculative:
+        error(
+            "OR101",
+            "speculative",
+            "speculative decoding is not supported: draft tokens are sampled without "
+            "passing the per-user limiter",
+        )
+    if dep.data_parallel_size > 1:
+        error(
+            "OR102",
+            "data_parallel_size",
+            f"data parallel size {dep.data_parallel_size} is not supported: each "
+            "data-parallel engine keeps its own budgets, so a user would get up to "
+            f"{dep.data_parallel_size} times its rate",
+        )
+    if dep.pipeline_parallel_size > 1:
+        error(
+            "OR103",
+            "pipeline_parallel_size",
+            f"pipeline parallel size {dep.pipeline_parallel_size} is not supported: "
+            "several batches are in flight at once through vLLM's batch queue, which "
+            "outrate's charge-at-dispatch and refund points do not cover",
+        )
+    if dep.kv_connector is not None and not (
+        dep.kv_offload and dep.kv_connector in OFFLOAD_CONNECTORS
+    ):
+        error(
+            "OR104",
+            "kv_connector",
+            f"KV connector '{dep.kv_connector}' is not supported: requests waiting for "
+            "remote or loaded KV are scheduled through connector states outrate's "
+            "scheduler does not charge, and disaggregated engines would each enforce "
+            "their own budget",
+        )
+    if dep.ec_connector is not None:
+        error(
+            "OR105",
+            "ec_connector",
+            f"EC connector '{dep.ec_connector}' is not supported: it moves encoder "
+            "(multimodal) outputs between engines, and multimodal models are not "
+            "supported",
+        )
+    if dep.kv_offload:
+        error(
+            "OR106",
+            "kv_offload",
+            "KV offloading is not supported: vLLM implements it as a KV connector "
+            "(OffloadingConnector), and throttled requests keep their KV on the GPU "
+            "by design, which offloading would undo behind the limiter's back",
+        )
+    if dep.aux_output:
+        error(
+            "OR107",
+            "aux_output",
+            "auxiliary outputs (routed experts) are not supported: they travel through "
+            "a scheduler-side aux-output connector that outrate's scheduler does not "
+            "drive for throttled, skipped requests",
+        )
+    if not is_outrate_scheduler(dep.scheduler_cls):
+        error(
+            "OR108",
+            "scheduler_cls",
+            f"scheduler class '{dep.scheduler_cls}' is not outrate's: limits are "
+            "enforced inside outrate's scheduler, so with another one nothing would "
+            "be limited; remove --scheduler-cls and let the outrate plugin choose",
+        )
+    if dep.model_kind in REJECTED_MODEL_KINDS:
+        error(
+            "OR109",
+            "model_kind",
+            f"{dep.model_kind} models are not supported: {REJECTED_MODEL_KINDS[dep.model_kind]}",
+        )
+    out += _active_seqs(dep)
+    if dep.chunked_prefill is False:
+        out.append(
+            Finding(
+                "OR112",
+                "warning",
+                "chunked prefill is disabled: a throttled user's prompt cannot prefill "
+                "ahead while it waits for budget, so its whole prefill runs after the "
+                "wait and adds to its time to first token",
+                dep.where("chunked_prefill"),
+            )
+        )
+    return out
+
+
+def _active_seqs(dep: Deployment) -> list[Finding]:
+    why = (
+        "throttled requests keep their running slot, so only a cap below "
+        "--max-num-seqs leaves them room to yield their turn to unthrottled requests"
+    )
+    seqs = "the vLLM default" if dep.max_num_seqs is None else str(dep.max_num_seqs)
+    hint = f" (e.g. {dep.max_num_seqs * 3 // 4})" if dep.max_num_seqs else ""
+    if dep.max_num_active_seqs is None:
+        message = (
+            f"--max-num-active-seqs is not set: {why}; set it below --max-num-seqs ({seqs}){hint}"
+        )
+    elif dep.max_num_seqs is not None and dep.max_num_active_seqs >= dep.max_num_seqs:
+        message = (
+            f"--max-num-active-seqs {dep.max_num_active_seqs} is not below "
+            f"--max-num-seqs {dep.max_num_seqs}: {why}{hint}"
+        )
+    else:
+        return []
+    return [Finding("OR111", "warning", message, dep.where("max_num_active_seqs"))]
+
+
+# -- everything at once ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LintReport:
+    """What `outrate lint` prints and the engine checks at startup."""
+
+    source: str
+    policy: CompiledPolicy | None
+    """None when the policy did not load; then `problems` says why."""
+    problems: tuple[Problem, ...]
+    findings: tuple[Finding, ...]
+
+    @property
+    def loaded(self) -> bool:
+        return self.policy is not None
+
+    @property
+    def errors(self) -> tuple[Finding, ...]:
+        return tuple(f for f in self.findings if f.severity == "error")
+
+    @property
+    def warnings(self) -> tuple[Finding, ...]:
+        return tuple(f for f in self.findings if f.severity == "warning")
+
+    def ok(self, strict: bool = False) -> bool:
+        """No errors (and, with `strict`, no warnings either)."""
+        return not self.errors and not (strict and self.warnings)
+
+    def to_json(self, strict: bool = False) -> dict[str, Any]:
+        return {
+            "ok": self.ok(strict),
+            "findings": [f._asdict() for f in self.findings],
+            "policy": self.policy.summary() if self.policy is not None else None,
+        }
+
+
+def lint_all(
+    policy_path: str | os.PathLike[str], deployment: Deployment | None = None
+) -> LintReport:
+    """Load, compile and lint a policy, and lint the deployment if one is given.
+
+    A policy that fails to load yields one OR000 finding per problem, so every
+    consumer sees one list; `problems` keeps them in their exact loader form.
+    """
+    source = os.fspath(policy_path)
+    findings: list[Finding] = []
+    compiled: CompiledPolicy | None = None
+    problems: tuple[Problem, ...] = ()
+    try:
+        compiled = compile_policy(load_policy(source), source)
+    except PolicyError as e:
+        problems = e.problems
+        findings += [
+            Finding("OR000", "error", f"{p.field}: {p.message}", f"{p.path}:{p.line}:{p.col}")
+            for p in e.problems
+        ]
+    if compiled is not None:
+        findings += lint_policy(compiled)
+    if deployment is not None:
+        findings += lint_deployment(deployment)
+    return LintReport(source, compiled, problems, tuple(findings))
