@@ -1,0 +1,491 @@
+"""Hot reload of the policy file, envoy-style: build and validate, then swap.
+
+An operator edits the policy while the engine serves. Whatever the edit looks
+like on disk (in-place rewrite in several chunks, an editor's temp-file rename,
+`sed -i`, a Kubernetes ConfigMap `..data` symlink swap, delete-then-recreate),
+the `Reloader` ends up doing one thing: after the directory has gone quiet for
+`debounce_s`, read the file's bytes and, if they differ from the bytes last
+seen, load and compile the whole policy. Only a policy that compiled is handed
+to `on_apply`; a bad edit is logged (with the same text `outrate lint` prints),
+counted, and the last good policy keeps serving.
+
+Why watch the parent directory and react to any event in it: rename-based
+editors and ConfigMaps never write to the policy's own inode, they swap names
+around it, so per-file watches go stale. Reading a small file and hashing it is
+cheap; the hash guard turns unrelated events into no-ops.
+
+watchdog is imported lazily (inside methods), so `outrate lint` and anything
+else importing the core does not pay for it or need it installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+from outrate.compiler import CompiledPolicy, load_compiled
+from outrate.errors import OutrateError, PolicyError
+
+if TYPE_CHECKING:
+    from watchdog.observers.api import BaseObserver
+
+    from outrate.limiter import Limit
+
+Mode = Literal["watch", "poll", "off"]
+Loader = Callable[[str | os.PathLike[str]], CompiledPolicy]
+"""What turns the file into a policy; `load_compiled` (tests inject failures)."""
+
+_MISSING = "<missing>"
+"""Digest recorded while the file does not exist, so one deletion warns once."""
+
+_IGNORED_EVENTS = frozenset({"opened", "closed_no_write"})
+"""Our own reads of the file cause these; reacting to them would loop forever."""
+
+_MAX_ITEMS = 5
+"""Per kind of change in the log line; the rest is `... and N more`."""
+
+
+class Reloader:
+    """Keeps `current` equal to the last policy file content that compiled.
+
+    Thread model: one observer thread (watchdog) only records that something
+    happened; one worker thread waits for quiet, then checks. Checks and
+    `reload_now()` are serialized by one lock, so `on_apply` is never called
+    concurrently and always in file-content order.
+
+    Counters (`applied`, `rejected`, `checks`) only grow; `wait_applied()` and
+    friends let callers block until the next one moves, without sleeping.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        on_apply: Callable[[CompiledPolicy], None],
+        *,
+        initial: CompiledPolicy | None = None,
+        mode: Mode = "watch",
+        debounce_s: float = 0.15,
+        poll_interval_s: float = 0.5,
+        logger: logging.Logger = logging.getLogger("outrate.reload"),  # noqa: B008
+        loader: Loader | None = None,
+    ) -> None:
+        if mode not in ("watch", "poll", "off"):
+            raise OutrateError(f"reload mode must be watch, poll or off, got {mode!r}")
+        if debounce_s < 0 or poll_interval_s <= 0:
+            raise OutrateError("debounce_s must be >= 0 and poll_interval_s > 0")
+        self.path = path
+        self.mode: Mode = mode
+        self.debounce_s = debounce_s
+        self.poll_interval_s = poll_interval_s
+        self.logger = logger
+        self._on_apply = on_apply
+        self._loader: Loader = loader or load_compiled
+        self._current = initial
+        self.applied = 0
+        self.rejected = 0
+        self.checks = 0
+        self.last_error: str | None = None
+        self.observer_kind: str | None = None
+        """`native` or `polling` once started in a watching mode."""
+        # The engine loaded `initial` from this file just now: remember its bytes
+        # so the first unrelated event does not reload the same policy again.
+        self._seen: str | None = self._digest() if initial is not None else None
+        self._cond = threading.Condition()
+        self._load_lock = threading.Lock()
+        self._state_lock = threading.RLock()
+        self._due: float | None = None
+        self._stopping = False
+        self._running = False
+        self._observer: BaseObserver | None = None
+        self._worker: threading.Thread | None = None
+
+    # -- public API ----------------------------------------------------------
+
+    @property
+    def current(self) -> CompiledPolicy | None:
+        """The last policy that compiled and was applied (or `initial`)."""
+        return self._current
+
+    def start(self) -> None:
+        """Load the policy if none was given, then watch for edits (idempotent).
+
+        Loading here rather than on the first event means a missing or bad file
+        at startup is visible at once in `last_error`. The catch-up check after
+        the observer started covers edits made before it was watching.
+        """
+        with self._state_lock:
+            if self._running:
+                return
+            self._running = True
+            if self._current is None:
+                self.reload_now()
+            if self.mode == "off":
+                return
+            with self._cond:
+                self._stopping = False
+                self._due = None
+            self._worker = threading.Thread(target=self._run, name="outrate-reload", daemon=True)
+            self._worker.start()
+            try:
+                self._observer = self._start_observer()
+            except BaseException:
+                self._running = False
+                self._stop_worker()
+                raise
+            self._check()
+
+    def stop(self) -> None:
+        """Stop watching and join the threads (idempotent). Safe from `on_apply`."""
+        with self._state_lock:
+            if not self._running:
+                return
+            self._running = False
+            observer, self._observer = self._observer, None
+        if observer is not None:
+            observer.stop()
+            observer.join()
+        self._stop_worker()
+
+    def reload_now(self) -> bool:
+        """Load, validate and apply the file synchronously; True if applied.
+
+        Unlike an event-driven check this loads even when the bytes did not
+        change: it is the explicit "apply what is on disk" verb (SIGHUP, tests).
+        """
+        with self._load_lock:
+            self._seen = self._digest()
+            return self._load_and_apply()
+
+    def wait_for(self, predicate: Callable[[Reloader], bool], timeout: float = 5.0) -> bool:
+        """Block until `predicate(self)` holds (re-checked on every counter change)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: predicate(self), timeout)
+
+    def wait_applied(self, n: int, timeout: float = 5.0) -> bool:
+        """Block until at least `n` policies were applied in total."""
+        return self.wait_for(lambda r: r.applied >= n, timeout)
+
+    def wait_rejected(self, n: int, timeout: float = 5.0) -> bool:
+        """Block until at least `n` edits were rejected in total."""
+        return self.wait_for(lambda r: r.rejected >= n, timeout)
+
+    def wait_checked(self, n: int, timeout: float = 5.0) -> bool:
+        """Block until the file was looked at `n` times (applied, rejected or unchanged)."""
+        return self.wait_for(lambda r: r.checks >= n, timeout)
+
+    # -- watching ------------------------------------------------------------
+
+    def _watch_dirs(self) -> list[str]:
+        """The policy's directory, plus the symlink target's if it lives elsewhere.
+
+        A target inside the directory (ConfigMap `..2026_xx/`) is not watched:
+        those directories come and go, and the `..data` swap shows up in the
+        parent anyway.
+        """
+        link_dir = os.path.dirname(os.path.abspath(self.path))
+        dirs = [link_dir]
+        real_parent = os.path.realpath(link_dir)
+        real_dir = os.path.dirname(os.path.realpath(self.path))
+        if real_dir != real_parent and not real_dir.startswith(real_parent + os.sep):
+            if os.path.isdir(real_dir):
+                dirs.append(real_dir)
+        return dirs
+
+    def _start_observer(self) -> BaseObserver:
+        from watchdog.observers.polling import PollingObserver
+
+        dirs = self._watch_dirs()
+        if not os.path.isdir(dirs[0]):
+            raise OutrateError(f"{self.path}: cannot watch {dirs[0]}: no such directory")
+        if self.mode == "watch":
+            from watchdog.observers import Observer
+
+            try:
+                observer = self._schedule(Observer(), dirs)
+                observer.start()
+                self.observer_kind = "native"
+                return observer
+            except OSError as err:
+                # Typically the inotify instance or watch limit of this user.
+                self.logger.warning(
+                    "%s: native file watching unavailable (%s); polling every %gs instead",
+                    self.path,
+                    err,
+                    self.poll_interval_s,
+                )
+        observer = self._schedule(PollingObserver(timeout=self.poll_interval_s), dirs)
+        try:
+            observer.start()
+        except OSError as err:
+            raise OutrateError(f"{self.path}: cannot watch {dirs[0]}: {err}") from err
+        self.observer_kind = "polling"
+        return observer
+
+    def _schedule(self, observer: BaseObserver, dirs: list[str]) -> BaseObserver:
+        from watchdog import events as ev
+
+        wanted = [
+            ev.DirCreatedEvent, ev.DirDeletedEvent, ev.DirModifiedEvent, ev.DirMovedEvent,
+            ev.FileClosedEvent, ev.FileCreatedEvent, ev.FileDeletedEvent,
+            ev.FileModifiedEvent, ev.FileMovedEvent,
+        ]  # fmt: skip
+        # chmod can make an unreadable policy readable; attrib events are their
+        # own classes only in newer watchdog versions.
+        wanted += [getattr(ev, n) for n in ("FileAttribEvent", "DirAttribEvent") if hasattr(ev, n)]
+        handler = _Handler(self._poke)
+        for d in dirs:
+            observer.schedule(handler, d, recursive=False, event_filter=wanted)  # type: ignore[arg-type]
+        return observer
+
+    def _poke(self) -> None:
+        """Something changed in the directory: (re)arm the debounce timer."""
+        with self._cond:
+            if not self._stopping:
+                self._due = time.monotonic() + self.debounce_s
+                self._cond.notify_all()
+
+    def _run(self) -> None:
+        """Worker: wait until events stop for `debounce_s`, then check once."""
+        while True:
+            with self._cond:
+                while True:
+                    if self._stopping:
+                        return
+                    if self._due is None:
+                        self._cond.wait()
+                        continue
+                    delay = self._due - time.monotonic()
+                    if delay <= 0:
+                        self._due = None
+                        break
+                    self._cond.wait(delay)
+            try:
+                self._check()
+            except Exception:  # never let the worker die: it is the only one
+                self.logger.exception("%s: unexpected error while checking the policy", self.path)
+
+    def _stop_worker(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._due = None
+            self._cond.notify_all()
+        worker, self._worker = self._worker, None
+        if worker is not None and worker is not threading.current_thread():
+            worker.join()
+
+    # -- checking and applying -----------------------------------------------
+
+    def _digest(self) -> str:
+        """Hash of the bytes now behind the path (symlinks followed)."""
+        try:
+            with open(self.path, "rb") as f:
+                return hashlib.sha256(f.read()).hexdigest()
+        except FileNotFoundError:
+            return _MISSING
+        except OSError as err:
+            # Unreadable (permissions, a directory...): let the loader say why,
+            # once per distinct failure.
+            return f"<error {err.errno}>"
+
+    def _check(self) -> bool:
+        """Apply the file if its bytes changed since last seen; True if applied."""
+        with self._load_lock:
+            try:
+                digest = self._digest()
+                if digest == self._seen:
+                    return False
+                self._seen = digest
+                if digest == _MISSING:
+                    self._reject(
+                        f"{self.path}: policy file deleted; keeping the last good policy"
+                        f" ({_brief(self._current)})",
+                        logging.WARNING,
+                    )
+                    return False
+                return self._load_and_apply()
+            finally:
+                self._bump("checks")
+
+    def _load_and_apply(self) -> bool:
+        """Build the whole new policy, then hand it over. Caller holds `_load_lock`."""
+        try:
+            new = self._loader(self.path)
+        except PolicyError as err:
+            self._reject(str(err), logging.ERROR, "reload rejected, keeping the last good policy")
+            return False
+        except Exception as err:
+            self.logger.exception("%s: reload failed, keeping the last good policy", self.path)
+            self._reject(f"{self.path}: {type(err).__name__}: {err}", None)
+            return False
+        old = self._current
+        try:
+            self._on_apply(new)
+        except Exception as err:
+            self.logger.exception(
+                "%s: applying the new policy failed; keeping the old one", self.path
+            )
+            self._reject(f"{self.path}: on_apply: {type(err).__name__}: {err}", None)
+            return False
+        self._current = new
+        self.logger.info("%s: policy reloaded: %s", self.path, describe_changes(old, new))
+        with self._cond:
+            self.last_error = None
+            self.applied += 1
+            self._cond.notify_all()
+        return True
+
+    def _reject(self, message: str, level: int | None, header: str = "") -> None:
+        """Count and remember a bad edit; log it unless the caller already did."""
+        if level is not None:
+            if header:
+                self.logger.log(level, "%s: %s:\n%s", self.path, header, message)
+            else:
+                self.logger.log(level, "%s", message)
+        with self._cond:
+            self.last_error = message
+            self.rejected += 1
+            self._cond.notify_all()
+
+    def _bump(self, counter: str) -> None:
+        with self._cond:
+            setattr(self, counter, getattr(self, counter) + 1)
+            self._cond.notify_all()
+
+
+class _Handler:
+    """The observer's handler, duck-typed so watchdog stays a lazy import."""
+
+    def __init__(self, poke: Callable[[], None]) -> None:
+        self._poke = poke
+
+    def dispatch(self, event: Any) -> None:
+        if event.event_type not in _IGNORED_EVENTS:
+            self._poke()
+
+
+# -- describing a reload ------------------------------------------------------
+
+
+def describe_changes(old: CompiledPolicy | None, new: CompiledPolicy) -> str:
+    """One line saying what an operator's edit changed, for the reload log.
+
+    Compares effective limits (rate, burst, stream cap), not spelling: moving a
+    user into a tier with the same numbers is "no effective change", and a new
+    policy-wide burst is reported once, not once per user that inherits it.
+    """
+    if old is None:
+        return f"loaded {_brief(new)}"
+    parts: list[str] = []
+    if not _same(old.default, new.default, old, new):
+        parts.append(f"default {_change(old.default, new.default, old, new)}")
+    # An anonymous budget that tracks the default was just reported as the default.
+    tracks = old.anonymous == old.default and new.anonymous == new.default
+    if not tracks and not _same(old.anonymous, new.anonymous, old, new):
+        parts.append(f"anonymous {_change(old.anonymous, new.anonymous, old, new)}")
+    if old.burst_ns != new.burst_ns:
+        parts.append(f"burst {_fmt_ns(old.burst_ns)} -> {_fmt_ns(new.burst_ns)}")
+    parts += _diff("tier ", old.tiers, new.tiers, old, new)
+    if [p for p, _ in old.patterns] != [p for p, _ in new.patterns] or not all(
+        _same(a, b, old, new) for (_, a), (_, b) in zip(old.patterns, new.patterns, strict=True)
+    ):
+        a, b = dict(old.patterns), dict(new.patterns)
+        # Same rules in another order still matters: the first match decides.
+        parts += _diff("pattern ", a, b, old, new) or ["patterns reordered"]
+    parts += _diff("", old.users, new.users, old, new, fallback=True)
+    return "; ".join(parts) if parts else "no effective change"
+
+
+def _diff(
+    prefix: str,
+    a: Mapping[str, Limit],
+    b: Mapping[str, Limit],
+    old: CompiledPolicy,
+    new: CompiledPolicy,
+    *,
+    fallback: bool = False,
+) -> list[str]:
+    added = [f"{prefix}{k} added ({_short(b[k], new)})" for k in b if k not in a]
+    removed = []
+    for k in (k for k in a if k not in b):
+        if fallback:  # a removed user is not unlimited: say what applies now
+            now = new.limit_for(k)
+            rule = f"{now.rule} " if now.rule else ""
+            removed.append(f"{prefix}{k} removed (now {rule}{_short(now, new)})")
+        else:
+            removed.append(f"{prefix}{k} removed")
+    changed = [
+        f"{prefix}{k} {_change(a[k], b[k], old, new)}"
+        for k in b
+        if k in a and not _same(a[k], b[k], old, new)
+    ]
+    return _cap(added) + _cap(removed) + _cap(changed)
+
+
+def _same(a: Limit, b: Limit, old: CompiledPolicy, new: CompiledPolicy) -> bool:
+    """Equal, or differing only by inheriting the policy burst (reported once)."""
+    if a == b:
+        return True
+    return (
+        (a.rate, a.max_streams) == (b.rate, b.max_streams)
+        and a.burst_ns == old.burst_ns
+        and b.burst_ns == new.burst_ns
+    )
+
+
+def _cap(items: list[str]) -> list[str]:
+    if len(items) <= _MAX_ITEMS:
+        return items
+    return items[:_MAX_ITEMS] + [f"... and {len(items) - _MAX_ITEMS} more"]
+
+
+def _rate(limit: Limit) -> str:
+    r = limit.rate
+    if r is None:
+        return "unlimited"
+    return str(r.numerator) if r.denominator == 1 else f"{float(r):g}"
+
+
+def _tail(limit: Limit, policy: CompiledPolicy) -> str:
+    """Burst (only where it is not the policy's) and stream cap."""
+    text = ""
+    if limit.rate is not None and limit.burst_ns != policy.burst_ns:
+        text += f" burst {_fmt_ns(limit.burst_ns)}"
+    if limit.max_streams is not None:
+        text += f" max_streams {limit.max_streams}"
+    return text
+
+
+def _short(limit: Limit, policy: CompiledPolicy) -> str:
+    rate = "unlimited" if limit.rate is None else f"{_rate(limit)} tok/s"
+    return rate + _tail(limit, policy)
+
+
+def _change(a: Limit, b: Limit, old: CompiledPolicy, new: CompiledPolicy) -> str:
+    """`20 -> 60 tok/s` when only the rate moved, else both sides in full."""
+    tail = _tail(b, new)
+    if a.rate is not None and b.rate is not None and _tail(a, old) == tail:
+        return f"{_rate(a)} -> {_rate(b)} tok/s{tail}"
+    return f"{_short(a, old)} -> {_short(b, new)}"
+
+
+def _brief(policy: CompiledPolicy | None) -> str:
+    if policy is None:
+        return "no policy loaded yet"
+    counts = [
+        f"{n} {word}{'' if n == 1 else 's'}"
+        for n, word in ((len(policy.users), "user"), (len(policy.tiers), "tier"),
+                        (len(policy.patterns), "pattern"))
+        if n or word == "user"
+    ]  # fmt: skip
+    return f"{', '.join(counts)}, default {_short(policy.default, policy)}"
+
+
+def _fmt_ns(ns: int) -> str:
+    if ns % 1_000_000 == 0:
+        return f"{ns // 1_000_000}ms"
+    return f"{ns / 1e6:g}ms"
