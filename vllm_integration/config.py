@@ -1,0 +1,154 @@
+"""From vLLM's configuration to outrate's: flags, the policy, the deployment.
+
+The policy travels from the API server to the engine-core process in
+`VllmConfig.additional_config["outrate"]` (a plain dict: it is hashed and
+pickled with the config). Both sides run the same checks: the API server to
+fail fast with a readable message, the engine on the final config.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from outrate.compiler import CompiledPolicy, load_compiled, policy_from_flags
+from outrate.deployment import Deployment
+from outrate.errors import OutrateError
+from outrate.lint import Finding, lint_deployment
+
+CONFIG_KEY = "outrate"
+SCHEDULER_CLS = "vllm_integration.scheduler.outrate_scheduler"
+OUR_SCHEDULERS = (SCHEDULER_CLS, "vllm_integration.scheduler.OutrateScheduler",
+                  "vllm_integration.scheduler.OutrateAsyncScheduler")
+
+
+class DeploymentError(OutrateError):
+    """The vLLM deployment cannot enforce a policy; the message says why."""
+
+    def __init__(self, findings: list[Finding]) -> None:
+        self.findings = findings
+        lines = [f"{f.location}: {f.code} {f.severity}: {f.message}" for f in findings]
+        super().__init__("outrate cannot run under this vLLM configuration:\n  " + "\n  ".join(lines))
+
+
+def outrate_settings(args: Any) -> dict[str, Any] | None:
+    """The outrate part of parsed `vllm serve` args, or None without a policy."""
+    path = getattr(args, "outrate_policy", None)
+    default = getattr(args, "default_user_output_tokens_per_second", None)
+    users = getattr(args, "user_output_tokens_per_second", None)
+    if path is None and default is None and users is None:
+        return None
+    if path is not None and (default is not None or users is not None):
+        raise OutrateError(
+            "--outrate-policy cannot be combined with --default-user-output-tokens-per-second "
+            "or --user-output-tokens-per-second: put those limits in the policy file"
+        )
+    settings: dict[str, Any] = {"reload": getattr(args, "outrate_reload", "watch") or "watch"}
+    if path is not None:
+        settings["policy"] = os.path.abspath(path)
+    else:
+        settings["default_rate"] = default
+        settings["user_rates"] = users if users is None or isinstance(users, dict) else str(users)
+    return settings
+
+
+def compile_settings(settings: dict[str, Any]) -> CompiledPolicy:
+    """Load and compile the policy the settings name. Raises PolicyError."""
+    if "policy" in settings:
+        return load_compiled(settings["policy"])
+    return policy_from_flags(settings.get("default_rate"), settings.get("user_rates"))
+
+
+def policy_from_vllm_config(vllm_config: Any) -> tuple[CompiledPolicy, dict[str, Any]]:
+    """In the engine core: the active policy and its settings. Runs the
+    deployment rules on the final config first; raises on any error."""
+    settings = (vllm_config.additional_config or {}).get(CONFIG_KEY)
+    if not settings:
+        raise OutrateError(
+            "the outrate scheduler was selected but no policy was given: "
+            "start vLLM with --outrate-policy PATH"
+        )
+    check_deployment(deployment_from_vllm_config(vllm_config))
+    return compile_settings(settings), settings
+
+
+def check_deployment(dep: Deployment) -> list[Finding]:
+    """Raise DeploymentError on errors; return the warnings."""
+    findings = lint_deployment(dep)
+    errors = [f for f in findings if f.severity == "error"]
+    if errors:
+        raise DeploymentError(errors)
+    return findings
+
+
+def _connector(cfg: Any) -> str | None:
+    if cfg is None:
+        return None
+    if isinstance(cfg, dict):
+        return cfg.get("kv_connector") or cfg.get("ec_connector") or "configured"
+    return getattr(cfg, "kv_connector", None) or getattr(cfg, "ec_connector", None) or "configured"
+
+
+def _scheduler_cls(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value
+    return f"{value.__module__}.{value.__qualname__}"
+
+
+def deployment_from_engine_args(ea: Any) -> Deployment:
+    """API-server side: the deployment as the user asked for it."""
+    return Deployment(
+        speculative=bool(ea.speculative_config),
+        data_parallel_size=ea.data_parallel_size or 1,
+        pipeline_parallel_size=ea.pipeline_parallel_size or 1,
+        tensor_parallel_size=ea.tensor_parallel_size or 1,
+        kv_connector=_connector(ea.kv_transfer_config),
+        ec_connector=_connector(ea.ec_transfer_config),
+        kv_offload=bool(ea.kv_offloading_size),
+        scheduler_cls=_scheduler_cls(ea.scheduler_cls),
+        max_num_seqs=ea.max_num_seqs,
+        max_num_active_seqs=ea.max_num_active_seqs,
+        chunked_prefill=ea.enable_chunked_prefill,
+        async_scheduling=ea.async_scheduling,
+        source="vllm serve arguments",
+    )
+
+
+def _model_kind(mc: Any) -> str | None:
+    checks = (
+        ("is_diffusion", "diffusion"),
+        ("is_encoder_decoder", "encoder-decoder"),
+        ("is_multimodal_model", "multimodal"),
+        ("is_hybrid", "hybrid"),
+        ("is_attention_free", "attention-free"),
+    )
+    for attr, kind in checks:
+        try:
+            if getattr(mc, attr):
+                return kind
+        except Exception:  # a property that cannot answer for this model
+            continue
+    return None
+
+
+def deployment_from_vllm_config(vc: Any) -> Deployment:
+    """Engine side: the deployment as vLLM finally configured it."""
+    pc, sc, cc = vc.parallel_config, vc.scheduler_config, vc.cache_config
+    return Deployment(
+        speculative=vc.speculative_config is not None,
+        data_parallel_size=pc.data_parallel_size,
+        pipeline_parallel_size=pc.pipeline_parallel_size,
+        tensor_parallel_size=pc.tensor_parallel_size,
+        kv_connector=_connector(vc.kv_transfer_config),
+        ec_connector=_connector(getattr(vc, "ec_transfer_config", None)),
+        kv_offload=bool(getattr(cc, "kv_offloading_size", None)),
+        scheduler_cls=_scheduler_cls(sc.scheduler_cls),
+        max_num_seqs=sc.max_num_seqs,
+        max_num_active_seqs=sc.max_num_active_seqs,
+        chunked_prefill=sc.enable_chunked_prefill,
+        async_scheduling=sc.async_scheduling,
+        model_kind=_model_kind(vc.model_config),
+        source="vLLM engine config",
+    )

@@ -1,0 +1,112 @@
+"""The `vllm.general_plugins` entry point.
+
+vLLM calls `register()` in every process it starts (API server, engine core,
+workers), possibly more than once; it is cheap and idempotent and imports vLLM
+lazily. It patches two static/class methods of vLLM 0.32's `EngineArgs`:
+
+- `add_cli_args`: adds the outrate flags to vLLM's own parser (so they show
+  in `vllm serve --help` and parse like any vLLM flag);
+- `from_cli_args`: when a policy is given, validates it and the deployment
+  (fail fast, with the file:line message), selects the outrate scheduler via
+  `scheduler_cls`, and carries the settings to the engine-core process in
+  `additional_config["outrate"]`.
+
+Without the flags nothing changes: no scheduler is swapped, no hook installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+logger = logging.getLogger("vllm.outrate")
+
+_registered = False
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    from vllm.engine.arg_utils import EngineArgs
+
+    stock_add = EngineArgs.add_cli_args
+    stock_from = EngineArgs.from_cli_args.__func__  # type: ignore[attr-defined]
+
+    def add_cli_args(parser: Any) -> Any:
+        parser = stock_add(parser)
+        add_outrate_args(parser)
+        return parser
+
+    def from_cli_args(cls: Any, args: argparse.Namespace) -> Any:
+        return apply_outrate_args(stock_from(cls, args), args)
+
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)  # type: ignore[method-assign]
+    EngineArgs.from_cli_args = classmethod(from_cli_args)  # type: ignore[method-assign,assignment]
+
+
+def add_outrate_args(parser: Any) -> None:
+    if "--outrate-policy" in getattr(parser, "_option_string_actions", {}):
+        return
+    group = parser.add_argument_group(
+        title="outrate",
+        description="Per-user output-token rate limits enforced in the scheduler.",
+    )
+    group.add_argument(
+        "--outrate-policy",
+        default=None,
+        metavar="PATH",
+        help="YAML policy with per-user output-token rate limits (see `outrate lint`). "
+        "The user is `vllm_xargs.output_rate_user` in each request.",
+    )
+    group.add_argument(
+        "--outrate-reload",
+        choices=["watch", "off"],
+        default="watch",
+        help="Apply edits of the policy file to the running engine (default: watch).",
+    )
+    group.add_argument(
+        "--default-user-output-tokens-per-second",
+        type=float,
+        default=None,
+        metavar="N",
+        help="In-memory policy: rate for every user not listed (tokens/s).",
+    )
+    group.add_argument(
+        "--user-output-tokens-per-second",
+        default=None,
+        metavar="JSON",
+        help='In-memory policy: per-user rates, e.g. \'{"user-a": 100}\'.',
+    )
+
+
+def apply_outrate_args(engine_args: Any, args: argparse.Namespace) -> Any:
+    """Turn the outrate flags into engine settings, or exit with the reason."""
+    from outrate.errors import OutrateError
+    from vllm_integration.config import (
+        CONFIG_KEY,
+        SCHEDULER_CLS,
+        check_deployment,
+        compile_settings,
+        deployment_from_engine_args,
+        outrate_settings,
+    )
+
+    try:
+        settings = outrate_settings(args)
+        if settings is None:
+            return engine_args
+        policy = compile_settings(settings)
+        for finding in check_deployment(deployment_from_engine_args(engine_args)):
+            logger.warning("outrate: %s %s: %s", finding.code, finding.severity, finding.message)
+    except OutrateError as exc:
+        raise SystemExit(f"outrate: {exc}") from exc
+    engine_args.scheduler_cls = SCHEDULER_CLS
+    engine_args.additional_config = {**(engine_args.additional_config or {}), CONFIG_KEY: settings}
+    from vllm_integration.api import install_request_guards
+
+    install_request_guards()
+    logger.info("outrate: %s", policy.summary())
+    return engine_args

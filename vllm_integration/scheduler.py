@@ -1,0 +1,550 @@
+"""The rate-limited vLLM V1 scheduler.
+
+Every touch of vLLM's scheduler internals lives in this file. It subclasses
+vLLM 0.32.0's `Scheduler` / `AsyncScheduler` and overrides these methods:
+
+- `_reserve_prefill_lookahead`: called by stock `schedule()` for every running
+  and waiting request right before its `num_new_tokens == 0` check. A dispatch
+  that will sample (`num_computed + n >= num_tokens`) is charged one token here;
+  out of budget we return 0 (skip) or cap a prefill one short of sampling.
+- `_handle_blocked_waiting_request`: called for every waiting request peeked
+  by the admission loop. Returning False makes stock *skip* (defer) the
+  request instead of stopping admission, so a throttled user never stalls the
+  queue. Also enforces `max_streams`.
+- `add_request` / `_free_request` / `_preempt_request`: per-request bookkeeping.
+- `get_request_counts` / `reset_prefix_cache`: account for held-back requests.
+- `schedule()`: wraps stock with release, displacement, the one refund point
+  and holdback.
+
+Holdback: a running request whose user is out of budget is taken out of
+`self.running` until its user's ready time, so stock's loop never visits it
+(per-step cost does not grow with throttled requests). It keeps its KV blocks
+and its resident slot. Two stock behaviours that a naive holdback breaks are
+restored explicitly: `len(running) + held <= max_num_seqs` (the admission cap
+`max_num_active_reqs` is lowered for the step), and held requests are the
+preferred preemption victims (`kv_cache_manager.allocate_slots` is wrapped).
+
+Written against vLLM 0.32.0 (pinned). When vLLM grows a public scheduler
+policy hook, this file is what goes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.interface import PauseState
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.sched.utils import remove_all
+from vllm.v1.request import Request, RequestStatus
+
+from outrate.compiler import CompiledPolicy
+from outrate.errors import OutrateError
+from outrate.identity import resolve_identity
+from outrate.limiter import Bucket, Limiter
+
+logger = logging.getLogger("vllm.outrate")  # under vLLM's logger: same format and level
+
+IDLE_WAIT_MAX_NS = 50_000_000
+"""Longest the engine waits on its input queue when everyone is throttled."""
+
+DISPLACE_SCAN = 32
+"""Waiting requests examined per step for fair-admission displacement."""
+
+
+class PolicyBox:
+    """The one reference the scheduler reads per step; reloads replace it."""
+
+    __slots__ = ("current",)
+
+    def __init__(self, policy: CompiledPolicy) -> None:
+        self.current = policy
+
+
+class _User:
+    """A user with live requests in this scheduler."""
+
+    __slots__ = (
+        "key", "bucket", "live", "resident", "n_held", "held",
+        "refused_step", "ready_at", "armed",
+    )
+
+    def __init__(self, key: str, bucket: Bucket) -> None:
+        self.key = key
+        self.bucket = bucket
+        self.live = 0  # requests not finished
+        self.resident = 0  # requests holding a running slot (visible or held)
+        self.n_held = 0
+        self.held: list[tuple[int, int, Request]] = []  # heap (priority, seq, req)
+        self.refused_step = -1
+        self.ready_at = 0
+        self.armed = False  # has a live entry in the wake heap
+
+
+class _ReqState:
+    __slots__ = ("user", "resident", "held", "charged_step", "preempted_step")
+
+    def __init__(self, user: _User) -> None:
+        self.user = user
+        self.resident = False
+        self.held = False
+        self.charged_step = -1
+        self.preempted_step = -1
+
+
+_CONNECTORS = (
+    ("connector", "a KV connector"),
+    ("ec_connector", "an EC connector"),
+    ("aux_output_connector", "an aux output connector"),
+)
+
+_ATTR = "_outrate"  # our state on vLLM's Request objects (it has no __slots__)
+
+
+def _rs(request: Request) -> _ReqState:
+    return request.__dict__[_ATTR]
+
+
+class OutrateMixin:
+    """The rate-limiting behaviour, mixed into vLLM's Scheduler classes."""
+
+    # Attributes provided by vLLM's Scheduler (declared for readers/type checkers).
+    running: list[Request]
+    requests: dict[str, Request]
+    max_num_running_reqs: int
+    max_num_active_reqs: int
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        from vllm_integration.config import policy_from_vllm_config
+        from vllm_integration.engine import install_idle_wait
+
+        for attr, what in _CONNECTORS:
+            if getattr(self, attr, None) is not None:
+                raise OutrateError(
+                    f"outrate cannot run with {what}: its tokens and KV move outside "
+                    "the scheduler decisions the per-user limiter makes"
+                )
+        policy, settings = policy_from_vllm_config(self.vllm_config)  # type: ignore[attr-defined]
+        self.outrate_configure(policy)
+        logger.info("outrate: %s", policy.summary())
+        self._reloader = None
+        if settings.get("reload", "watch") != "off" and "policy" in settings:
+            from outrate.reload import Reloader
+
+            box = self.policy_box
+
+            def publish(new: CompiledPolicy) -> None:
+                box.current = new  # read by schedule() at the next step boundary
+
+            self._reloader = Reloader(
+                settings["policy"], publish, initial=policy,
+                logger=logging.getLogger("vllm.outrate.reload"),
+            )
+            self._reloader.start()
+        install_idle_wait()
+
+    def shutdown(self) -> None:
+        reloader = getattr(self, "_reloader", None)
+        if reloader is not None:
+            reloader.stop()
+        super().shutdown()  # type: ignore[misc]
+
+    # -- wiring -----------------------------------------------------------
+
+    def outrate_configure(
+        self, policy: CompiledPolicy | PolicyBox, clock: Callable[[], int] = time.monotonic_ns
+    ) -> None:
+        """(Re)wire the limiter. The engine calls this once; tests pass a fake clock."""
+        self.policy_box = policy if isinstance(policy, PolicyBox) else PolicyBox(policy)
+        self.limiter = Limiter(self.policy_box.current, clock=clock)
+        self._clock = clock
+        self._users: dict[str, _User] = {}
+        self._held: dict[Request, None] = {}  # insertion-ordered: newest held last
+        self._wake: list[tuple[int, int, _User]] = []
+        self._seq = 0
+        self._step = 0
+        self._now = 0
+        self._charged: list[Request] = []
+        self._refused: list[Request] = []
+        self._touched: list[_User] = []
+        self._admits: list[Request] = []
+        self._stash: list[Request] = []
+        self._blocked_ready = 0
+        self._cfg_active = self.max_num_active_reqs
+        sc = self.scheduler_config  # type: ignore[attr-defined]
+        self._chunked = bool(sc.enable_chunked_prefill)
+        self._priority = self.policy == SchedulingPolicy.PRIORITY  # type: ignore[attr-defined]
+        self._lookahead = getattr(self, "num_prefill_lookahead", 0) > 1
+        self._block_size = self.block_size  # type: ignore[attr-defined]
+        self._caching = bool(self.cache_config.enable_prefix_caching)  # type: ignore[attr-defined]
+        kvm = self.kv_cache_manager  # type: ignore[attr-defined]
+        if not hasattr(kvm, "_outrate_allocate"):
+            kvm._outrate_allocate = kvm.allocate_slots
+        kvm.allocate_slots = self._allocate_slots
+        self.stats = {"charged": 0, "refunded": 0, "held": 0, "released": 0, "displaced": 0}
+        # Requests already in the scheduler (only in tests that re-wire) join now.
+        for req in self.requests.values():
+            self._register(req)
+
+    @property
+    def n_held(self) -> int:
+        return len(self._held)
+
+    def _user(self, key: str) -> _User:
+        u = self._users.get(key)
+        if u is None:
+            u = _User(key, self.limiter.pin(key))
+            self._users[key] = u
+        return u
+
+    def _register(self, request: Request) -> None:
+        u = self._user(resolve_identity(request.sampling_params, logger))
+        u.live += 1
+        rs = _ReqState(u)
+        if request.status == RequestStatus.RUNNING:
+            rs.resident = True
+            u.resident += 1
+        request.__dict__[_ATTR] = rs
+
+    # -- request lifecycle --------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id not in self.requests:
+            self._register(request)
+        super().add_request(request)  # type: ignore[misc]
+
+    def _leave_slot(self, rs: _ReqState, request: Request) -> None:
+        if rs.held:
+            rs.held = False
+            del self._held[request]
+            rs.user.n_held -= 1  # its heap entry is skipped lazily
+        if rs.resident:
+            rs.resident = False
+            rs.user.resident -= 1
+
+    def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
+        rs = request.__dict__.pop(_ATTR, None)
+        if rs is not None:
+            self._leave_slot(rs, request)
+            u = rs.user
+            u.live -= 1
+            if u.live == 0:
+                del self._users[u.key]
+                Limiter.unpin(u.bucket)
+        return super()._free_request(request, delay_free_blocks)  # type: ignore[misc]
+
+    def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool = False) -> None:
+        rs = request.__dict__.get(_ATTR)
+        if rs is not None:
+            self._leave_slot(rs, request)
+            rs.preempted_step = self._step
+        super()._preempt_request(request, timestamp, drop_stale_output)  # type: ignore[misc]
+
+    def get_request_counts(self) -> tuple[int, int]:
+        running, waiting = super().get_request_counts()  # type: ignore[misc]
+        return running + len(self._held), waiting
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        if reset_running_requests:
+            self._release_all()
+        return super().reset_prefix_cache(reset_running_requests, reset_connector)  # type: ignore[misc]
+
+    # -- the hooks inside stock schedule() ----------------------------------
+
+    def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        if self._lookahead:
+            num_new_tokens = super()._reserve_prefill_lookahead(  # type: ignore[misc]
+                request, num_computed_tokens, num_new_tokens
+            )
+        num_tokens = request.num_tokens
+        if num_new_tokens == 0 or num_computed_tokens + num_new_tokens < num_tokens:
+            return num_new_tokens  # nothing sampled: middle prefill chunks are free
+        rs: _ReqState = request.__dict__[_ATTR]
+        step = self._step
+        if rs.charged_step == step:
+            return num_new_tokens  # never charge a request twice in a step
+        u = rs.user
+        if u.refused_step != step:
+            if self.limiter.take(u.bucket, self._now):
+                rs.charged_step = step
+                self._charged.append(request)
+                return num_new_tokens
+            u.refused_step = step
+            self._touched.append(u)
+        # Out of budget: prefill up to the last prompt position, sample later.
+        if self._chunked and num_computed_tokens < num_tokens - 1:
+            return num_tokens - 1 - num_computed_tokens
+        if rs.resident:
+            self._refused.append(request)
+        return 0
+
+    def _handle_blocked_waiting_request(self, request: Request) -> bool:
+        if not super()._handle_blocked_waiting_request(request):  # type: ignore[misc]
+            return False
+        rs: _ReqState = request.__dict__[_ATTR]
+        if rs.preempted_step == self._step:
+            return False  # displaced or preempted this step: not back in the same step
+        u = rs.user
+        now = self._now
+        limit = self.limiter.limit_of(u.bucket, now)
+        if limit.max_streams is not None and u.resident >= limit.max_streams:
+            return False  # waits in the queue without blocking anyone else
+        if u.refused_step == self._step or u.n_held or self.limiter.available(u.bucket, now) == 0:
+            if not self._can_prefill_ahead(request):
+                ready = self.limiter.ready_at(u.bucket, now)
+                if self._blocked_ready == 0 or ready < self._blocked_ready:
+                    self._blocked_ready = ready
+                return False
+        self._admits.append(request)
+        return True
+
+    def _can_prefill_ahead(self, request: Request) -> bool:
+        """Whether a throttled request can be admitted to prefill without
+        sampling. Stock stops admitting everyone when the lookahead hook
+        returns 0 in the waiting loop, so admit only when the cap
+        `num_tokens - 1 - computed` is positive whatever the prefix-cache hit
+        (hits are whole blocks of at most `num_tokens - 1` tokens)."""
+        if not self._chunked or request.num_computed_tokens:
+            return False
+        n = request.num_tokens
+        if n < 2:
+            return False
+        return not self._caching or (n - 1) % self._block_size != 0
+
+    def _allocate_slots(self, request: Request, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
+        """KV allocation that preempts held (throttled) requests first."""
+        alloc = self.kv_cache_manager._outrate_allocate  # type: ignore[attr-defined]
+        if self._held and kwargs.get("has_scheduled_reqs") is False:
+            kwargs["has_scheduled_reqs"] = True  # held requests are scheduled work too
+        while True:
+            blocks = alloc(request, num_new_tokens, *args, **kwargs)
+            if blocks is not None or not self._held:
+                return blocks
+            victim = self._held_victim()
+            if victim is None:
+                return None
+            self._preempt_out_of_band(victim)
+
+    def _held_victim(self) -> Request | None:
+        if not self._priority:
+            return next(reversed(self._held))  # most recently throttled
+        victim = max(self._held, key=lambda r: (r.priority, r.arrival_time))
+        if self.running and victim.priority < max(r.priority for r in self.running):
+            return None  # a visible lower-priority request goes first (stock's choice)
+        return victim
+
+    def _preempt_out_of_band(self, victim: Request) -> None:
+        """Preempt a held request while stock's loop runs. Stock's admission
+        loop peeks the head of `waiting` and pops it later, so the victim is
+        kept aside and requeued at the front after `schedule()`."""
+        self._preempt_request(victim, time.monotonic())
+        self.waiting.remove_request(victim)  # type: ignore[attr-defined]
+        self._stash.append(victim)
+
+    # -- schedule() -----------------------------------------------------------
+
+    def schedule(self, throttle_prefills: bool = False) -> Any:
+        self._step += 1
+        now = self._now = self._clock()
+        policy = self.policy_box.current
+        if policy is not self.limiter.policy:
+            self._swap_policy(policy, now)
+        self._blocked_ready = 0
+        if self._wake:
+            self._release(now)
+        if self._held and len(self.running) + len(self._held) >= self.max_num_running_reqs:
+            self._displace(now)
+        # Held requests keep resident slots: admission needs
+        # running + held < max_num_seqs and running < max_num_active_seqs.
+        self.max_num_active_reqs = min(self._cfg_active, self.max_num_running_reqs - len(self._held))
+        try:
+            out = super().schedule(throttle_prefills)  # type: ignore[misc]
+        finally:
+            self.max_num_active_reqs = self._cfg_active
+        self._after_schedule(out.num_scheduled_tokens, now)
+        return out
+
+    def _after_schedule(self, scheduled: dict[str, int], now: int) -> None:
+        limiter = self.limiter
+        # The one refund point: charged but not scheduled (KV allocation
+        # failed, preempted later in the same step).
+        charged = self._charged
+        if charged:
+            n = 0
+            for r in charged:
+                if r.request_id not in scheduled:
+                    limiter.give_back(r.__dict__[_ATTR].user.bucket, now)
+                    n += 1
+            self.stats["charged"] += len(charged) - n
+            self.stats["refunded"] += n
+            charged.clear()
+        if self._stash:
+            for r in reversed(self._stash):
+                self.waiting.prepend_request(r)  # type: ignore[attr-defined]
+            self._stash.clear()
+        if self._admits:
+            for r in self._admits:
+                rs = r.__dict__.get(_ATTR)
+                if rs is not None and not rs.resident and r.status == RequestStatus.RUNNING:
+                    rs.resident = True
+                    rs.user.resident += 1
+            self._admits.clear()
+        refused = self._refused
+        if refused:
+            hold = {r for r in refused if r.status == RequestStatus.RUNNING and r.request_id not in scheduled}
+            refused.clear()
+            if hold:
+                self.running = remove_all(self.running, hold)
+                for r in hold:
+                    self._hold(r)
+        touched = self._touched
+        if touched:
+            for u in touched:
+                if u.n_held and not u.armed:
+                    self._arm(u, now)
+            touched.clear()
+        limiter.cleanup(now, 4)
+
+    def _hold(self, r: Request) -> None:
+        rs: _ReqState = r.__dict__[_ATTR]
+        rs.held = True
+        self._held[r] = None
+        self._seq += 1
+        u = rs.user
+        heapq.heappush(u.held, (r.priority if self._priority else 0, self._seq, r))
+        u.n_held += 1
+        self.stats["held"] += 1
+
+    def _arm(self, u: _User, now: int) -> None:
+        u.ready_at = self.limiter.ready_at(u.bucket, now)
+        u.armed = True
+        self._seq += 1
+        heapq.heappush(self._wake, (u.ready_at, self._seq, u))
+
+    def _release(self, now: int) -> None:
+        """Put back users whose budget returned, as many streams as they can
+        use now, oldest-held first (streams of a user rotate)."""
+        wake = self._wake
+        room = self._cfg_active - len(self.running)
+        while wake and wake[0][0] <= now and room > 0:
+            ready, _, u = heapq.heappop(wake)
+            if not u.armed or ready != u.ready_at:
+                continue  # stale entry
+            u.armed = False
+            if not u.n_held:
+                continue
+            k = min(self.limiter.available(u.bucket, now), room)
+            if k == 0:  # policy changed under it: arm again
+                self._arm(u, now)
+                continue
+            room -= self._release_user(u, k)
+            if u.n_held:
+                self._touched.append(u)  # re-armed after this step
+
+    def _release_user(self, u: _User, k: int) -> int:
+        released = 0
+        held = u.held
+        while held and released < k:
+            r = heapq.heappop(held)[2]
+            rs = r.__dict__.get(_ATTR)
+            if rs is None or not rs.held:
+                continue  # finished or preempted while held
+            rs.held = False
+            del self._held[r]
+            u.n_held -= 1
+            self.running.append(r)
+            released += 1
+        self.stats["released"] += released
+        return released
+
+    def _release_all(self) -> None:
+        for u in self._users.values():
+            if u.n_held:
+                self._release_user(u, u.n_held)
+            u.armed = False
+        self._wake.clear()
+
+    def _displace(self, now: int) -> None:
+        """Fair admission: when every resident slot is taken, a waiting request
+        of a user with budget displaces a held request of the user holding the
+        most slots (preempted and requeued; prefix cache keeps what it can).
+        At most one per step, after a bounded scan of the queue head."""
+        limiter = self.limiter
+        for i, r in enumerate(self.waiting):  # type: ignore[attr-defined]
+            if i >= DISPLACE_SCAN:
+                return
+            rs = r.__dict__.get(_ATTR)
+            if rs is None:
+                continue
+            u = rs.user
+            if u.n_held or u.refused_step == self._step or limiter.available(u.bucket, now) == 0:
+                continue
+            ms = limiter.limit_of(u.bucket, now).max_streams
+            if ms is not None and u.resident >= ms:
+                continue
+            victim_user = max(
+                (v for v in self._users.values() if v.n_held), key=lambda v: v.resident, default=None
+            )
+            if victim_user is None or victim_user.resident <= u.resident + 1:
+                return  # slots are already shared fairly
+            self._preempt_request(self._youngest_held(victim_user), time.monotonic())
+            self.stats["displaced"] += 1
+            return
+
+    def _youngest_held(self, u: _User) -> Request:
+        return max(
+            (e for e in u.held if e[2].__dict__.get(_ATTR) is not None and _rs(e[2]).held),
+            key=lambda e: (e[0], e[1]),
+        )[2]
+
+    def _swap_policy(self, policy: CompiledPolicy, now: int) -> None:
+        self.limiter.set_policy(policy)
+        logger.debug("outrate: scheduler switched to %s", policy.summary())
+        self._wake.clear()
+        for u in self._users.values():
+            u.armed = False
+            if u.n_held:
+                self._arm(u, now)
+
+    # -- engine loop --------------------------------------------------------
+
+    def outrate_idle_wait_ns(self) -> int:
+        """How long the engine may block on its input queue after a step that
+        ran nothing: until the earliest throttled user is ready, at most 50 ms.
+        0 when no throttling explains the idle step (stock behaviour)."""
+        if getattr(self, "_pause_state", PauseState.UNPAUSED) != PauseState.UNPAUSED:
+            return 0
+        earliest = 0
+        while self._wake:
+            ready, _, u = self._wake[0]
+            if u.armed and ready == u.ready_at:
+                earliest = ready
+                break
+            heapq.heappop(self._wake)
+        if self._blocked_ready and (earliest == 0 or self._blocked_ready < earliest):
+            earliest = self._blocked_ready
+        if earliest == 0:
+            return 0
+        wait = earliest - self._clock()
+        return min(max(wait, 0), IDLE_WAIT_MAX_NS)
+
+
+class OutrateScheduler(OutrateMixin, Scheduler):
+    """Rate-limited synchronous scheduler."""
+
+
+class OutrateAsyncScheduler(OutrateMixin, AsyncScheduler):
+    """Rate-limited async scheduler (used when vLLM enables async scheduling)."""
+
+
+def outrate_scheduler(*args: Any, **kwargs: Any) -> Scheduler:
+    """`--scheduler-cls` target: picks the variant vLLM itself would pick."""
+    vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+    cls = OutrateAsyncScheduler if vllm_config.scheduler_config.async_scheduling else OutrateScheduler
+    return cls(*args, **kwargs)
