@@ -35,7 +35,7 @@ from outrate.compiler import CompiledPolicy, compile_policy
 from outrate.deployment import Deployment
 from outrate.errors import PolicyError, Problem
 from outrate.loader import load_policy
-from outrate.policy import LimitRule, Policy, TierRule, format_duration
+from outrate.policy import LimitRule, Policy, format_duration
 
 Severity = Literal["error", "warning"]
 
@@ -73,16 +73,6 @@ class Finding(NamedTuple):
 
 
 # -- policy rules -------------------------------------------------------------
-
-
-def _rules(policy: Policy) -> list[tuple[tuple[Any, ...], TierRule]]:
-    out: list[tuple[tuple[Any, ...], TierRule]] = [(("default",), policy.default)]
-    if policy.anonymous is not None:
-        out.append((("anonymous",), policy.anonymous))
-    out += [(("tiers", name), rule) for name, rule in policy.tiers.items()]
-    out += [(("users", uid), rule) for uid, rule in policy.users.items()]
-    out += [(("match", i), rule) for i, rule in enumerate(policy.match)]
-    return out
 
 
 class _Where:
@@ -128,14 +118,14 @@ def _burst_findings(
         return out
     if policy.burst < SHORT_BURST_NS:
         out.append(Finding("OR001", "warning", _short_burst(policy.burst), where("burst")))
-    for path, rule in _rules(policy):
+    for path, rule in policy.rules():
         if rule.burst is not None and rule.burst < SHORT_BURST_NS and rule.rate != "unlimited":
             out.append(Finding("OR001", "warning", _short_burst(rule.burst), where(*path, "burst")))
     return out
 
 
 def _tier_findings(policy: Policy, where: _Where) -> list[Finding]:
-    used = {r.tier for _, r in _rules(policy) if isinstance(r, LimitRule) and r.tier}
+    used = {r.tier for _, r in policy.rules() if isinstance(r, LimitRule) and r.tier}
     return [
         Finding(
             "OR002",

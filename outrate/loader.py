@@ -57,6 +57,9 @@ class _Doc:
         self.pos: dict[Path, Pos] = {}
         self.keypos: dict[Path, Pos] = {}
         self.problems: list[tuple[Path, Pos, str]] = []
+        self.voided: set[Path] = set()
+        """Paths whose value we replaced by None after reporting it: validation
+        errors under them would only repeat the same problem."""
 
     def nearest(self, loc: Path) -> Path:
         """The longest prefix of `loc` that exists in the file.
@@ -92,6 +95,7 @@ class _Walker:
             return self._scalar(node)
         if id(node) in self.stack:
             self.doc.problems.append((path, _mark(node), "an alias refers to itself"))
+            self.doc.voided.add(path)
             return None
         self.stack.add(id(node))
         try:
@@ -109,20 +113,21 @@ class _Walker:
 
     def _bad_tag(self, node: Node, path: Path) -> None:
         self.doc.problems.append((path, _mark(node), f"unsupported YAML tag {node.tag!r}"))
+        self.doc.voided.add(path)
 
-    def _scalar(self, node: ScalarNode) -> Any:
+    def _scalar(self, node: ScalarNode, key: bool = False) -> Any:
         text = node.value
         if node.tag == _FLOAT and _DECIMAL.fullmatch(text):
             return Decimal(text.replace("_", ""))  # exact: 0.1 is one tenth
-        if node.tag == _STR and node.style is None and _EXP_NUMBER.fullmatch(text):
-            return Decimal(text.replace("_", ""))
+        if not key and node.tag == _STR and node.style is None and _EXP_NUMBER.fullmatch(text):
+            return Decimal(text.replace("_", ""))  # a value; a key `1e5` stays a name
         return self.loader.construct_object(node, deep=True)
 
     def _mapping(self, node: MappingNode, path: Path) -> dict[Any, Any]:
         first: dict[Any, Pos] = {}
         for knode, _ in node.value:  # duplicates among keys written here
             if isinstance(knode, ScalarNode) and knode.tag != _MERGE:
-                key = self._scalar(knode)
+                key = self._scalar(knode, key=True)
                 if _hashable(key) and key in first:
                     line = first[key][0]
                     self.doc.problems.append(
@@ -134,7 +139,7 @@ class _Walker:
             self.loader.flatten_mapping(node)  # `<<: *base`; later keys override
         out: dict[Any, Any] = {}
         for knode, vnode in node.value:
-            key = self._scalar(knode) if isinstance(knode, ScalarNode) else None
+            key = self._scalar(knode, key=True) if isinstance(knode, ScalarNode) else None
             if not isinstance(knode, ScalarNode) or not _hashable(key):
                 self.doc.problems.append((path, _mark(knode), "keys must be plain scalars"))
                 continue
@@ -179,6 +184,8 @@ def _compose(text: str, source: str) -> tuple[Any, _Doc]:
         mark = e.problem_mark or e.context_mark
         line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
         problem = e.problem or e.context or "cannot parse"
+        if e.problem and e.context and e.context_mark is not None:
+            problem += f" ({e.context} at line {e.context_mark.line + 1})"
         raise PolicyError([Problem(source, line, col, "<root>", f"invalid YAML: {problem}")]) from e
     except yaml.YAMLError as e:  # pragma: no cover - every PyYAML error we know is marked
         raise PolicyError([Problem(source, 1, 1, "<root>", f"invalid YAML: {e}")]) from e
@@ -273,8 +280,20 @@ def _message(err: Any) -> str:
 def _translate(err: ValidationError, doc: _Doc) -> list[tuple[Path, Pos, str, str]]:
     """Pydantic errors -> (field path, position, field text, message)."""
     out = []
-    for e in err.errors():
+    errors = err.errors()
+    # `pro: {tier: free}` under tiers is one mistake, not also a missing rate.
+    tier_in_tier = {
+        tuple(e["loc"][:-1])
+        for e in errors
+        if e["type"] == "extra_forbidden"
+        and len(e["loc"]) == 3
+        and e["loc"][0] == "tiers"
+        and e["loc"][2] == "tier"
+    }
+    for e in errors:
         loc, kind = tuple(e["loc"]), e["type"]
+        if kind == "missing" and loc[:-1] in tier_in_tier:
+            continue
         if loc and loc[-1] == "[key]":  # a bad user id or tier name
             where = loc[:-1]
             pos = doc.keypos.get(where) or doc.pos.get(doc.nearest(where), (1, 1))
@@ -347,7 +366,11 @@ def validate(
         try:
             policy = Policy.model_validate(data, context={"tiers_checked": True})
         except ValidationError as e:
-            found += _translate(e, doc)
+            found += [
+                item
+                for item in _translate(e, doc)
+                if not any(item[0][: len(v)] == v for v in doc.voided)
+            ]
             cause = e
     if not found and policy is not None:
         policy._positions = dict(doc.pos)

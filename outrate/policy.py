@@ -227,7 +227,7 @@ def _has_control(text: str) -> bool:
 def check_user_id(value: object) -> str:
     """User ids arrive from request bodies; reject ones no request can carry."""
     if not isinstance(value, str):
-        raise _problem(f"user id must be a string; quote it: '{value}'")
+        raise _problem(f"user id must be a string; quote it: '{_shown(value)}'")
     if value == "":
         raise _problem("user id must not be empty")
     if len(value) > MAX_USER_ID_LEN:
@@ -418,20 +418,29 @@ class Policy(_Strict):
         """The loader reports these with positions first; this guards direct use."""
         if info.context and info.context.get("tiers_checked"):
             return self
-        for where, rule in self.rules():
+        for path, rule in self.rules():
             if isinstance(rule, LimitRule) and rule.tier is not None:
                 if rule.tier not in self.tiers:
+                    where = ".".join(str(p) for p in path)
                     raise _problem(f"{where}.tier: {unknown_tier(rule.tier, self.tiers)}")
         return self
 
-    def rules(self) -> list[tuple[str, TierRule]]:
-        """Every limit spec with its field path, in resolution-independent order."""
-        out: list[tuple[str, TierRule]] = [("default", self.default)]
+    def __eq__(self, other: object) -> bool:
+        """Same content is the same policy, wherever (and whether) it was read."""
+        if not isinstance(other, Policy):
+            return NotImplemented
+        return type(self) is type(other) and self.__dict__ == other.__dict__
+
+    __hash__ = _Strict.__hash__
+
+    def rules(self) -> list[tuple[tuple[str | int, ...], TierRule]]:
+        """Every limit spec with its field path, e.g. `("users", "alice")`."""
+        out: list[tuple[tuple[str | int, ...], TierRule]] = [(("default",), self.default)]
         if self.anonymous is not None:
-            out.append(("anonymous", self.anonymous))
-        out += [(f"tiers.{name}", rule) for name, rule in self.tiers.items()]
-        out += [(f"users.{uid}", rule) for uid, rule in self.users.items()]
-        out += [(f"match[{i}]", rule) for i, rule in enumerate(self.match)]
+            out.append((("anonymous",), self.anonymous))
+        out += [(("tiers", name), rule) for name, rule in self.tiers.items()]
+        out += [(("users", uid), rule) for uid, rule in self.users.items()]
+        out += [(("match", i), rule) for i, rule in enumerate(self.match)]
         return out
 
     def position(self, *path: str | int) -> tuple[int, int] | None:

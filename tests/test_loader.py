@@ -1,0 +1,449 @@
+"""Loader tests, driven by fixtures: one file per kind of bad policy under
+tests/fixtures/bad/, each with its exact messages (file:line:col included)."""
+
+from __future__ import annotations
+
+import os
+from decimal import Decimal
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from outrate.errors import OutrateError, PolicyError, Problem
+from outrate import loader
+from outrate.loader import field_path, load_policy, parse_policy
+from outrate.policy import UNLIMITED
+
+BAD = Path(__file__).parent / "fixtures" / "bad"
+
+# fixture name -> the exact messages, in file order; FILE stands for its path.
+EXPECTED: dict[str, list[str]] = {
+    "burst_negative": [
+        "FILE:4:27: users.alice.burst: must be > 0",
+    ],
+    "burst_no_unit": [
+        "FILE:3:8: burst: must be a duration like '100ms' or '0.25s', with a unit (got 5)",
+    ],
+    "burst_unparsable": [
+        "FILE:4:27: tiers.pro.burst: must be a duration like '100ms' or '0.25s' (got 'soon')",
+    ],
+    "burst_zero": [
+        "FILE:3:8: burst: must be > 0",
+    ],
+    "comments_only": [
+        "FILE:1:1: <root>: empty policy; expected a mapping with 'version: 1' and 'default'",
+    ],
+    "default_missing": [
+        (
+            "FILE:1:1: default: missing; say what identified users not listed "
+            "get (a number of tokens per second or 'unlimited')"
+        ),
+    ],
+    "duplicate_key_nested": [
+        "FILE:6:5: tiers.pro: duplicate key 'rate' (first at line 5)",
+    ],
+    "duplicate_key_root": [
+        "FILE:3:1: <root>: duplicate key 'default' (first at line 2)",
+    ],
+    "duplicate_user": [
+        "FILE:6:3: users: duplicate key 'alice' (first at line 4)",
+    ],
+    "empty": [
+        "FILE:1:1: <root>: empty policy; expected a mapping with 'version: 1' and 'default'",
+    ],
+    "invalid_yaml": [
+        (
+            "FILE:5:6: <root>: invalid YAML: expected ',' or '}', but got ':' "
+            "(while parsing a flow mapping at line 4)"
+        ),
+    ],
+    "many_problems": [
+        "FILE:2:10: default: must be > 0",
+        "FILE:3:8: burst: must be a duration like '100ms' or '0.25s' (got 'soon')",
+        (
+            "FILE:5:10: users.alice: must be a number of tokens per second or "
+            "'unlimited' (got 'fast')"
+        ),
+        "FILE:6:19: users.bob: unknown key 'max_stream' (did you mean 'max_streams'?)",
+        "FILE:8:14: match[0].pattern: must not be empty",
+        "FILE:9:11: match[0].tier: unknown tier 'gold' (no tiers are defined)",
+    ],
+    "match_not_list": [
+        "FILE:4:3: match: must be a list (got a mapping)",
+    ],
+    "max_streams_negative": [
+        "FILE:4:34: users.alice.max_streams: must be >= 1",
+    ],
+    "max_streams_not_int": [
+        "FILE:6:18: match[0].max_streams: must be a whole number >= 1 (got 2.5)",
+    ],
+    "max_streams_zero": [
+        "FILE:2:35: default.max_streams: must be >= 1",
+    ],
+    "not_mapping_list": [
+        "FILE:1:1: <root>: must be a mapping with 'version: 1' and 'default' (got a list)",
+    ],
+    "not_mapping_scalar": [
+        (
+            "FILE:1:1: <root>: must be a mapping with 'version: 1' and "
+            "'default' (got 'just some text')"
+        ),
+    ],
+    "null_limit": [
+        (
+            "FILE:4:9: users.alice: must be a number of tokens per second, "
+            "'unlimited', or a mapping (got nothing)"
+        ),
+    ],
+    "pattern_empty": [
+        "FILE:6:14: match[1].pattern: must not be empty",
+    ],
+    "pattern_missing": [
+        "FILE:4:5: match[0].pattern: missing; each match entry needs a 'pattern'",
+    ],
+    "rate_bool": [
+        ("FILE:4:10: users.alice: must be a number of tokens per second or 'unlimited' (got true)"),
+    ],
+    "rate_inf": [
+        "FILE:4:8: tiers.pro: must be a finite number; use 'unlimited' for no limit (got .inf)",
+    ],
+    "rate_nan": [
+        "FILE:2:10: default: must be a finite number; use 'unlimited' for no limit (got .nan)",
+    ],
+    "rate_negative": [
+        "FILE:4:17: users.alice.rate: must be > 0",
+    ],
+    "rate_or_tier_missing": [
+        "FILE:4:10: users.carol: needs a 'rate' (tokens per second or 'unlimited') or a 'tier'",
+    ],
+    "rate_string": [
+        (
+            "FILE:4:10: users.alice: must be a number of tokens per second or "
+            "'unlimited' (got 'fast')"
+        ),
+    ],
+    "rate_too_large": [
+        (
+            "FILE:2:10: default: must be at most 1000000 tokens per second (use "
+            "'unlimited' for no limit)"
+        ),
+    ],
+    "rate_with_tier": [
+        (
+            "FILE:6:28: users.carol.rate: cannot be set together with 'tier'; "
+            "the tier brings its rate"
+        ),
+    ],
+    "rate_zero": [
+        "FILE:4:10: users.alice: must be > 0",
+    ],
+    "tier_rate_missing": [
+        (
+            "FILE:4:8: tiers.pro.rate: missing; a tier needs a 'rate' (tokens "
+            "per second or 'unlimited')"
+        ),
+    ],
+    "tier_refers_tier": [
+        (
+            "FILE:5:9: tiers.pro: unknown key 'tier': a tier cannot refer to "
+            "another tier; give it a 'rate'"
+        ),
+    ],
+    "unknown_key_root": [
+        "FILE:3:1: <root>: unknown key 'colour'",
+    ],
+    "unknown_key_suggest": [
+        "FILE:4:18: users.bob: unknown key 'burts' (did you mean 'burst'?)",
+    ],
+    "unknown_tier": [
+        "FILE:7:17: users.carol.tier: unknown tier 'gold' (defined tiers: free, pro)",
+    ],
+    "unknown_tier_none_defined": [
+        "FILE:2:17: default.tier: unknown tier 'free' (no tiers are defined)",
+    ],
+    "user_id_control": [
+        "FILE:4:3: users: user id must not contain control characters (got 'bad\\tid')",
+    ],
+    "user_id_empty": [
+        "FILE:4:3: users: user id must not be empty",
+    ],
+    "user_id_not_string": [
+        "FILE:4:3: users: user id must be a string; quote it: '12345'",
+    ],
+    "user_id_reserved": [
+        (
+            "FILE:4:3: users: '__anonymous__' is reserved for requests without "
+            "identity; set their limit with the top-level 'anonymous' key"
+        ),
+    ],
+    "user_id_too_long": [
+        "FILE:4:3: users: user id must be at most 256 characters (got 257)",
+    ],
+    "users_not_mapping": [
+        "FILE:4:3: users: must be a mapping (got a list)",
+    ],
+    "version_2": [
+        "FILE:1:10: version: unsupported version 2; this outrate reads version 1",
+    ],
+    "version_missing": [
+        "FILE:1:1: version: missing; a policy file starts with 'version: 1'",
+    ],
+    "version_string": [
+        "FILE:1:10: version: must be the number 1, not the string '1'",
+    ],
+    "yaml_tag": [
+        (
+            "FILE:2:10: <root>: invalid YAML: could not determine a constructor "
+            "for the tag 'tag:yaml.org,2002:python/object:os.system'"
+        ),
+    ],
+}
+
+
+def test_every_fixture_has_expectations() -> None:
+    assert sorted(p.stem for p in BAD.glob("*.yaml")) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_bad_policy(name: str) -> None:
+    path = BAD / f"{name}.yaml"
+    with pytest.raises(PolicyError) as info:
+        load_policy(path)
+    expected = [line.replace("FILE", str(path)) for line in EXPECTED[name]]
+    assert [str(p) for p in info.value.problems] == expected
+    assert str(info.value) == "\n".join(expected)
+    assert isinstance(info.value, OutrateError) and isinstance(info.value, ValueError)
+
+
+def test_problems_are_sorted_by_position() -> None:
+    with pytest.raises(PolicyError) as info:
+        load_policy(BAD / "many_problems.yaml")
+    positions = [(p.line, p.col) for p in info.value.problems]
+    assert positions == sorted(positions)
+
+
+def test_foreign_errors_are_chained() -> None:
+    with pytest.raises(PolicyError) as info:
+        load_policy(BAD / "invalid_yaml.yaml")
+    assert info.value.__cause__ is not None
+    with pytest.raises(PolicyError) as info:
+        load_policy(BAD / "rate_zero.yaml")
+    assert info.value.__cause__ is not None  # the pydantic ValidationError
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "nope.yaml"
+    with pytest.raises(PolicyError) as info:
+        load_policy(path)
+    assert str(info.value) == f"{path}:1:1: <file>: cannot read: No such file or directory"
+    assert isinstance(info.value.__cause__, OSError)
+
+
+def test_unreadable_bytes(tmp_path: Path) -> None:
+    path = tmp_path / "bin.yaml"
+    path.write_bytes(b"version: 1\ndefault: \xff\n")
+    with pytest.raises(PolicyError) as info:
+        load_policy(path)
+    assert str(info.value) == (
+        f"{path}:1:1: <file>: cannot read: not UTF-8 text (invalid start byte at byte 20)"
+    )
+
+
+def test_directory_is_not_a_policy(tmp_path: Path) -> None:
+    with pytest.raises(PolicyError) as info:
+        load_policy(tmp_path)
+    (problem,) = info.value.problems
+    assert problem[:4] == (str(tmp_path), 1, 1, "<file>")
+    assert problem.message.startswith("cannot read: ")
+
+
+def test_accepts_pathlike_and_str(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text("version: 1\ndefault: 5\n")
+    assert load_policy(path) == load_policy(os.fspath(path))
+
+
+def _one(text: str) -> Problem:
+    with pytest.raises(PolicyError) as info:
+        parse_policy(text, "p.yaml")
+    (problem,) = info.value.problems
+    return problem
+
+
+# -- values as written --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("written", "rate"),
+    [
+        ("100", Fraction(100)),
+        ("0.1", Fraction(1, 10)),
+        ("2.5", Fraction(5, 2)),
+        ("1e3", Fraction(1000)),
+        ("1.5e2", Fraction(150)),
+        ("1/3", Fraction(1, 3)),
+        ("1_000", Fraction(1000)),
+        ("1000000", Fraction(1_000_000)),
+        ("0.000001", Fraction(1, 1_000_000)),
+        ("unlimited", UNLIMITED),
+    ],
+)
+def test_rates_are_exact(written: str, rate: object) -> None:
+    policy = parse_policy(f"version: 1\ndefault: {written}\n", "p.yaml")
+    assert policy.default.rate == rate
+
+
+@pytest.mark.parametrize(
+    ("written", "ns"),
+    [
+        ("100ms", 100_000_000),
+        ("0.25s", 250_000_000),
+        ("2s", 2_000_000_000),
+        ("1500us", 1_500_000),
+        ("1500µs", 1_500_000),
+        ("750ns", 750),
+        ("3600s", 3_600_000_000_000),
+    ],
+)
+def test_durations(written: str, ns: int) -> None:
+    policy = parse_policy(f"version: 1\ndefault: 1\nburst: {written}\n", "p.yaml")
+    assert policy.burst == ns
+
+
+@pytest.mark.parametrize(
+    ("written", "message"),
+    [
+        ("3601s", "must be at most 3600s"),
+        ("0.5ns", "must be a whole number of nanoseconds"),
+        ("-0s", "must be > 0"),
+        ("5 min", "must be a duration like '100ms' or '0.25s' (got '5 min')"),
+        ("true", "must be a duration like '100ms' or '0.25s', with a unit (got true)"),
+    ],
+)
+def test_bad_durations(written: str, message: str) -> None:
+    assert _one(f"version: 1\ndefault: 1\nburst: {written}\n") == Problem(
+        "p.yaml", 3, 8, "burst", message
+    )
+
+
+@pytest.mark.parametrize(
+    ("written", "message"),
+    [
+        ('"100"', "must be a number of tokens per second or 'unlimited' (got '100')"),
+        (
+            "1/0",
+            "must be a number of tokens per second or 'unlimited' (got '1/0', a division by zero)",
+        ),
+        ("0/5", "must be > 0"),
+        ("-.inf", "must be a finite number; use 'unlimited' for no limit (got -.inf)"),
+        ("[1, 2]", "must be a number of tokens per second, 'unlimited', or a mapping (got a list)"),
+        ("Unlimited", "must be a number of tokens per second or 'unlimited' (got 'Unlimited')"),
+        ("2024-01-01", "must be a number of tokens per second or 'unlimited' (got 2024-01-01)"),
+        ("1e7", "must be at most 1000000 tokens per second (use 'unlimited' for no limit)"),
+    ],
+)
+def test_bad_rates(written: str, message: str) -> None:
+    assert _one(f"version: 1\ndefault: {written}\n") == Problem("p.yaml", 2, 10, "default", message)
+
+
+def test_anonymous_and_match_and_tiers_load() -> None:
+    policy = parse_policy(
+        "version: 1\n"
+        "default: {tier: free}\n"
+        "anonymous: 5\n"
+        "tiers: {free: 20, pro: {rate: 500, burst: 250ms, max_streams: 8}}\n"
+        "users: {carol: {tier: pro, max_streams: 2}}\n"
+        "match:\n"
+        "  - {pattern: 'team-x/*', tier: pro}\n"
+        "  - {pattern: 'trial-*', rate: 10, max_streams: 2}\n",
+        "p.yaml",
+    )
+    assert policy.users["carol"].tier == "pro" and policy.users["carol"].max_streams == 2
+    assert [m.pattern for m in policy.match] == ["team-x/*", "trial-*"]
+    assert policy.tiers["pro"].burst == 250_000_000
+    assert policy.anonymous is not None and policy.anonymous.rate == 5
+    assert policy.source == "p.yaml"
+    assert policy.position("users", "carol") == (5, 16)
+    assert policy.position("match", 1, "pattern") == (8, 15)
+
+
+def test_merge_keys_and_anchors_work() -> None:
+    policy = parse_policy(
+        "version: 1\n"
+        "default: &base {rate: 10, burst: 1s}\n"
+        "users:\n"
+        "  alice: *base\n"
+        "  bob: {<<: *base, rate: 20}\n",
+        "p.yaml",
+    )
+    assert policy.users["alice"] == policy.default
+    assert policy.users["bob"].rate == 20 and policy.users["bob"].burst == 1_000_000_000
+
+
+def test_duplicate_after_merge_is_allowed_but_explicit_duplicate_is_not() -> None:
+    text = "version: 1\ndefault: &b {rate: 1}\nusers:\n  a: {<<: *b, rate: 2, rate: 3}\n"
+    assert _one(text) == Problem(
+        "p.yaml", 4, 24, "users.a", "duplicate key 'rate' (first at line 4)"
+    )
+
+
+def test_recursive_alias_is_an_error_not_a_hang() -> None:
+    problems = pytest.raises(PolicyError, parse_policy, "version: 1\ndefault: &a [*a]\n", "p.yaml")
+    assert "an alias refers to itself" in str(problems.value)
+
+
+def test_alias_bomb_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loader, "MAX_NODES", 10_000)  # the real cap, just sooner
+    lines = ["version: 1", "default: 1", "a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, 8):
+        prev = f"*a{i - 1}"
+        lines.append(f"a{i}: &a{i} [{', '.join([prev] * 10)}]")
+    problem = _one("\n".join(lines) + "\n")
+    assert problem.message == "more than 10000 values (alias bomb?)"
+
+
+def test_keys_must_be_scalars() -> None:
+    problem = _one("version: 1\ndefault: 1\nusers:\n  ? [a, b]\n  : 5\n")
+    assert problem == Problem("p.yaml", 4, 5, "users", "keys must be plain scalars")
+
+
+def test_non_string_root_key() -> None:
+    assert _one("version: 1\ndefault: 1\n5: x\n") == Problem(
+        "p.yaml", 3, 1, "<root>", "unknown key 5"
+    )
+
+
+def test_unsupported_collection_tag() -> None:
+    assert _one("version: 1\ndefault: 1\nusers: !!set {a, b}\n") == Problem(
+        "p.yaml", 3, 8, "users", "unsupported YAML tag 'tag:yaml.org,2002:set'"
+    )
+
+
+def test_multiple_documents_are_a_syntax_error() -> None:
+    problem = _one("version: 1\ndefault: 1\n---\nversion: 1\n")
+    assert problem.field == "<root>" and problem.message.startswith("invalid YAML: ")
+    assert problem.line == 3
+
+
+def test_odd_user_ids_are_quoted_in_field_paths() -> None:
+    problem = _one('version: 1\ndefault: 1\nusers:\n  "a.b c": 0\n')
+    assert problem == Problem("p.yaml", 4, 12, 'users."a.b c"', "must be > 0")
+
+
+def test_field_path() -> None:
+    assert field_path(()) == "<root>"
+    assert field_path(("match", 1, "pattern")) == "match[1].pattern"
+    assert field_path(("users", "team-x/bob", "rate")) == "users.team-x/bob.rate"
+    assert field_path(("users", "")) == 'users.""'
+
+
+def test_exact_decimal_from_yaml() -> None:
+    policy = parse_policy("version: 1\ndefault: 0.1000000000000000000001\n", "p.yaml")
+    assert policy.default.rate == Fraction(Decimal("0.1000000000000000000001"))
+
+
+def test_bom_is_accepted(tmp_path: Path) -> None:
+    path = tmp_path / "bom.yaml"
+    path.write_bytes("\ufeffversion: 1\ndefault: 3\n".encode())
+    assert load_policy(path).default.rate == 3

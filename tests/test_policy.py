@@ -1,0 +1,175 @@
+"""The policy models: value rules, immutability, dumping, and the JSON Schema."""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from outrate.cli import schema_text
+from outrate.limiter import ANONYMOUS
+from outrate.loader import parse_policy
+from outrate.policy import (
+    DEFAULT_BURST_NS,
+    MAX_RATE,
+    UNLIMITED,
+    LimitRule,
+    MatchRule,
+    Policy,
+    TierRule,
+    check_user_id,
+    format_duration,
+    parse_duration,
+    parse_rate,
+    policy_json_schema,
+)
+
+ROOT = Path(__file__).parent.parent
+
+
+def test_models_are_frozen_and_strict() -> None:
+    policy = Policy.model_validate({"version": 1, "default": 5})
+    with pytest.raises(ValidationError):
+        policy.default = LimitRule(rate=Fraction(1))  # type: ignore[misc]
+    for model in (Policy, LimitRule, TierRule, MatchRule):
+        assert model.model_config.get("frozen") is True
+        assert model.model_config.get("extra") == "forbid"
+
+
+def test_defaults() -> None:
+    policy = Policy.model_validate({"version": 1, "default": "unlimited"})
+    assert policy.burst == DEFAULT_BURST_NS == 100_000_000
+    assert policy.anonymous is None
+    assert policy.tiers == {} and policy.users == {} and policy.match == ()
+    assert policy.default.rate == UNLIMITED
+
+
+def test_direct_construction_checks_tier_references() -> None:
+    """The loader reports these with positions; direct use is guarded too, so a
+    Policy object can never reach the compiler with a dangling tier."""
+    with pytest.raises(ValidationError, match=r"users\.bob\.tier: unknown tier 'gold'"):
+        Policy.model_validate({"version": 1, "default": 1, "users": {"bob": {"tier": "gold"}}})
+
+
+@pytest.mark.parametrize(
+    ("value", "rate"),
+    [
+        (1, Fraction(1)),
+        (0.1, Fraction(1, 10)),
+        (Decimal("2.5"), Fraction(5, 2)),
+        ("3/4", Fraction(3, 4)),
+        (" 1 / 3 ", Fraction(1, 3)),
+        (Fraction(7, 3), Fraction(7, 3)),
+        (MAX_RATE, Fraction(MAX_RATE)),
+        ("unlimited", UNLIMITED),
+    ],
+)
+def test_parse_rate(value: object, rate: object) -> None:
+    assert parse_rate(value) == rate
+
+
+@pytest.mark.parametrize(
+    "value", [0, -1, float("nan"), float("inf"), True, False, None, "fast", "", [], MAX_RATE + 0.5]
+)
+def test_parse_rate_rejects(value: object) -> None:
+    with pytest.raises(ValueError):
+        parse_rate(value)
+
+
+def test_durations_round_trip() -> None:
+    for ns in (1, 999, 1_000, 1_500_000, 100_000_000, 250_000_000, 2_000_000_000):
+        assert parse_duration(format_duration(ns)) == ns
+    assert format_duration(100_000_000) == "100ms"
+    assert format_duration(2_000_000_000) == "2s"
+    assert format_duration(1_500) == "1500ns"
+    assert format_duration(1_500_000) == "1500us"
+
+
+def test_user_ids() -> None:
+    assert check_user_id("team-x/bob@example.com") == "team-x/bob@example.com"
+    assert check_user_id("ü" * 256) == "ü" * 256
+    for bad in ("", "a" * 257, "a\nb", "a\x7fb", ANONYMOUS, 5, None):
+        with pytest.raises(ValueError):
+            check_user_id(bad)
+
+
+# -- round trips ------------------------------------------------------------------
+
+# C1 controls (U+0080-U+009F) are valid ids but PyYAML's emitter writes U+0085
+# raw, which YAML reads back as a line break; no human writes them in a file.
+user_ids = st.text(
+    alphabet=st.characters(min_codepoint=33, max_codepoint=0x2FF).filter(
+        lambda c: c != "\x7f" and not 0x80 <= ord(c) <= 0x9F
+    ),
+    min_size=1,
+    max_size=40,
+).filter(lambda s: s != ANONYMOUS)
+rates = st.one_of(
+    st.integers(min_value=1, max_value=MAX_RATE),
+    st.decimals(min_value=Decimal("0.001"), max_value=Decimal(MAX_RATE), places=3),
+    st.fractions(min_value=Fraction(1, 1000), max_value=1000).filter(lambda f: f > 0),
+    st.just(UNLIMITED),
+)
+
+
+def _yaml_rate(rate: object) -> object:
+    if isinstance(rate, Fraction):
+        return f"{rate.numerator}/{rate.denominator}"
+    if isinstance(rate, Decimal):
+        return float(rate)  # 3 decimal places: the float's repr is the same number
+    return rate
+
+
+@given(st.dictionaries(user_ids, rates, max_size=20))
+def test_any_valid_users_round_trip(users: dict[str, object]) -> None:
+    """Every user written with a valid rate loads back with exactly that rate."""
+    data = {"version": 1, "default": 1, "users": {u: _yaml_rate(r) for u, r in users.items()}}
+    policy = parse_policy(yaml.safe_dump(data, allow_unicode=True), "p.yaml")
+    assert set(policy.users) == set(users)
+    for uid, rate in users.items():
+        expected = rate if rate == UNLIMITED else parse_rate(rate)
+        assert policy.users[uid].rate == expected
+
+
+@given(st.dictionaries(user_ids, rates, max_size=10), rates)
+def test_dump_reloads_to_an_equal_policy(users: dict[str, object], default: object) -> None:
+    policy = Policy.model_validate(
+        {"version": 1, "default": default, "users": users, "burst": "250ms"}
+    )
+    text = yaml.safe_dump(policy.model_dump(mode="json", exclude_none=True), allow_unicode=True)
+    assert parse_policy(text, "dumped.yaml") == policy
+
+
+# -- schema -----------------------------------------------------------------------
+
+
+def test_schema_is_stable_and_shipped() -> None:
+    text = schema_text()
+    assert text == schema_text()
+    assert (ROOT / "policies" / "policy.schema.json").read_text() == text
+    assert (ROOT / "outrate" / "policy.schema.json").read_text() == text
+
+
+def test_schema_describes_the_format() -> None:
+    schema = policy_json_schema()
+    assert schema["required"] == ["version", "default"]
+    assert schema["additionalProperties"] is False
+    assert set(schema["properties"]) == {
+        "version", "default", "anonymous", "burst", "tiers", "users", "match",
+    }  # fmt: skip
+    assert schema["properties"]["version"] == {
+        "const": 1,
+        "description": "Format version; must be 1.",
+        "title": "Version",
+    }  # noqa: E501
+    # a limit spec may be a bare rate or a mapping
+    kinds = json.dumps(schema["properties"]["default"])
+    assert '"const": "unlimited"' in kinds and "#/$defs/LimitRule" in kinds
+    assert "tier" not in schema["$defs"]["TierRule"]["properties"]
