@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from outrate.errors import OutrateError, PolicyError, Problem
 from outrate import loader
+from outrate.errors import OutrateError, PolicyError, Problem
 from outrate.loader import field_path, load_policy, parse_policy
 from outrate.policy import UNLIMITED
 

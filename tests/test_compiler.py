@@ -1,0 +1,273 @@
+"""Compiler: resolution order, shared Limits, the bounded pattern cache, flags."""
+
+from __future__ import annotations
+
+import dataclasses
+from fnmatch import fnmatchcase
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from outrate import compiler
+from outrate.compiler import compile_policy, load_compiled, policy_from_flags
+from outrate.errors import PolicyError
+from outrate.limiter import ANONYMOUS, Limit, Limiter
+from outrate.loader import parse_policy
+from outrate.policy import Policy
+
+POLICIES = Path(__file__).parent.parent / "policies"
+
+TIERS = """\
+version: 1
+default: {tier: free}
+anonymous: 10
+burst: 200ms
+tiers:
+  free: 20
+  pro: {rate: 500, burst: 250ms, max_streams: 8}
+users:
+  alice: 50
+  bob: {rate: 2.5, burst: 1s}
+  carol: {tier: pro}
+  dave: {tier: pro, max_streams: 2}
+  erin: {tier: pro}
+  frank: unlimited
+match:
+  - pattern: "team-x/*"
+    tier: pro
+  - pattern: "trial-*"
+    rate: 10
+    max_streams: 2
+  - pattern: "team-*"
+    rate: 30
+"""
+
+
+def compiled(text: str = TIERS, source: str = "t.yaml") -> compiler.CompiledPolicy:
+    return compile_policy(parse_policy(text, source), source)
+
+
+def test_resolution_order() -> None:
+    c = compiled()
+    assert c.limit_for("alice").rate == 50  # exact user
+    assert c.limit_for("team-x/zed") is c.tiers["pro"]  # first match wins...
+    assert c.limit_for("team-y").rule == "match[2] team-*"  # ...over later ones
+    assert c.limit_for("trial-1").max_streams == 2
+    assert c.limit_for("nobody") is c.default and c.default.rule == "tiers.free"
+    assert c.limit_for(ANONYMOUS) is c.anonymous
+    assert c.anonymous.rate == 10
+
+
+def test_rules_and_inheritance() -> None:
+    c = compiled()
+    ms = 1_000_000
+    assert c.burst_ns == 200 * ms
+    assert (c.users["alice"].rule, c.users["alice"].burst_ns) == ("users.alice", 200 * ms)
+    assert c.users["bob"].rate == Fraction(5, 2) and c.users["bob"].burst_ns == 1000 * ms
+    # a tier reference without overrides is the tier's own Limit (one per rule)
+    assert c.users["carol"] is c.tiers["pro"] is c.users["erin"]
+    assert c.tiers["pro"].rule == "tiers.pro"
+    # with overrides it is its own rule, inheriting the rest from the tier
+    dave = c.users["dave"]
+    assert (dave.rate, dave.burst_ns, dave.max_streams) == (500, 250 * ms, 2)
+    assert dave.rule == "users.dave (tiers.pro)"
+    assert c.users["frank"].rate is None
+    assert c.default is c.tiers["free"] and c.default.burst_ns == 200 * ms
+    assert c.patterns[0] == ("team-x/*", c.tiers["pro"])
+
+
+def test_limits_are_shared_per_rule_not_per_lookup() -> None:
+    c = compiled()
+    assert c.limit_for("team-a") is c.limit_for("team-b")
+    assert c.limit_for("x1") is c.limit_for("x2") is c.default
+    assert c.limit_for("alice") is c.limit_for("alice")
+
+
+def test_anonymous_defaults_to_one_bucket_at_the_default() -> None:
+    c = compiled("version: 1\ndefault: {rate: 7, max_streams: 3}\n")
+    assert c.anonymous == c.default
+    assert c.anonymous.rule == "anonymous (default)"
+    assert c.limit_for(ANONYMOUS) is c.anonymous
+
+
+def test_compiled_policy_is_immutable() -> None:
+    c = compiled()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.default = c.anonymous  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        c.users["mallory"] = c.default  # type: ignore[index]
+    with pytest.raises(TypeError):
+        c.tiers["gold"] = c.default  # type: ignore[index]
+    assert isinstance(c.patterns, tuple)
+    assert not hasattr(c, "__dict__")  # slots
+
+
+def test_pattern_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compiler, "PATTERN_CACHE_SIZE", 100)
+    c = compiled()
+    for i in range(1000):
+        assert c.limit_for(f"team-{i}").rate == 30
+        assert len(c._cache) <= 100
+    assert c.limit_for("team-x/a") is c.tiers["pro"]
+
+
+def test_no_patterns_no_cache() -> None:
+    c = compiled("version: 1\ndefault: 5\n")
+    for i in range(100):
+        c.limit_for(f"u{i}")
+    assert c._cache == {}
+
+
+def test_summary() -> None:
+    c = load_compiled(POLICIES / "seed.yaml")
+    assert c.summary() == (
+        f"outrate policy from {POLICIES / 'seed.yaml'}: 2 users, 0 tiers, 0 patterns; "
+        "default 100 tok/s burst 100ms; anonymous 100 tok/s burst 100ms"
+    )
+    one = compiled("version: 1\ndefault: unlimited\nusers: {a: 1}\ntiers: {t: 2}\n", "x")
+    assert one.summary() == (
+        "outrate policy from x: 1 user, 1 tier, 0 patterns; default unlimited; anonymous unlimited"
+    )
+
+
+def test_is_unlimited() -> None:
+    assert compiled("version: 1\ndefault: unlimited\n").is_unlimited
+    assert compiled("version: 1\ndefault: unlimited\nusers: {a: unlimited}\n").is_unlimited
+    assert not compiled("version: 1\ndefault: unlimited\nusers: {a: 5}\n").is_unlimited
+    assert not compiled("version: 1\ndefault: unlimited\nanonymous: 5\n").is_unlimited
+    assert not compiled("version: 1\ndefault: {rate: unlimited, max_streams: 4}\n").is_unlimited
+    assert not compiled("version: 1\ndefault: unlimited\ntiers: {t: 5}\n").is_unlimited
+    assert policy_from_flags(None, None).is_unlimited
+
+
+def test_every_loaded_policy_compiles_and_drives_a_limiter() -> None:
+    for path in sorted(POLICIES.glob("*.yaml")):
+        c = load_compiled(path)
+        assert c.source == str(path) and c.policy is not None
+        limiter = Limiter(c, clock=lambda: 0)
+        assert limiter.try_take("someone", now=0)
+        assert limiter.try_take(ANONYMOUS, now=0)
+
+
+# -- flags ----------------------------------------------------------------------
+
+
+def test_flags_like_the_seed() -> None:
+    c = policy_from_flags(100, '{"user-a": 100, "user-b": 500}')
+    assert c.source == "flags"
+    assert c.limit_for("user-b").rate == 500 and c.limit_for("zz") is c.default
+    assert c.default.rate == 100 and c.anonymous.rate == 100
+    assert c.summary() == load_compiled(POLICIES / "seed.yaml").summary().replace(
+        str(POLICIES / "seed.yaml"), "flags"
+    )
+
+
+def test_flags_without_default_are_unlimited() -> None:
+    c = policy_from_flags(None, {"user-a": 0.5})
+    assert c.default.rate is None
+    assert c.limit_for("user-a").rate == Fraction(1, 2)
+
+
+def test_flag_floats_are_exact() -> None:
+    c = policy_from_flags(0.1, '{"u": 0.3}')
+    assert c.default.rate == Fraction(1, 10) and c.users["u"].rate == Fraction(3, 10)
+
+
+@pytest.mark.parametrize(
+    ("default", "users", "message"),
+    [
+        (0, None, "--default-user-output-tokens-per-second:1:1: default: must be > 0"),
+        (-1.5, None, "--default-user-output-tokens-per-second:1:1: default: must be > 0"),
+        (
+            2e6,
+            None,
+            "--default-user-output-tokens-per-second:1:1: default: must be at most 1000000 "
+            "tokens per second (use 'unlimited' for no limit)",
+        ),
+        (None, '{"user-a": 0}', "--user-output-tokens-per-second:1:1: users.user-a: must be > 0"),
+        (None, {"user-a": -3}, "--user-output-tokens-per-second:1:1: users.user-a: must be > 0"),
+        (
+            None,
+            '{"user-a": "fast"}',
+            "--user-output-tokens-per-second:1:1: users.user-a: must be a number of tokens "
+            "per second or 'unlimited' (got 'fast')",
+        ),
+        (
+            None,
+            '{"__anonymous__": 5}',
+            "--user-output-tokens-per-second:1:1: users: '__anonymous__' is reserved for "
+            "requests without identity; set their limit with the top-level 'anonymous' key",
+        ),
+        (
+            None,
+            "[1, 2]",
+            "--user-output-tokens-per-second:1:1: users: must be a JSON object of user id "
+            "-> tokens per second",
+        ),
+        (
+            None,
+            "{bad",
+            "--user-output-tokens-per-second:1:2: users: invalid JSON: Expecting property "
+            "name enclosed in double quotes",
+        ),
+    ],
+)
+def test_bad_flags(default: float | None, users: object, message: str) -> None:
+    with pytest.raises(PolicyError) as info:
+        policy_from_flags(default, users)  # type: ignore[arg-type]
+    assert str(info.value) == message
+
+
+def test_both_flags_bad_reports_both() -> None:
+    with pytest.raises(PolicyError) as info:
+        policy_from_flags(0, '{"a": 0}')
+    assert [p.path for p in info.value.problems] == [
+        "--default-user-output-tokens-per-second",
+        "--user-output-tokens-per-second",
+    ]
+
+
+# -- properties -------------------------------------------------------------------
+
+ids = st.text(alphabet="abx-/*?", min_size=1, max_size=6)
+globs = st.text(alphabet="abx-/*?", min_size=1, max_size=4)
+
+
+@given(
+    users=st.dictionaries(ids, st.integers(1, 1000), max_size=5),
+    patterns=st.lists(st.tuples(globs, st.integers(1, 1000)), max_size=5),
+    probe=ids,
+)
+def test_limit_for_follows_the_documented_order(
+    users: dict[str, int], patterns: list[tuple[str, int]], probe: str
+) -> None:
+    policy = Policy.model_validate(
+        {
+            "version": 1,
+            "default": 1,
+            "users": users,
+            "match": [{"pattern": p, "rate": r} for p, r in patterns],
+        }
+    )
+    c = compile_policy(policy, "prop")
+    got = c.limit_for(probe)
+    if probe in users:
+        assert got.rule == f"users.{probe}" and got.rate == users[probe]
+    else:
+        first = next((i for i, (p, _) in enumerate(patterns) if fnmatchcase(probe, p)), None)
+        if first is None:
+            assert got is c.default
+        else:
+            assert got is c.patterns[first][1]
+            assert got.rule == f"match[{first}] {patterns[first][0]}"
+    assert c.limit_for(probe) is got  # the cache answers the same
+
+
+@given(st.dictionaries(ids, st.integers(1, 10**6), max_size=20))
+def test_compile_never_fails_on_a_loaded_policy(users: dict[str, int]) -> None:
+    c = compile_policy(Policy.model_validate({"version": 1, "default": 1, "users": users}), "p")
+    assert all(isinstance(v, Limit) for v in c.users.values())
+    assert len(c.users) == len(users)
