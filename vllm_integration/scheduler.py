@@ -296,17 +296,22 @@ class OutrateMixin:
         if limit.max_streams is not None and u.resident >= limit.max_streams:
             return False  # waits in the queue without blocking anyone else
         if u.refused_step == self._step or u.n_held or self.limiter.available(u.bucket, now) == 0:
-            if not self._can_prefill_ahead(request):
+            if not self._can_prefill_ahead(request) or len(self.running) + 1 >= self.max_num_active_reqs:
                 ready = self.limiter.ready_at(u.bucket, now)
                 if self._blocked_ready == 0 or ready < self._blocked_ready:
                     self._blocked_ready = ready
                 return False
+        # Counted as resident now (so max_streams holds within one step);
+        # undone after the step if stock did not admit it after all.
+        rs.resident = True
+        u.resident += 1
         self._admits.append(request)
         return True
 
     def _can_prefill_ahead(self, request: Request) -> bool:
         """Whether a throttled request can be admitted to prefill without
-        sampling. Stock stops admitting everyone when the lookahead hook
+        sampling. (The caller also keeps the last free seat for users with
+        budget.) Stock stops admitting everyone when the lookahead hook
         returns 0 in the waiting loop, so admit only when the cap
         `num_tokens - 1 - computed` is positive whatever the prefix-cache hit
         (hits are whole blocks of at most `num_tokens - 1` tokens)."""
@@ -391,9 +396,9 @@ class OutrateMixin:
         if self._admits:
             for r in self._admits:
                 rs = r.__dict__.get(_ATTR)
-                if rs is not None and not rs.resident and r.status == RequestStatus.RUNNING:
-                    rs.resident = True
-                    rs.user.resident += 1
+                if rs is not None and rs.resident and r.status != RequestStatus.RUNNING:
+                    rs.resident = False
+                    rs.user.resident -= 1
             self._admits.clear()
         refused = self._refused
         if refused:
