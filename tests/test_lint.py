@@ -1,0 +1,488 @@
+"""Lint rules (policy and deployment) and the deployment reader they run on.
+
+Every deployment rule is checked from both inputs vLLM takes: `vllm serve`
+flags and a `--config` YAML file (tests/fixtures/deploy/), with its location.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from outrate.compiler import CompiledPolicy, compile_policy, load_compiled, policy_from_flags
+from outrate.deployment import (
+    Deployment,
+    DeploymentError,
+    deployment_from_args,
+    deployment_from_config,
+    load_deployment,
+)
+from outrate.errors import OutrateError
+from outrate.limiter import Limit
+from outrate.lint import (
+    REJECTED_MODEL_KINDS,
+    Finding,
+    lint_all,
+    lint_deployment,
+    lint_policy,
+)
+from outrate.loader import parse_policy
+
+DEPLOY = Path(__file__).parent / "fixtures" / "deploy"
+POLICIES = Path(__file__).parent.parent / "policies"
+CAPPED = ["--max-num-seqs", "64", "--max-num-active-seqs", "48"]  # silences OR111
+
+
+def codes(findings: list[Finding]) -> list[str]:
+    return [f.code for f in findings]
+
+
+# -- deployment rules: (code, config fixture, config line, argv variants) --------
+
+RULES = [
+    (
+        "OR101",
+        "speculative.yaml",
+        3,
+        [
+            ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+            ["-sc", '{"method": "ngram"}'],
+            ["--spec-model", "/models/draft"],
+            ["--speculative-config.method", "ngram"],
+        ],
+    ),
+    (
+        "OR102",
+        "data_parallel.yaml",
+        2,
+        [["-dp", "2"], ["--data-parallel-size=4"], ["--data_parallel_size", "2"]],
+    ),  # noqa: E501
+    ("OR103", "pipeline_parallel.yaml", 2, [["-pp", "2"], ["--pipeline-parallel-size", "2"]]),
+    (
+        "OR104",
+        "kv_connector.yaml",
+        2,
+        [
+            ["--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'],
+            [
+                "--kv-transfer-config.kv_connector",
+                "NixlConnector",
+                "--kv-transfer-config.kv_role=kv_both",
+            ],  # noqa: E501
+        ],
+    ),
+    ("OR105", "ec_connector.yaml", 2, [["--ec-transfer-config", '{"ec_connector": "X"}']]),
+    ("OR106", "kv_offload.yaml", 2, [["--kv-offloading-size", "16"], ["--kv_offloading_size=0.5"]]),
+    (
+        "OR107",
+        "aux_output.yaml",
+        2,
+        [
+            ["--enable-return-routed-experts"],
+            ["--aux-output-config", '{"enable_return_routed_experts": true}'],
+        ],
+    ),
+    ("OR108", "scheduler.yaml", 2, [["--scheduler-cls", "my_company.sched.FancyScheduler"]]),
+    (
+        "OR109",
+        "diffusion.yaml",
+        2,
+        [["-dc", '{"canvas_length": 32}'], ["--diffusion-config", "{}"]],
+    ),
+    (
+        "OR112",
+        "no_chunked_prefill.yaml",
+        2,
+        [["--no-enable-chunked-prefill"], ["--no_enable_chunked_prefill"]],
+    ),  # noqa: E501
+]
+
+
+@pytest.mark.parametrize(("code", "fixture", "line", "argvs"), RULES)
+def test_rule_from_config_file(code: str, fixture: str, line: int, argvs: object) -> None:
+    path = DEPLOY / fixture
+    findings = lint_deployment(deployment_from_config(path))
+    assert codes(findings) == [code]
+    assert findings[0].location == f"{path}:{line}:1"
+
+
+@pytest.mark.parametrize(("code", "fixture", "line", "argvs"), RULES)
+def test_rule_from_command_line(code: str, fixture: str, line: int, argvs: list[list[str]]) -> None:
+    for argv in argvs:
+        findings = lint_deployment(deployment_from_args(["serve", "/models/tiny", *CAPPED, *argv]))
+        assert codes(findings) == [code], argv
+        assert findings[0].location == argv[0].partition("=")[0]
+
+
+def test_severities_and_reasons() -> None:
+    findings = {
+        f.code: f
+        for f in lint_deployment(
+            Deployment(
+                speculative=True,
+                data_parallel_size=2,
+                pipeline_parallel_size=3,
+                kv_connector="NixlConnector",
+                ec_connector="ECExampleConnector",
+                kv_offload=True,
+                aux_output=True,
+                scheduler_cls="vllm.v1.core.sched.scheduler.Scheduler",
+                model_kind="multimodal",
+                chunked_prefill=False,
+            )
+        )
+    }
+    errors = {"OR101", "OR102", "OR103", "OR104", "OR105", "OR106", "OR107", "OR108", "OR109"}
+    assert {c for c, f in findings.items() if f.severity == "error"} == errors
+    assert {c for c, f in findings.items() if f.severity == "warning"} == {"OR111", "OR112"}
+    assert findings["OR101"].message == (
+        "speculative decoding is not supported: draft tokens are sampled without passing "
+        "the per-user limiter"
+    )
+    assert "a user would get up to 2 times its rate" in findings["OR102"].message
+    assert "pipeline parallel size 3 is not supported" in findings["OR103"].message
+    assert "KV connector 'NixlConnector' is not supported" in findings["OR104"].message
+    assert "scheduler class 'vllm.v1.core.sched.scheduler.Scheduler'" in findings["OR108"].message
+    assert findings["OR109"].message.startswith("multimodal models are not supported: ")
+    assert all(f.location == "defaults" for f in findings.values())
+
+
+@pytest.mark.parametrize("kind", sorted(REJECTED_MODEL_KINDS))
+def test_rejected_model_kinds(kind: str) -> None:
+    (finding,) = lint_deployment(Deployment(model_kind=kind, max_num_active_seqs=8))
+    assert finding.code == "OR109" and finding.severity == "error"
+    assert finding.message.startswith(f"{kind} models are not supported: ")
+
+
+def test_fine_deployments() -> None:
+    assert lint_deployment(deployment_from_config(DEPLOY / "good.yaml")) == []
+    assert lint_deployment(Deployment(max_num_active_seqs=8, model_kind="decoder")) == []
+    for ours in (
+        "vllm_integration.scheduler.outrate_scheduler",
+        "vllm_integration.scheduler.OutrateAsyncScheduler",
+        "outrate_plugin.Sched",
+    ):
+        assert lint_deployment(Deployment(max_num_active_seqs=8, scheduler_cls=ours)) == []
+    # tensor parallel and async scheduling are supported; speculative null is off
+    argv = [*CAPPED, "-tp", "8", "--async-scheduling", "--speculative-config", "null"]
+    assert lint_deployment(deployment_from_args(argv)) == []
+
+
+def test_offload_connector_is_reported_once() -> None:
+    """When the engine builds the Deployment from VllmConfig, offloading also shows
+    up as the connector vLLM installed for it; one error is enough."""
+    dep = Deployment(kv_offload=True, kv_connector="OffloadingConnector", max_num_active_seqs=8)
+    assert codes(lint_deployment(dep)) == ["OR106"]
+
+
+def test_active_seqs_unset() -> None:
+    path = DEPLOY / "active_unset.yaml"
+    (finding,) = lint_deployment(deployment_from_config(path))
+    assert finding == Finding(
+        "OR111",
+        "warning",
+        "--max-num-active-seqs is not set: throttled requests keep their running slot, so "
+        "only a cap below --max-num-seqs leaves them room to yield their turn to "
+        "unthrottled requests; set it below --max-num-seqs (64) (e.g. 48)",
+        str(path),
+    )
+    (finding,) = lint_deployment(deployment_from_args([]))
+    assert finding.location == "defaults"
+    assert "set it below --max-num-seqs (the vLLM default)" in finding.message
+
+
+def test_active_seqs_too_high() -> None:
+    path = DEPLOY / "active_too_high.yaml"
+    (finding,) = lint_deployment(deployment_from_config(path))
+    assert finding.code == "OR111" and finding.location == f"{path}:2:1"
+    assert finding.message.startswith("--max-num-active-seqs 64 is not below --max-num-seqs 64: ")
+    argv = ["--max-num-seqs", "64", "--max-num-active-seqs", "80"]
+    (finding,) = lint_deployment(deployment_from_args(argv))
+    assert finding.location == "--max-num-active-seqs"
+    # below the cap, or unknown cap (vLLM's default depends on the hardware): fine
+    assert lint_deployment(deployment_from_args(["--max-num-active-seqs", "80"])) == []
+
+
+# -- the deployment reader ---------------------------------------------------------
+
+
+def test_defaults_match_vllm() -> None:
+    dep = deployment_from_args(["serve", "/models/tiny"])
+    assert dep == Deployment(source="command line")
+    assert (dep.data_parallel_size, dep.pipeline_parallel_size, dep.tensor_parallel_size) == (
+        1,
+        1,
+        1,
+    )
+    assert dep.chunked_prefill is None and dep.max_num_seqs is None and not dep.speculative
+
+
+def test_flag_spellings() -> None:
+    dep = deployment_from_args(
+        [
+            "serve",
+            "--model",
+            "m",
+            "--unknown-flag",
+            "value",
+            "-tp=4",
+            "--max_num_seqs=32",
+            "--max-num-active-seqs",
+            "24",
+            "--enable-chunked-prefill",
+            "--no-async-scheduling",
+            "--scheduler_cls",
+            "vllm_integration.scheduler.outrate_scheduler",
+            "-q",
+            "awq",
+        ]
+    )
+    assert dep.tensor_parallel_size == 4
+    assert (dep.max_num_seqs, dep.max_num_active_seqs) == (32, 24)
+    assert dep.chunked_prefill is True and dep.async_scheduling is False
+    assert dep.scheduler_cls == "vllm_integration.scheduler.outrate_scheduler"
+    assert dep.locations["tensor_parallel_size"] == "-tp"
+    assert dep.locations["max_num_seqs"] == "--max_num_seqs"
+    assert dep.where("speculative") == "command line"
+
+
+def test_config_then_command_line_overrides() -> None:
+    config = DEPLOY / "good.yaml"
+    dep = load_deployment(config, ["--max-num-active-seqs", "70", "--no-enable-chunked-prefill"])
+    assert dep.tensor_parallel_size == 2 and dep.max_num_seqs == 64
+    assert dep.max_num_active_seqs == 70 and dep.chunked_prefill is False
+    assert dep.locations["max_num_seqs"] == f"{config}:5:1"
+    assert dep.locations["max_num_active_seqs"] == "--max-num-active-seqs"
+    # vLLM's own --config among the serve args works the same way
+    same = deployment_from_args(
+        [
+            "serve",
+            "--config",
+            str(config),
+            "--max-num-active-seqs=70",
+            "--no-enable-chunked-prefill",
+        ]
+    )
+    assert same == dep
+    assert load_deployment(config) == deployment_from_config(config)
+
+
+def test_config_file_spellings(tmp_path: Path) -> None:
+    path = tmp_path / "serve.yaml"
+    path.write_text(
+        "max_num_seqs: 16\n"
+        "no-enable-chunked-prefill: true\n"
+        'kv-transfer-config: \'{"kv_connector": "LMCacheConnectorV1"}\'\n'
+        "unknown: 3\n"
+    )
+    dep = deployment_from_config(path)
+    assert dep.max_num_seqs == 16 and dep.chunked_prefill is False
+    assert dep.kv_connector == "LMCacheConnectorV1"
+    assert dep.source == str(path) and dep.locations["kv_connector"] == f"{path}:3:1"
+    path.write_text("")
+    assert deployment_from_config(path) == Deployment(source=str(path))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--max-num-seqs", "lots"], "--max-num-seqs: expected an integer (got 'lots')"),
+        (["--max-num-seqs"], "--max-num-seqs: expects a value"),
+        (["-tp"], "-tp: expects a value"),
+        (
+            ["--kv-transfer-config", "{bad"],
+            "--kv-transfer-config: invalid JSON (Expecting property name enclosed in double "
+            "quotes)",
+        ),
+        (
+            ["--kv-transfer-config", "[1]"],
+            "--kv-transfer-config: expected a JSON object (got '[1]')",
+        ),
+        (
+            ["--enable-chunked-prefill=false"],
+            "--enable-chunked-prefill: takes no value; use --enable-chunked-prefill or "
+            "--no-enable-chunked-prefill",
+        ),
+        (
+            ["--kv-offloading-size", "big"],
+            "--kv-offloading-size: expected a size in GiB (got 'big')",
+        ),
+        (["--config"], "--config: expects a value"),
+    ],
+)
+def test_bad_command_line(argv: list[str], message: str) -> None:
+    with pytest.raises(DeploymentError) as info:
+        deployment_from_args(argv)
+    assert str(info.value) == message
+    assert isinstance(info.value, OutrateError)
+
+
+def test_bad_config_files(tmp_path: Path) -> None:
+    bad = DEPLOY / "bad_value.yaml"
+    with pytest.raises(DeploymentError, match="^") as info:
+        deployment_from_config(bad)
+    assert str(info.value) == f"{bad}:1:1: max-num-seqs: expected an integer (got 'lots')"
+    with pytest.raises(DeploymentError) as info:
+        deployment_from_config(DEPLOY / "not_mapping.yaml")
+    assert str(info.value).endswith(":1:1: a vLLM config file must be a mapping of flag names")
+    missing = tmp_path / "none.yaml"
+    with pytest.raises(DeploymentError) as info:
+        deployment_from_config(missing)
+    assert str(info.value) == f"{missing}: cannot read: No such file or directory"
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("a: [1\n")
+    with pytest.raises(DeploymentError, match=r"broken.yaml:2:1: invalid YAML: "):
+        deployment_from_config(broken)
+    flag = tmp_path / "flag.yaml"
+    flag.write_text("max-num-seqs: 4\nenable-chunked-prefill: sometimes\n")
+    with pytest.raises(DeploymentError) as info:
+        deployment_from_config(flag)
+    assert str(info.value) == f"{flag}:2:1: enable-chunked-prefill: expected true or false"
+
+
+# -- policy rules ------------------------------------------------------------------
+
+
+def lint_text(text: str) -> list[Finding]:
+    return lint_policy(compile_policy(parse_policy(text, "p.yaml"), "p.yaml"))
+
+
+def test_short_burst() -> None:
+    findings = lint_text(
+        "version: 1\ndefault: 5\nburst: 20ms\n"
+        "users: {a: {rate: 5, burst: 10ms}, b: {rate: unlimited, burst: 1ms}}\n"
+    )
+    assert findings == [
+        Finding(
+            "OR001",
+            "warning",
+            "burst 20ms is shorter than an engine step on most GPUs (50 ms or more under "
+            "load): budget that accrues between two steps beyond the burst is lost, so users "
+            "get less than their rate",
+            "p.yaml:3:8",
+        ),
+        Finding("OR001", "warning", findings[1].message, "p.yaml:4:29"),
+    ]
+    assert findings[1].message.startswith("burst 10ms is shorter")
+    assert lint_text("version: 1\ndefault: 5\nburst: 50ms\n") == []
+
+
+def test_short_burst_on_a_hand_built_policy() -> None:
+    fast = Limit(5, 1_000_000, rule="users.x")
+    c = CompiledPolicy(
+        "built",
+        Limit(5, 10**8, rule="default"),
+        Limit(5, 10**8, rule="anon"),
+        10**8,
+        users={"x": fast},
+    )  # noqa: E501
+    (finding,) = lint_policy(c)
+    assert finding.code == "OR001" and finding.location == "built"
+    assert finding.message.startswith("users.x: burst 1ms is shorter")
+
+
+def test_unused_tier() -> None:
+    findings = lint_text(
+        "version: 1\ndefault: {tier: free}\ntiers:\n  free: 5\n  gold: 50\n  pro: 9\n"
+        "users: {a: {tier: pro}}\n"
+    )
+    assert findings == [
+        Finding(
+            "OR002",
+            "warning",
+            "tier 'gold' is defined but nothing refers to it (no user, match entry, default "
+            "or anonymous), so its limit applies to nobody",
+            "p.yaml:5:9",
+        )
+    ]
+
+
+def test_shadowed_patterns() -> None:
+    findings = lint_text(
+        "version: 1\ndefault: 5\nmatch:\n"
+        "  - {pattern: 'team-*', rate: 1}\n"
+        "  - {pattern: 'team-*', rate: 2}\n"
+        "  - {pattern: 'team-x', rate: 3}\n"
+        "  - {pattern: 'trial-?', rate: 4}\n"
+        "  - {pattern: '*', rate: 5}\n"
+        "  - {pattern: 'late-*', rate: 6}\n"
+    )
+    assert [(f.code, f.location) for f in findings] == [
+        ("OR003", "p.yaml:5:15"),
+        ("OR003", "p.yaml:6:15"),
+        ("OR003", "p.yaml:9:15"),
+    ]
+    assert findings[0].message == (
+        "pattern 'team-*' can never match: match[0] 'team-*' comes first and matches every "
+        "id it would (first match wins)"
+    )
+    assert "match[4] '*'" in findings[2].message
+
+
+def test_pattern_without_wildcard() -> None:
+    (finding,) = lint_text("version: 1\ndefault: 5\nmatch:\n  - {pattern: bob, rate: 1}\n")
+    assert finding == Finding(
+        "OR004",
+        "warning",
+        "pattern 'bob' has no wildcard (*, ?, [...]) so it matches one user id only; list "
+        "that user under 'users' instead",
+        "p.yaml:4:15",
+    )
+
+
+def test_anonymous_unlimited() -> None:
+    (finding,) = lint_text("version: 1\ndefault: 5\nanonymous: unlimited\n")
+    assert finding.code == "OR005" and finding.location == "p.yaml:3:12"
+    assert "a client escapes its limit by sending no user id" in finding.message
+    (finding,) = lint_text("version: 1\ndefault: unlimited\nusers: {a: 5}\n")
+    assert finding.location == "p.yaml:2:10"
+    assert "'anonymous' is not set and the default is unlimited" in finding.message
+    assert lint_text("version: 1\ndefault: unlimited\n") == []
+    assert codes(lint_policy(policy_from_flags(None, {"a": 5}))) == ["OR005"]
+
+
+def test_lint_policy_takes_a_policy_too() -> None:
+    policy = parse_policy("version: 1\ndefault: 5\nburst: 1ms\n", "p.yaml")
+    assert lint_policy(policy) == lint_text("version: 1\ndefault: 5\nburst: 1ms\n")
+
+
+@pytest.mark.parametrize("path", sorted(POLICIES.glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_policies_are_clean(path: Path) -> None:
+    report = lint_all(path)
+    assert report.loaded and report.ok(strict=True), report.findings
+    assert report.findings == ()
+    assert lint_policy(load_compiled(path)) == []
+
+
+def test_every_policy_file_starts_with_comment_and_schema() -> None:
+    for path in POLICIES.glob("*.yaml"):
+        lines = path.read_text().splitlines()
+        assert lines[0].startswith("# ")
+        assert "# yaml-language-server: $schema=policy.schema.json" in lines[:6]
+
+
+# -- lint_all ---------------------------------------------------------------------
+
+
+def test_lint_all_with_a_bad_policy() -> None:
+    bad = Path(__file__).parent / "fixtures" / "bad" / "rate_zero.yaml"
+    report = lint_all(bad, Deployment(speculative=True, max_num_active_seqs=8))
+    assert not report.loaded and not report.ok()
+    assert [str(p) for p in report.problems] == [f"{bad}:4:10: users.alice: must be > 0"]
+    assert report.findings[0] == Finding(
+        "OR000", "error", "users.alice: must be > 0", f"{bad}:4:10"
+    )
+    assert codes(list(report.findings)) == ["OR000", "OR101"]
+    assert report.to_json() == {
+        "ok": False,
+        "findings": [f._asdict() for f in report.findings],
+        "policy": None,
+    }
+
+
+def test_lint_all_strict() -> None:
+    report = lint_all(POLICIES / "demo.yaml", deployment_from_args([]))
+    assert report.loaded and report.ok() and not report.ok(strict=True)
+    assert codes(list(report.warnings)) == ["OR111"]
+    assert report.to_json(strict=True)["policy"] == report.policy.summary()  # type: ignore[union-attr]
