@@ -219,9 +219,12 @@ MaxStreams = Annotated[
 ]
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def _has_control(text: str) -> bool:
     """The same control characters the API refuses in an identity (identity.py)."""
-    return any(ord(c) < 32 or ord(c) == 127 for c in text)
+    return _CONTROL.search(text) is not None
 
 
 def check_user_id(value: object) -> str:

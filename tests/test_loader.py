@@ -9,6 +9,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+import yaml
 
 from outrate import loader
 from outrate.errors import OutrateError, PolicyError, Problem
@@ -447,3 +448,18 @@ def test_bom_is_accepted(tmp_path: Path) -> None:
     path = tmp_path / "bom.yaml"
     path.write_bytes("\ufeffversion: 1\ndefault: 3\n".encode())
     assert load_policy(path).default.rate == 3
+
+
+def test_same_results_without_libyaml(monkeypatch: pytest.MonkeyPatch) -> None:
+    """libyaml is used when present; the pure-Python parser must agree exactly."""
+    sources = [*BAD.glob("*.yaml"), *(BAD.parent.parent.parent / "policies").glob("*.yaml")]
+
+    def outcome(path: Path) -> object:
+        try:
+            return load_policy(path)
+        except PolicyError as e:
+            return e.problems
+
+    fast = {p: outcome(p) for p in sources}
+    monkeypatch.setattr(loader, "_FAST_LOADER", yaml.SafeLoader)
+    assert {p: outcome(p) for p in sources} == fast
