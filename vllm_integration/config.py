@@ -89,6 +89,14 @@ def _connector(cfg: Any) -> str | None:
     return getattr(cfg, "kv_connector", None) or getattr(cfg, "ec_connector", None) or "configured"
 
 
+def _aux_output(cfg: Any, engine_args: Any) -> bool:
+    if getattr(engine_args, "enable_return_routed_experts", False):
+        return True
+    if isinstance(cfg, dict):
+        return bool(cfg.get("enable_return_routed_experts"))
+    return bool(getattr(cfg, "enable_return_routed_experts", False))
+
+
 def _scheduler_cls(value: Any) -> str | None:
     if value is None:
         return None
@@ -106,7 +114,8 @@ def deployment_from_engine_args(ea: Any) -> Deployment:
         tensor_parallel_size=ea.tensor_parallel_size or 1,
         kv_connector=_connector(ea.kv_transfer_config),
         ec_connector=_connector(ea.ec_transfer_config),
-        kv_offload=bool(ea.kv_offloading_size),
+        kv_offload=ea.kv_offloading_size is not None,
+        aux_output=_aux_output(ea.aux_output_config, ea),
         scheduler_cls=_scheduler_cls(ea.scheduler_cls),
         max_num_seqs=ea.max_num_seqs,
         max_num_active_seqs=ea.max_num_active_seqs,
@@ -143,7 +152,8 @@ def deployment_from_vllm_config(vc: Any) -> Deployment:
         tensor_parallel_size=pc.tensor_parallel_size,
         kv_connector=_connector(vc.kv_transfer_config),
         ec_connector=_connector(getattr(vc, "ec_transfer_config", None)),
-        kv_offload=bool(getattr(cc, "kv_offloading_size", None)),
+        kv_offload=getattr(cc, "kv_offloading_size", None) is not None,
+        aux_output=_aux_output(getattr(vc, "aux_output_config", None), None),
         scheduler_cls=_scheduler_cls(sc.scheduler_cls),
         max_num_seqs=sc.max_num_seqs,
         max_num_active_seqs=sc.max_num_active_seqs,

@@ -1,0 +1,144 @@
+"""Drive users against an OpenAI-compatible vLLM server and measure each user's
+output-token rate, with the official `openai` client and streaming.
+
+Used by the demo (`examples/demo.py`), the end-to-end tests and the
+benchmarks, so all three measure the same way: a token's time is when its
+streamed chunk reached the client; a user's rate is (tokens - 1) / (last -
+first) over all of its concurrent streams.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from openai import OpenAI
+
+MODEL = "tiny"
+
+
+@dataclass
+class Stream:
+    user: str | None
+    max_tokens: int
+    started: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.started if self.token_times else None
+
+
+def client(base_url: str, timeout: float = 120.0) -> OpenAI:
+    return OpenAI(base_url=base_url, api_key="outrate", timeout=timeout, max_retries=0)
+
+
+def stream_completion(
+    api: OpenAI,
+    user: str | None,
+    max_tokens: int,
+    prompt: str = "Tell me a story about rate limits.",
+    cancel_after: int | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Stream:
+    """One streamed completion; `cancel_after=N` closes the connection after N tokens."""
+    s = Stream(user, max_tokens)
+    body: dict[str, Any] = {"ignore_eos": True, **(extra or {})}
+    if user is not None:
+        body["vllm_xargs"] = {"output_rate_user": user}
+    s.started = time.monotonic()
+    try:
+        chunks = api.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=max_tokens, stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body=body,
+        )
+        seen = 0
+        for chunk in chunks:
+            now = time.monotonic()
+            if chunk.usage is not None and chunk.usage.completion_tokens > seen:
+                s.token_times.extend([now] * (chunk.usage.completion_tokens - seen))
+                seen = chunk.usage.completion_tokens
+            if chunk.choices and chunk.choices[0].finish_reason:
+                s.finish_reason = chunk.choices[0].finish_reason
+            if cancel_after is not None and seen >= cancel_after:
+                chunks.close()
+                break
+        s.completion_tokens = seen
+    except Exception as exc:  # reported, not raised: callers assert on it
+        s.error = f"{type(exc).__name__}: {exc}"
+    return s
+
+
+def run_concurrently(
+    base_url: str, plan: Iterable[tuple[str | None, int, int]], prompt: str | None = None,
+    stagger_s: float = 0.0,
+) -> list[Stream]:
+    """plan: (user, streams, max_tokens) rows, all started at once in threads."""
+    api = client(base_url)
+    results: list[Stream] = []
+    lock = threading.Lock()
+
+    def one(user: str | None, max_tokens: int) -> None:
+        kw = {"prompt": prompt} if prompt is not None else {}
+        r = stream_completion(api, user, max_tokens, **kw)
+        with lock:
+            results.append(r)
+
+    threads = []
+    for user, streams, max_tokens in plan:
+        for _ in range(streams):
+            t = threading.Thread(target=one, args=(user, max_tokens), daemon=True)
+            threads.append(t)
+            t.start()
+            if stagger_s:
+                time.sleep(stagger_s)
+    for t in threads:
+        t.join()
+    return results
+
+
+@dataclass
+class UserRate:
+    user: str | None
+    tokens: int
+    first: float
+    last: float
+
+    @property
+    def window(self) -> float:
+        return self.last - self.first
+
+    @property
+    def rate(self) -> float:
+        return (self.tokens - 1) / self.window if self.window > 0 else float("inf")
+
+    def bound(self, rate: float, burst_s: float) -> float:
+        """The contract: at most (W + burst) * rate + 1 tokens in any window W."""
+        return (self.window + burst_s) * rate + 1
+
+
+def user_rate(streams: Iterable[Stream], user: str | None) -> UserRate:
+    times = sorted(t for s in streams if s.user == user for t in s.token_times)
+    if not times:
+        return UserRate(user, 0, 0.0, 0.0)
+    return UserRate(user, len(times), times[0], times[-1])
+
+
+def max_window_excess(times: list[float], rate: float, burst_s: float, slack_s: float = 0.0) -> float:
+    """Largest (tokens in [t_i, t_j]) - bound over all windows; <= 0 means the
+    GCRA bound held everywhere. `slack_s` widens windows by the client-side
+    timing noise (chunks reach the client in bursts, not when sampled)."""
+    worst = float("-inf")
+    times = sorted(times)
+    for i in range(len(times)):
+        for j in range(i, len(times)):
+            w = times[j] - times[i] + slack_s
+            worst = max(worst, (j - i + 1) - ((w + burst_s) * rate + 1))
+    return worst

