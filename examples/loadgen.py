@@ -29,6 +29,14 @@ class Stream:
     completion_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    closed: bool = False
+    _response: Any = field(default=None, repr=False)
+
+    def close(self) -> None:
+        """Disconnect now, from any thread (the server aborts the request)."""
+        self.closed = True
+        if self._response is not None:
+            self._response.close()
 
     @property
     def ttft(self) -> float | None:
@@ -46,9 +54,11 @@ def stream_completion(
     prompt: str = "Tell me a story about rate limits.",
     cancel_after: int | None = None,
     extra: dict[str, Any] | None = None,
+    stream: Stream | None = None,
 ) -> Stream:
-    """One streamed completion; `cancel_after=N` closes the connection after N tokens."""
-    s = Stream(user, max_tokens)
+    """One streamed completion. `cancel_after=N` closes the connection after N
+    tokens; another thread may call `stream.close()` to disconnect at once."""
+    s = stream if stream is not None else Stream(user, max_tokens)
     body: dict[str, Any] = {"ignore_eos": True, **(extra or {})}
     if user is not None:
         body["vllm_xargs"] = {"output_rate_user": user}
@@ -59,6 +69,7 @@ def stream_completion(
             stream_options={"include_usage": True, "continuous_usage_stats": True},
             extra_body=body,
         )
+        s._response = chunks
         seen = 0
         for chunk in chunks:
             now = time.monotonic()
@@ -67,12 +78,13 @@ def stream_completion(
                 seen = chunk.usage.completion_tokens
             if chunk.choices and chunk.choices[0].finish_reason:
                 s.finish_reason = chunk.choices[0].finish_reason
-            if cancel_after is not None and seen >= cancel_after:
+            if s.closed or (cancel_after is not None and seen >= cancel_after):
                 chunks.close()
                 break
         s.completion_tokens = seen
     except Exception as exc:  # reported, not raised: callers assert on it
-        s.error = f"{type(exc).__name__}: {exc}"
+        if not s.closed:
+            s.error = f"{type(exc).__name__}: {exc}"
     return s
 
 
@@ -122,6 +134,16 @@ class UserRate:
     def bound(self, rate: float, burst_s: float) -> float:
         """The contract: at most (W + burst) * rate + 1 tokens in any window W."""
         return (self.window + burst_s) * rate + 1
+
+
+def throughput(streams: Iterable[Stream], user: str | None) -> float:
+    """Tokens per second from the first request's start to the last token:
+    robust to tokens reaching the client in bursts."""
+    mine = [s for s in streams if s.user == user]
+    n = sum(len(s.token_times) for s in mine)
+    end = max((s.token_times[-1] for s in mine if s.token_times), default=0.0)
+    start = min((s.started for s in mine), default=0.0)
+    return n / (end - start) if end > start else 0.0
 
 
 def user_rate(streams: Iterable[Stream], user: str | None) -> UserRate:

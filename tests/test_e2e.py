@@ -1,0 +1,255 @@
+"""End to end: a real `outrate serve` on the tiny local model, driven by the
+official `openai` client. One server is shared by the whole module (an engine
+takes 20-40 s to start on two cores)."""
+
+from __future__ import annotations
+
+import re
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "examples"))
+
+from build_tiny_model import build  # noqa: E402
+from loadgen import (  # noqa: E402
+    Stream,
+    client,
+    max_window_excess,
+    run_concurrently,
+    stream_completion,
+    throughput,
+    user_rate,
+)
+from serverproc import ServerProcess, cpu_seconds, tiny_model_flags  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+BURST_S = 0.1
+# First-to-last windows measured on the client are widened by this much before
+# comparing with the bound: the first token's arrival carries the API server's
+# latency. Tokens also reach the client in bursts when the API server lags (2
+# shared cores), so the every-window bound is asserted on the engine side, in
+# the scheduler tests, and only reported here.
+CLIENT_SLACK_S = 0.05
+
+POLICY = """\
+version: 1
+default: unlimited
+anonymous: 30
+burst: 100ms
+users:
+  acc-20-1: 20
+  acc-20-4: 20
+  acc-100-1: 100
+  acc-100-4: 100
+  slow: 20
+  prompt-user: 20
+  crawl: 1
+  hog: 20
+  edit-me: 20
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    policy_dir = tmp_path_factory.mktemp("policy")
+    policy = policy_dir / "policy.yaml"
+    policy.write_text(POLICY)
+    model = build(REPO / "models" / "tiny-llama")
+    argv = [
+        sys.executable, "-m", "outrate", "serve", *tiny_model_flags(model),
+        "--outrate-policy", str(policy), "--max-num-seqs", "16", "--max-num-active-seqs", "12",
+    ]
+    proc = ServerProcess(argv, log_path=policy_dir / "server.log", name="outrate")
+    proc.start(timeout_s=300)
+    proc.policy_path = policy
+    run_concurrently(proc.base_url, [("warmup", 2, 16)])
+    yield proc
+    proc.stop()
+
+
+def tokens(streams: list[Stream], user: str | None) -> list[float]:
+    return sorted(t for s in streams if s.user == user for t in s.token_times)
+
+
+def assert_complete(streams: list[Stream]) -> None:
+    for s in streams:
+        assert s.error is None, s.error
+        assert s.completion_tokens == s.max_tokens, (s.user, s.completion_tokens)
+        assert s.finish_reason == "length"
+
+
+def test_limits_hold_with_one_and_four_streams(server):
+    plan = [("acc-20-1", 1, 80), ("acc-20-4", 4, 20), ("acc-100-1", 1, 400), ("acc-100-4", 4, 100),
+            ("unlimited-user", 1, 600)]
+    streams = run_concurrently(server.base_url, plan)
+    assert_complete(streams)
+    report = []
+    for user, limit in (("acc-20-1", 20), ("acc-20-4", 20), ("acc-100-1", 100), ("acc-100-4", 100)):
+        ur = user_rate(streams, user)
+        excess = max_window_excess(tokens(streams, user), limit, BURST_S)
+        report.append(f"{user}: {ur.tokens} tokens at {ur.rate:.2f} tok/s over {ur.window:.2f} s "
+                      f"(bound {ur.bound(limit, BURST_S):.1f}); worst client-side window {excess:+.1f}")
+        assert ur.tokens <= ur.bound(limit, BURST_S + CLIENT_SLACK_S), report
+        assert ur.rate >= 0.95 * limit, report
+    print("\n".join(report))
+    assert user_rate(streams, "unlimited-user").rate > 100  # far above the limited users
+
+
+def test_an_unlimited_user_is_not_slowed_by_throttled_ones(server):
+    alone, beside = [], []
+    for _ in range(3):  # interleaved rounds: the machine's own noise hits both sides
+        alone.append(throughput(run_concurrently(server.base_url, [("free", 1, 300)]), "free"))
+        mixed = run_concurrently(server.base_url, [("free", 1, 300), ("slow", 4, 5)])
+        assert_complete(mixed)
+        beside.append(throughput(mixed, "free"))
+    ratio = statistics.median(beside) / statistics.median(alone)
+    print(f"unlimited user alone {[round(x) for x in alone]} tok/s, beside 4 throttled streams "
+          f"{[round(x) for x in beside]} tok/s: median ratio {ratio:.2f}")
+    assert ratio >= 0.9
+
+
+def test_throttled_answers_complete_untruncated(server):
+    streams = run_concurrently(server.base_url, [("slow", 3, 12)])
+    assert_complete(streams)
+
+
+def test_a_client_disconnect_hurts_nobody(server):
+    api = client(server.base_url)
+    cut = stream_completion(api, "slow", 200, cancel_after=3)
+    assert cut.error is None and len(cut.token_times) == 3
+    survivors = run_concurrently(server.base_url, [("slow", 2, 8), ("free", 1, 50)])
+    assert_complete(survivors)
+    metrics = urllib.request.urlopen(server.root_url + "/metrics", timeout=10).read().decode()
+    running = re.search(r'^vllm:num_requests_running\{[^}]*\} (\S+)', metrics, re.M)
+    assert running is not None and float(running.group(1)) == 0  # the cut request is gone
+
+
+def test_requests_without_identity_share_the_anonymous_budget(server):
+    streams = run_concurrently(server.base_url, [(None, 3, 25)])
+    assert_complete(streams)
+    ur = user_rate(streams, None)
+    assert ur.tokens <= ur.bound(30, BURST_S + CLIENT_SLACK_S)
+    assert ur.rate >= 0.95 * 30
+
+
+def test_long_prompts_and_prefix_cache_hits_pay_for_the_first_token(server):
+    api = client(server.base_url)
+    long_prompt = "rate limits keep engines fair. " * 120  # about 1200 tokens
+    runs = [stream_completion(api, "prompt-user", 10)]
+    runs += [stream_completion(api, "prompt-user", 3, prompt=long_prompt) for _ in range(2)]
+    assert_complete(runs)
+    ur = user_rate(runs, "prompt-user")
+    assert ur.tokens == 16
+    # 16 tokens at 20 tok/s with a 100 ms burst: the last one no earlier than
+    # (16 - 1 - 2) / 20 s after the first, prompts and cache hits included.
+    assert ur.tokens <= ur.bound(20, BURST_S + CLIENT_SLACK_S)
+
+
+@pytest.mark.parametrize("bad", [5, "", "x" * 300, "tab\there", "__anonymous__"])
+def test_a_bad_identity_is_refused_with_400(server, bad):
+    from openai import BadRequestError
+
+    api = client(server.base_url)
+    with pytest.raises(BadRequestError) as exc:
+        api.completions.create(model="tiny", prompt="hi", max_tokens=4,
+                               extra_body={"vllm_xargs": {"output_rate_user": bad}})
+    assert "output_rate_user" in str(exc.value)
+    ok = api.completions.create(model="tiny", prompt="hi", max_tokens=4,
+                                extra_body={"vllm_xargs": {"output_rate_user": "fine"}})
+    assert ok.usage.completion_tokens == 4
+
+
+def test_beam_search_is_refused_with_400(server):
+    from openai import BadRequestError
+
+    api = client(server.base_url)
+    with pytest.raises(BadRequestError, match="beam search is not supported"):
+        api.completions.create(model="tiny", prompt="hi", max_tokens=4, n=2,
+                               extra_body={"use_beam_search": True})
+
+
+def test_the_engine_waits_instead_of_spinning_when_everyone_is_throttled(server):
+    worker = threading.Thread(
+        target=run_concurrently, args=(server.base_url, [("crawl", 4, 4)]), daemon=True)
+    worker.start()
+    time.sleep(1.0)  # burst spent, all four streams throttled at 1 tok/s
+    pids = server.engine_core_pids()
+    assert pids
+    c0, t0 = sum(cpu_seconds(p) for p in pids), time.monotonic()
+    time.sleep(2.5)
+    share = (sum(cpu_seconds(p) for p in pids) - c0) / (time.monotonic() - t0)
+    worker.join()
+    print(f"engine-core CPU while every request is throttled: {share:.1%} of a core")
+    assert share < 0.15
+
+
+def test_a_user_with_many_streams_cannot_lock_others_out(server):
+    api = client(server.base_url)
+
+    def ttft(user: str) -> float:
+        s = stream_completion(api, user, 1)
+        assert s.error is None
+        return s.ttft
+
+    solo = statistics.median(ttft("newcomer") for _ in range(3))
+    hogs = [Stream("hog", 1000) for _ in range(48)]  # 3x --max-num-seqs at 20 tok/s
+    threads = [threading.Thread(target=stream_completion, args=(api, "hog", 1000),
+                                kwargs={"stream": h}, daemon=True) for h in hogs]
+    for t in threads:
+        t.start()
+    time.sleep(2.0)
+    busy = statistics.median(ttft("newcomer") for _ in range(3))
+    for h in hogs:
+        h.close()
+    for t in threads:
+        t.join(timeout=30)
+    ratio = busy / solo
+    print(f"newcomer time to first token: alone {solo * 1000:.0f} ms, beside 48 throttled "
+          f"streams {busy * 1000:.0f} ms (ratio {ratio:.1f})")
+    assert ratio <= 10
+
+
+def test_editing_the_policy_changes_a_running_users_rate(server):
+    path: Path = server.policy_path
+    long_run = Stream("edit-me", 1000)
+    worker = threading.Thread(target=stream_completion, args=(client(server.base_url), "edit-me", 1000),
+                              kwargs={"stream": long_run}, daemon=True)
+    worker.start()
+    time.sleep(2.0)
+    edited_at = time.monotonic()
+    path.write_text(POLICY.replace("edit-me: 20", "edit-me: 60"))
+    time.sleep(3.0)
+    path.write_text(POLICY.replace("edit-me: 20", "edit-me: [60"))  # broken edit
+    time.sleep(2.0)
+    api = client(server.base_url)
+    answer = api.completions.create(model="tiny", prompt="still there?", max_tokens=4)
+    long_run.close()
+    worker.join(timeout=30)
+    assert answer.usage.completion_tokens == 4
+    t = long_run.token_times
+
+    def rate(a: float, b: float) -> float:
+        return sum(a <= x < b for x in t) / (b - a)
+
+    before = rate(edited_at - 1.5, edited_at)
+    after_edit = rate(edited_at + 1.0, edited_at + 3.0)
+    after_broken = rate(edited_at + 3.5, edited_at + 5.0)
+    print(f"edit-me: {before:.1f} tok/s, after the edit {after_edit:.1f}, "
+          f"after a broken edit {after_broken:.1f}")
+    assert before <= 20 * 1.1
+    assert after_edit >= 60 * 0.9
+    assert after_broken >= 60 * 0.9
+    log = Path(server.log_path).read_text()
+    assert "edit-me 20 -> 60 tok/s" in log
+    assert "reload rejected, keeping the last good policy" in log
+    path.write_text(POLICY)
