@@ -1,0 +1,28 @@
+"""`make demo` must keep working: run it for real (it starts its own server)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.e2e
+def test_demo_passes_and_draws_its_plot(tmp_path):
+    png = tmp_path / "demo.png"
+    run = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "demo.py"), "--out", str(png)],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )
+    print(run.stdout[-3000:])
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    table = [line for line in run.stdout.splitlines() if line.rstrip().endswith("PASS")]
+    assert [line.split()[0] for line in table] == ["user-a", "user-b", "user-c", "anonymous"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "server stopped" in run.stdout
