@@ -48,8 +48,12 @@ def plot(streams: list[Stream], t0: float, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for label, user, _, _, limit in USERS:
         times = sorted(t - t0 for s in streams if s.user == user for t in s.token_times)
-        ax.step(times, range(1, len(times) + 1), where="post",
-                label=f"{label} ({'unlimited' if limit is None else f'{limit:g} tok/s'})")
+        ax.step(
+            times,
+            range(1, len(times) + 1),
+            where="post",
+            label=f"{label} ({'unlimited' if limit is None else f'{limit:g} tok/s'})",
+        )
     ax.set_xlabel("seconds since the requests were sent")
     ax.set_ylabel("cumulative output tokens")
     ax.set_title("outrate on vLLM (tiny CPU model): output tokens per user")
@@ -62,7 +66,8 @@ def plot(streams: list[Stream], t0: float, path: Path) -> None:
 
 def report(streams: list[Stream]) -> bool:
     ok = True
-    head = f"{'user':<10} {'streams':>7} {'limit':>10} {'tokens':>7} {'measured':>12} {'bound':>7}  result"
+    cols = ("user", "streams", "limit", "tokens", "measured", "bound")
+    head = "{:<10} {:>7} {:>10} {:>7} {:>12} {:>7}  result".format(*cols)
     print(head)
     print("-" * len(head))
     for label, user, n, max_tokens, limit in USERS:
@@ -79,11 +84,16 @@ def report(streams: list[Stream]) -> bool:
             bound, good = f"{b:7.1f}", complete and ur.tokens <= b
         ok &= good
         limit_text = "unlimited" if limit is None else f"{limit:g} tok/s"
-        print(f"{label:<10} {n:>7} {limit_text:>10} {ur.tokens:>7} {measured:>12} {bound:>7}  "
-              f"{'PASS' if good else 'FAIL'}{'  ' + errors[0] if errors else ''}")
-    print("\nmeasured = (tokens - 1) / (last token - first token) over all of a user's streams "
-          "(unlimited: tokens / time since sent);\nbound = (window + burst) x limit + 1, the most "
-          "GCRA allows in that window (burst 100 ms, +50 ms for the API server's first-token latency).")
+        print(
+            f"{label:<10} {n:>7} {limit_text:>10} {ur.tokens:>7} {measured:>12} {bound:>7}  "
+            f"{'PASS' if good else 'FAIL'}{'  ' + errors[0] if errors else ''}"
+        )
+    print(
+        "\nmeasured = (tokens - 1) / (last token - first token) over all of a user's streams "
+        "(unlimited: tokens / time since sent);\nbound = (window + burst) x limit + 1, the most "
+        "GCRA allows in that window\n(burst 100 ms, +50 ms for the API server's first-token "
+        "latency)."
+    )
     return ok
 
 
@@ -96,19 +106,32 @@ def main(argv: list[str] | None = None) -> int:
     t = time.monotonic()
     model = build(REPO / "models" / "tiny-llama")
     print(f"tiny model ready ({time.monotonic() - t:.1f} s): {model}")
-    argv_serve = [sys.executable, "-m", "outrate", "serve", *tiny_model_flags(model),
-                  "--outrate-policy", str(POLICY), "--max-num-seqs", "16",
-                  "--max-num-active-seqs", "12"]
+    argv_serve = [
+        sys.executable,
+        "-m",
+        "outrate",
+        "serve",
+        *tiny_model_flags(model),
+        "--outrate-policy",
+        str(POLICY),
+        "--max-num-seqs",
+        "16",
+        "--max-num-active-seqs",
+        "12",
+    ]
     server = ServerProcess(argv_serve, name="demo")
-    print(f"starting outrate serve with {POLICY.relative_to(REPO)} (engine start takes 20-40 s; "
-          f"log: {server.log_path})")
+    print(
+        f"starting outrate serve with {POLICY.relative_to(REPO)} (engine start takes 20-40 s; "
+        f"log: {server.log_path})"
+    )
     server.start(timeout_s=300, progress=lambda line: print("  " + line, flush=True))
     try:
         run_concurrently(server.base_url, [("warmup", 1, 8)])
         print("\ndriving 4 users for about 7 s ...\n")
         t0 = time.monotonic()
         streams = run_concurrently(
-            server.base_url, [(user, n, max_tokens) for _, user, n, max_tokens, _ in USERS])
+            server.base_url, [(user, n, max_tokens) for _, user, n, max_tokens, _ in USERS]
+        )
         ok = report(streams)
         plot(streams, t0, args.out)
         print(f"\nplot: {args.out}")

@@ -65,7 +65,10 @@ def stream_completion(
     s.started = time.monotonic()
     try:
         chunks = api.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=max_tokens, stream=True,
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            stream=True,
             stream_options={"include_usage": True, "continuous_usage_stats": True},
             extra_body=body,
         )
@@ -89,7 +92,9 @@ def stream_completion(
 
 
 def run_concurrently(
-    base_url: str, plan: Iterable[tuple[str | None, int, int]], prompt: str | None = None,
+    base_url: str,
+    plan: Iterable[tuple[str | None, int, int]],
+    prompt: str | None = None,
     stagger_s: float = 0.0,
 ) -> list[Stream]:
     """plan: (user, streams, max_tokens) rows, all started at once in threads."""
@@ -153,7 +158,9 @@ def user_rate(streams: Iterable[Stream], user: str | None) -> UserRate:
     return UserRate(user, len(times), times[0], times[-1])
 
 
-def max_window_excess(times: list[float], rate: float, burst_s: float, slack_s: float = 0.0) -> float:
+def max_window_excess(
+    times: list[float], rate: float, burst_s: float, slack_s: float = 0.0
+) -> float:
     """Largest (tokens in [t_i, t_j]) - bound over all windows; <= 0 means the
     GCRA bound held everywhere. `slack_s` widens windows by the client-side
     timing noise (chunks reach the client in bursts, not when sampled)."""

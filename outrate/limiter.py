@@ -34,6 +34,11 @@ def exact_rate(value: int | float | str | Decimal | Fraction) -> Fraction:
         return value
     if isinstance(value, float):
         return Fraction(Decimal(repr(value)))
+    if isinstance(value, str):  # '0.1' and '1/3' alike; junk is a ValueError
+        try:
+            return Fraction(value)
+        except ZeroDivisionError as e:
+            raise ValueError(f"rate {value!r} divides by zero") from e
     return Fraction(Decimal(str(value)))
 
 

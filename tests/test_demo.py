@@ -18,7 +18,10 @@ def test_demo_passes_and_draws_its_plot(tmp_path):
     png = tmp_path / "demo.png"
     run = subprocess.run(
         [sys.executable, str(REPO / "examples" / "demo.py"), "--out", str(png)],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
     )
     print(run.stdout[-3000:])
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

@@ -66,8 +66,17 @@ def server(tmp_path_factory):
     policy.write_text(POLICY)
     model = build(REPO / "models" / "tiny-llama")
     argv = [
-        sys.executable, "-m", "outrate", "serve", *tiny_model_flags(model),
-        "--outrate-policy", str(policy), "--max-num-seqs", "16", "--max-num-active-seqs", "12",
+        sys.executable,
+        "-m",
+        "outrate",
+        "serve",
+        *tiny_model_flags(model),
+        "--outrate-policy",
+        str(policy),
+        "--max-num-seqs",
+        "16",
+        "--max-num-active-seqs",
+        "12",
     ]
     proc = ServerProcess(argv, log_path=policy_dir / "server.log", name="outrate")
     proc.start(timeout_s=300)
@@ -89,16 +98,23 @@ def assert_complete(streams: list[Stream]) -> None:
 
 
 def test_limits_hold_with_one_and_four_streams(server):
-    plan = [("acc-20-1", 1, 80), ("acc-20-4", 4, 20), ("acc-100-1", 1, 400), ("acc-100-4", 4, 100),
-            ("unlimited-user", 1, 600)]
+    plan = [
+        ("acc-20-1", 1, 80),
+        ("acc-20-4", 4, 20),
+        ("acc-100-1", 1, 400),
+        ("acc-100-4", 4, 100),
+        ("unlimited-user", 1, 600),
+    ]
     streams = run_concurrently(server.base_url, plan)
     assert_complete(streams)
     report = []
     for user, limit in (("acc-20-1", 20), ("acc-20-4", 20), ("acc-100-1", 100), ("acc-100-4", 100)):
         ur = user_rate(streams, user)
         excess = max_window_excess(tokens(streams, user), limit, BURST_S)
-        report.append(f"{user}: {ur.tokens} tokens at {ur.rate:.2f} tok/s over {ur.window:.2f} s "
-                      f"(bound {ur.bound(limit, BURST_S):.1f}); worst client-side window {excess:+.1f}")
+        report.append(
+            f"{user}: {ur.tokens} tokens at {ur.rate:.2f} tok/s over {ur.window:.2f} s "
+            f"(bound {ur.bound(limit, BURST_S):.1f}); worst client-side window {excess:+.1f}"
+        )
         assert ur.tokens <= ur.bound(limit, BURST_S + CLIENT_SLACK_S), report
         assert ur.rate >= 0.95 * limit, report
     print("\n".join(report))
@@ -113,8 +129,10 @@ def test_an_unlimited_user_is_not_slowed_by_throttled_ones(server):
         assert_complete(mixed)
         beside.append(throughput(mixed, "free"))
     ratio = statistics.median(beside) / statistics.median(alone)
-    print(f"unlimited user alone {[round(x) for x in alone]} tok/s, beside 4 throttled streams "
-          f"{[round(x) for x in beside]} tok/s: median ratio {ratio:.2f}")
+    print(
+        f"unlimited user alone {[round(x) for x in alone]} tok/s, beside 4 throttled streams "
+        f"{[round(x) for x in beside]} tok/s: median ratio {ratio:.2f}"
+    )
     assert ratio >= 0.9
 
 
@@ -130,7 +148,7 @@ def test_a_client_disconnect_hurts_nobody(server):
     survivors = run_concurrently(server.base_url, [("slow", 2, 8), ("free", 1, 50)])
     assert_complete(survivors)
     metrics = urllib.request.urlopen(server.root_url + "/metrics", timeout=10).read().decode()
-    running = re.search(r'^vllm:num_requests_running\{[^}]*\} (\S+)', metrics, re.M)
+    running = re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)", metrics, re.M)
     assert running is not None and float(running.group(1)) == 0  # the cut request is gone
 
 
@@ -161,11 +179,19 @@ def test_a_bad_identity_is_refused_with_400(server, bad):
 
     api = client(server.base_url)
     with pytest.raises(BadRequestError) as exc:
-        api.completions.create(model="tiny", prompt="hi", max_tokens=4,
-                               extra_body={"vllm_xargs": {"output_rate_user": bad}})
+        api.completions.create(
+            model="tiny",
+            prompt="hi",
+            max_tokens=4,
+            extra_body={"vllm_xargs": {"output_rate_user": bad}},
+        )
     assert "output_rate_user" in str(exc.value)
-    ok = api.completions.create(model="tiny", prompt="hi", max_tokens=4,
-                                extra_body={"vllm_xargs": {"output_rate_user": "fine"}})
+    ok = api.completions.create(
+        model="tiny",
+        prompt="hi",
+        max_tokens=4,
+        extra_body={"vllm_xargs": {"output_rate_user": "fine"}},
+    )
     assert ok.usage.completion_tokens == 4
 
 
@@ -174,13 +200,15 @@ def test_beam_search_is_refused_with_400(server):
 
     api = client(server.base_url)
     with pytest.raises(BadRequestError, match="beam search is not supported"):
-        api.completions.create(model="tiny", prompt="hi", max_tokens=4, n=2,
-                               extra_body={"use_beam_search": True})
+        api.completions.create(
+            model="tiny", prompt="hi", max_tokens=4, n=2, extra_body={"use_beam_search": True}
+        )
 
 
 def test_the_engine_waits_instead_of_spinning_when_everyone_is_throttled(server):
     worker = threading.Thread(
-        target=run_concurrently, args=(server.base_url, [("crawl", 4, 4)]), daemon=True)
+        target=run_concurrently, args=(server.base_url, [("crawl", 4, 4)]), daemon=True
+    )
     worker.start()
     time.sleep(1.0)  # burst spent, all four streams throttled at 1 tok/s
     pids = server.engine_core_pids()
@@ -203,8 +231,12 @@ def test_a_user_with_many_streams_cannot_lock_others_out(server):
 
     solo = statistics.median(ttft("newcomer") for _ in range(3))
     hogs = [Stream("hog", 1000) for _ in range(48)]  # 3x --max-num-seqs at 20 tok/s
-    threads = [threading.Thread(target=stream_completion, args=(api, "hog", 1000),
-                                kwargs={"stream": h}, daemon=True) for h in hogs]
+    threads = [
+        threading.Thread(
+            target=stream_completion, args=(api, "hog", 1000), kwargs={"stream": h}, daemon=True
+        )
+        for h in hogs
+    ]
     for t in threads:
         t.start()
     time.sleep(2.0)
@@ -214,16 +246,22 @@ def test_a_user_with_many_streams_cannot_lock_others_out(server):
     for t in threads:
         t.join(timeout=30)
     ratio = busy / solo
-    print(f"newcomer time to first token: alone {solo * 1000:.0f} ms, beside 48 throttled "
-          f"streams {busy * 1000:.0f} ms (ratio {ratio:.1f})")
+    print(
+        f"newcomer time to first token: alone {solo * 1000:.0f} ms, beside 48 throttled "
+        f"streams {busy * 1000:.0f} ms (ratio {ratio:.1f})"
+    )
     assert ratio <= 10
 
 
 def test_editing_the_policy_changes_a_running_users_rate(server):
     path: Path = server.policy_path
     long_run = Stream("edit-me", 1000)
-    worker = threading.Thread(target=stream_completion, args=(client(server.base_url), "edit-me", 1000),
-                              kwargs={"stream": long_run}, daemon=True)
+    worker = threading.Thread(
+        target=stream_completion,
+        args=(client(server.base_url), "edit-me", 1000),
+        kwargs={"stream": long_run},
+        daemon=True,
+    )
     worker.start()
     time.sleep(2.0)
     edited_at = time.monotonic()
@@ -244,8 +282,10 @@ def test_editing_the_policy_changes_a_running_users_rate(server):
     before = rate(edited_at - 1.5, edited_at)
     after_edit = rate(edited_at + 1.0, edited_at + 3.0)
     after_broken = rate(edited_at + 3.5, edited_at + 5.0)
-    print(f"edit-me: {before:.1f} tok/s, after the edit {after_edit:.1f}, "
-          f"after a broken edit {after_broken:.1f}")
+    print(
+        f"edit-me: {before:.1f} tok/s, after the edit {after_edit:.1f}, "
+        f"after a broken edit {after_broken:.1f}"
+    )
     assert before <= 20 * 1.1
     assert after_edit >= 60 * 0.9
     assert after_broken >= 60 * 0.9

@@ -30,8 +30,12 @@ def engine_args(parser, *argv):
 
 def test_flags_are_listed_in_vllm_help(parser):
     text = parser.format_help()
-    for flag in ("--outrate-policy", "--outrate-reload", "--default-user-output-tokens-per-second",
-                 "--user-output-tokens-per-second"):
+    for flag in (
+        "--outrate-policy",
+        "--outrate-reload",
+        "--default-user-output-tokens-per-second",
+        "--user-output-tokens-per-second",
+    ):
         assert flag in text
 
 
@@ -51,9 +55,15 @@ def test_policy_flag_selects_the_scheduler_and_travels_to_the_engine(parser):
 
 
 def test_seed_flags_make_an_in_memory_policy(parser):
-    ea = engine_args(parser, "--default-user-output-tokens-per-second", "100",
-                     "--user-output-tokens-per-second", '{"user-a": 100, "user-b": 500}',
-                     "--outrate-reload", "off")
+    ea = engine_args(
+        parser,
+        "--default-user-output-tokens-per-second",
+        "100",
+        "--user-output-tokens-per-second",
+        '{"user-a": 100, "user-b": 500}',
+        "--outrate-reload",
+        "off",
+    )
     policy = compile_settings(ea.additional_config[CONFIG_KEY])
     assert policy.limit_for("user-b").rate == 500
     assert policy.limit_for("someone").rate == 100
@@ -62,19 +72,50 @@ def test_seed_flags_make_an_in_memory_policy(parser):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--outrate-policy", "policies/demo.yaml", "--default-user-output-tokens-per-second", "5"],
-         "--outrate-policy cannot be combined with"),
-        (["--outrate-policy", "does/not/exist.yaml"], "does/not/exist.yaml:1:1: <file>: cannot read"),
-        (["--user-output-tokens-per-second", '{"a": 0}'],
-         "--user-output-tokens-per-second:1:1: users.a: must be > 0"),
+        (
+            [
+                "--outrate-policy",
+                "policies/demo.yaml",
+                "--default-user-output-tokens-per-second",
+                "5",
+            ],
+            "--outrate-policy cannot be combined with",
+        ),
+        (
+            ["--outrate-policy", "does/not/exist.yaml"],
+            "does/not/exist.yaml:1:1: <file>: cannot read",
+        ),
+        (
+            ["--user-output-tokens-per-second", '{"a": 0}'],
+            "--user-output-tokens-per-second:1:1: users.a: must be > 0",
+        ),
         (["--outrate-policy", "policies/demo.yaml", "--data-parallel-size", "2"], "OR102 error"),
-        (["--outrate-policy", "policies/demo.yaml", "--pipeline-parallel-size", "2"], "OR103 error"),
-        (["--outrate-policy", "policies/demo.yaml", "--speculative-config",
-          '{"method": "ngram", "num_speculative_tokens": 2}'], "OR101 error"),
-        (["--outrate-policy", "policies/demo.yaml", "--kv-transfer-config",
-          '{"kv_connector": "ExampleConnector", "kv_role": "kv_both"}'], "OR104 error"),
-        (["--outrate-policy", "policies/demo.yaml", "--scheduler-cls", "my.Scheduler"],
-         "OR108 error"),
+        (
+            ["--outrate-policy", "policies/demo.yaml", "--pipeline-parallel-size", "2"],
+            "OR103 error",
+        ),
+        (
+            [
+                "--outrate-policy",
+                "policies/demo.yaml",
+                "--speculative-config",
+                '{"method": "ngram", "num_speculative_tokens": 2}',
+            ],
+            "OR101 error",
+        ),
+        (
+            [
+                "--outrate-policy",
+                "policies/demo.yaml",
+                "--kv-transfer-config",
+                '{"kv_connector": "ExampleConnector", "kv_role": "kv_both"}',
+            ],
+            "OR104 error",
+        ),
+        (
+            ["--outrate-policy", "policies/demo.yaml", "--scheduler-cls", "my.Scheduler"],
+            "OR108 error",
+        ),
     ],
 )
 def test_rejected_startups_exit_with_the_reason(parser, argv, message):

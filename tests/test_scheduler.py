@@ -12,20 +12,20 @@ import pytest
 pytest.importorskip("vllm")
 
 from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
 from vllm_harness import (  # noqa: E402
     MS,
-    S,
     Driver,
     FakeClock,
+    S,
     make_request,
     make_scheduler,
     user_times,
 )
 
 from outrate.compiler import compile_policy, policy_from_flags  # noqa: E402
-from outrate.loader import parse_policy  # noqa: E402
 from outrate.limiter import ANONYMOUS  # noqa: E402
+from outrate.loader import parse_policy  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 KINDS = ["sync", "async"]
@@ -293,16 +293,26 @@ def test_unlimited_policy_schedules_exactly_like_stock(kind):
     runs = []
     for sched_kind in (kind, f"stock-{kind}"):
         s = make_scheduler(
-            sched_kind, policy("version: 1\ndefault: unlimited\n"), FakeClock(),
-            num_blocks=64, max_num_seqs=8, max_num_batched_tokens=96,
+            sched_kind,
+            policy("version: 1\ndefault: unlimited\n"),
+            FakeClock(),
+            num_blocks=64,
+            max_num_seqs=8,
+            max_num_batched_tokens=96,
         )
         d = Driver(s)
         decisions = []
         for step in range(400):
             for i, (at, plen, mtok, user) in enumerate(workload):
                 if at == step:
-                    d.add(make_request(user, prompt=[(i * 7 + k) % 400 + 3 for k in range(plen)],
-                                       max_tokens=mtok, req_id=f"w{i}"))
+                    d.add(
+                        make_request(
+                            user,
+                            prompt=[(i * 7 + k) % 400 + 3 for k in range(plen)],
+                            max_tokens=mtok,
+                            req_id=f"w{i}",
+                        )
+                    )
             out = d.step()
             decisions.append((dict(out.num_scheduled_tokens), sorted(out.preempted_req_ids)))
         d.drain()

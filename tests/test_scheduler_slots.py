@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from vllm.v1.request import RequestStatus  # noqa: E402
-from vllm_harness import MS, S, Driver, FakeClock, make_request, make_scheduler  # noqa: E402
+from vllm_harness import MS, Driver, FakeClock, make_request, make_scheduler  # noqa: E402
 
 from outrate.compiler import compile_policy, policy_from_flags  # noqa: E402
 from outrate.loader import parse_policy  # noqa: E402
@@ -39,8 +39,9 @@ def check_invariants(s) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_throttled_requests_keep_kv_and_slot_but_not_an_active_seat(kind):
     clock = FakeClock()
-    s = make_scheduler(kind, policy_from_flags(None, {"a": 1}), clock,
-                       max_num_seqs=8, max_num_active_seqs=5)
+    s = make_scheduler(
+        kind, policy_from_flags(None, {"a": 1}), clock, max_num_seqs=8, max_num_active_seqs=5
+    )
     d = Driver(s, clock, step_ns=10 * MS)
     a = [d.add(make_request("a", max_tokens=1000)) for _ in range(4)]
     d.run(3)
@@ -61,8 +62,13 @@ def test_throttled_requests_keep_kv_and_slot_but_not_an_active_seat(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_admission_needs_a_resident_slot(kind):
     clock = FakeClock()
-    s = make_scheduler(kind, policy("version: 1\ndefault: unlimited\nusers:\n  a: 1\n"), clock,
-                       max_num_seqs=4, max_num_active_seqs=3)
+    s = make_scheduler(
+        kind,
+        policy("version: 1\ndefault: unlimited\nusers:\n  a: 1\n"),
+        clock,
+        max_num_seqs=4,
+        max_num_active_seqs=3,
+    )
     d = Driver(s, clock, step_ns=10 * MS)
     for _ in range(2):
         d.add(make_request("a", max_tokens=1000))
@@ -95,8 +101,9 @@ def test_held_requests_are_the_first_preemption_victims(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_under_priority_a_throttled_high_priority_request_is_not_preferred(kind):
     clock = FakeClock()
-    s = make_scheduler(kind, policy_from_flags(None, {"a": 0.5}), clock, num_blocks=13,
-                       priority=True)
+    s = make_scheduler(
+        kind, policy_from_flags(None, {"a": 0.5}), clock, num_blocks=13, priority=True
+    )
     d = Driver(s, clock, step_ns=10 * MS)
     a = [d.add(make_request("a", prompt_len=30, max_tokens=1000, priority=0)) for _ in range(2)]
     d.run(3)
@@ -182,8 +189,14 @@ def test_no_idle_wait_without_throttling(kind):
 def test_step_work_does_not_grow_with_held_requests(kind, monkeypatch):
     clock = FakeClock()
     users = {f"u{i}": 1 for i in range(50)}
-    s = make_scheduler(kind, policy_from_flags(None, users), clock, max_num_seqs=1024,
-                       max_num_batched_tokens=8192, num_blocks=20_000)
+    s = make_scheduler(
+        kind,
+        policy_from_flags(None, users),
+        clock,
+        max_num_seqs=1024,
+        max_num_batched_tokens=8192,
+        num_blocks=20_000,
+    )
     d = Driver(s, clock, step_ns=10 * MS)
     for i in range(1000):
         d.add(make_request(f"u{i % 50}", max_tokens=10_000))
@@ -211,8 +224,16 @@ def test_random_workload_keeps_vllm_invariants(kind, seed):
         "version: 1\ndefault: 30\nanonymous: 5\nusers:\n  hog: {rate: 10, max_streams: 6}\n"
         "  vip: unlimited\n"
     )
-    s = make_scheduler(kind, pol, clock, num_blocks=40, max_num_seqs=8, max_num_active_seqs=5,
-                       max_num_batched_tokens=64, priority=seed == 2)
+    s = make_scheduler(
+        kind,
+        pol,
+        clock,
+        num_blocks=40,
+        max_num_seqs=8,
+        max_num_active_seqs=5,
+        max_num_batched_tokens=64,
+        priority=seed == 2,
+    )
     d = Driver(s, clock, step_ns=7 * MS)
     users = ["hog", "vip", "u1", "u2", None]
     live = []
@@ -220,9 +241,16 @@ def test_random_workload_keeps_vllm_invariants(kind, seed):
 
     for _ in range(600):
         if rng.random() < 0.3:
-            live.append(d.add(make_request(rng.choice(users), prompt_len=rng.randrange(1, 70),
-                                           max_tokens=rng.randrange(1, 40),
-                                           priority=rng.randrange(2))))
+            live.append(
+                d.add(
+                    make_request(
+                        rng.choice(users),
+                        prompt_len=rng.randrange(1, 70),
+                        max_tokens=rng.randrange(1, 40),
+                        priority=rng.randrange(2),
+                    )
+                )
+            )
         if live and rng.random() < 0.05:
             victim = rng.choice(live)
             s.finish_requests(victim.request_id, St.FINISHED_ABORTED)

@@ -70,18 +70,26 @@ def vllm_config(
     outrate: dict[str, Any] | None = None,
 ) -> VllmConfig:
     mc = ModelConfig(
-        model=str(model_dir()), dtype="bfloat16", max_model_len=2048,
-        skip_tokenizer_init=True, enforce_eager=True,
+        model=str(model_dir()),
+        dtype="bfloat16",
+        max_model_len=2048,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
     )
     sc = SchedulerConfig(
-        max_num_seqs=max_num_seqs, max_num_active_seqs=max_num_active_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, max_model_len=2048,
-        is_encoder_decoder=False, enable_chunked_prefill=chunked,
+        max_num_seqs=max_num_seqs,
+        max_num_active_seqs=max_num_active_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=2048,
+        is_encoder_decoder=False,
+        enable_chunked_prefill=chunked,
         policy="priority" if priority else "fcfs",
     )
     cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching)
     extra = {"outrate": outrate} if outrate is not None else {}
-    return VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, additional_config=extra)
+    return VllmConfig(
+        model_config=mc, scheduler_config=sc, cache_config=cc, additional_config=extra
+    )
 
 
 def make_scheduler(
@@ -93,20 +101,32 @@ def make_scheduler(
 ) -> Any:
     """kind: 'sync' | 'async' (outrate) or 'stock-sync' | 'stock-async' (vLLM's own)."""
     cls = {
-        "sync": OutrateScheduler, "async": OutrateAsyncScheduler,
-        "stock-sync": Scheduler, "stock-async": AsyncScheduler,
+        "sync": OutrateScheduler,
+        "async": OutrateAsyncScheduler,
+        "stock-sync": Scheduler,
+        "stock-async": AsyncScheduler,
     }[kind]
     stock = kind.startswith("stock")
     vc = vllm_config(outrate=None if stock else {"reload": "off"}, **config)
     vc.cache_config.num_gpu_blocks = num_blocks
     kv = KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], FullAttentionSpec(
-            block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.bfloat16))],
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layer.0"],
+                FullAttentionSpec(
+                    block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.bfloat16
+                ),
+            )
+        ],
     )
     sched = cls(
-        vllm_config=vc, kv_cache_config=kv, block_size=BLOCK,
-        structured_output_manager=StructuredOutputManager(vc), log_stats=False,
+        vllm_config=vc,
+        kv_cache_config=kv,
+        block_size=BLOCK,
+        structured_output_manager=StructuredOutputManager(vc),
+        log_stats=False,
     )
     if not stock and policy is not None:
         sched.outrate_configure(policy, clock=clock or FakeClock())
@@ -132,8 +152,12 @@ def make_request(
     n = next(_ids)
     tokens = prompt if prompt is not None else [(n * 31 + i) % 500 + 3 for i in range(prompt_len)]
     return Request(
-        request_id=req_id or f"r{n}", prompt_token_ids=list(tokens), sampling_params=sp,
-        pooling_params=None, priority=priority, block_hasher=_hasher(),
+        request_id=req_id or f"r{n}",
+        prompt_token_ids=list(tokens),
+        sampling_params=sp,
+        pooling_params=None,
+        priority=priority,
+        block_hasher=_hasher(),
     )
 
 
@@ -165,15 +189,15 @@ class Driver:
 
     def add(self, req: Request) -> Request:
         self.user_of[req.request_id] = (req.sampling_params.extra_args or {}).get(
-            "output_rate_user", "__anonymous__")
+            "output_rate_user", "__anonymous__"
+        )
         self.sched.add_request(req)
         return req
 
     def step(self) -> Any:
         out = self.sched.schedule()
         samplers = [
-            rid for rid in out.num_scheduled_tokens
-            if not self.sched.requests[rid].is_prefill_chunk
+            rid for rid in out.num_scheduled_tokens if not self.sched.requests[rid].is_prefill_chunk
         ]
         self._pending.append((out, samplers))
         if not out.num_scheduled_tokens:
@@ -189,7 +213,8 @@ class Driver:
         out, samplers = self._pending.popleft()
         ids = list(out.num_scheduled_tokens)
         mro = ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=[[TOKEN] if r in samplers else [] for r in ids],
         )
         outputs = self.sched.update_from_output(out, mro)

@@ -51,7 +51,9 @@ def install_request_guards() -> None:
             continue
         stock_sampling = cls.to_sampling_params
 
-        def to_sampling_params(self: Any, *args: Any, _stock: Any = stock_sampling, **kw: Any) -> Any:
+        def to_sampling_params(
+            self: Any, *args: Any, _stock: Any = stock_sampling, **kw: Any
+        ) -> Any:
             check_identity(self)
             return _stock(self, *args, **kw)
 

@@ -18,8 +18,11 @@ from outrate.lint import Finding, lint_deployment
 
 CONFIG_KEY = "outrate"
 SCHEDULER_CLS = "vllm_integration.scheduler.outrate_scheduler"
-OUR_SCHEDULERS = (SCHEDULER_CLS, "vllm_integration.scheduler.OutrateScheduler",
-                  "vllm_integration.scheduler.OutrateAsyncScheduler")
+OUR_SCHEDULERS = (
+    SCHEDULER_CLS,
+    "vllm_integration.scheduler.OutrateScheduler",
+    "vllm_integration.scheduler.OutrateAsyncScheduler",
+)
 
 
 class DeploymentError(OutrateError):
@@ -28,7 +31,9 @@ class DeploymentError(OutrateError):
     def __init__(self, findings: list[Finding]) -> None:
         self.findings = findings
         lines = [f"{f.location}: {f.code} {f.severity}: {f.message}" for f in findings]
-        super().__init__("outrate cannot run under this vLLM configuration:\n  " + "\n  ".join(lines))
+        super().__init__(
+            "outrate cannot run under this vLLM configuration:\n  " + "\n  ".join(lines)
+        )
 
 
 def outrate_settings(args: Any) -> dict[str, Any] | None:

@@ -78,7 +78,7 @@ def add_outrate_args(parser: Any) -> None:
         "--user-output-tokens-per-second",
         default=None,
         metavar="JSON",
-        help='In-memory policy: per-user rates, e.g. \'{"user-a": 100}\'.',
+        help="In-memory policy: per-user rates, e.g. '{\"user-a\": 100}'.",
     )
 
 

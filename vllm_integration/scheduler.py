@@ -70,8 +70,15 @@ class _User:
     """A user with live requests in this scheduler."""
 
     __slots__ = (
-        "key", "bucket", "live", "resident", "n_held", "held",
-        "refused_step", "ready_at", "armed",
+        "key",
+        "bucket",
+        "live",
+        "resident",
+        "n_held",
+        "held",
+        "refused_step",
+        "ready_at",
+        "armed",
     )
 
     def __init__(self, key: str, bucket: Bucket) -> None:
@@ -143,7 +150,9 @@ class OutrateMixin:
                 box.current = new  # read by schedule() at the next step boundary
 
             self._reloader = Reloader(
-                settings["policy"], publish, initial=policy,
+                settings["policy"],
+                publish,
+                initial=policy,
                 logger=logging.getLogger("vllm.outrate.reload"),
             )
             self._reloader.start()
@@ -239,7 +248,9 @@ class OutrateMixin:
                 Limiter.unpin(u.bucket)
         return super()._free_request(request, delay_free_blocks)  # type: ignore[misc]
 
-    def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool = False) -> None:
+    def _preempt_request(
+        self, request: Request, timestamp: float, drop_stale_output: bool = False
+    ) -> None:
         rs = request.__dict__.get(_ATTR)
         if rs is not None:
             self._leave_slot(rs, request)
@@ -250,14 +261,18 @@ class OutrateMixin:
         running, waiting = super().get_request_counts()  # type: ignore[misc]
         return running + len(self._held), waiting
 
-    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
         if reset_running_requests:
             self._release_all()
         return super().reset_prefix_cache(reset_running_requests, reset_connector)  # type: ignore[misc]
 
     # -- the hooks inside stock schedule() ----------------------------------
 
-    def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
+    def _reserve_prefill_lookahead(
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int
+    ) -> int:
         if self._lookahead:
             num_new_tokens = super()._reserve_prefill_lookahead(  # type: ignore[misc]
                 request, num_computed_tokens, num_new_tokens
@@ -296,7 +311,10 @@ class OutrateMixin:
         if limit.max_streams is not None and u.resident >= limit.max_streams:
             return False  # waits in the queue without blocking anyone else
         if u.refused_step == self._step or u.n_held or self.limiter.available(u.bucket, now) == 0:
-            if not self._can_prefill_ahead(request) or len(self.running) + 1 >= self.max_num_active_reqs:
+            if (
+                not self._can_prefill_ahead(request)
+                or len(self.running) + 1 >= self.max_num_active_reqs
+            ):
                 ready = self.limiter.ready_at(u.bucket, now)
                 if self._blocked_ready == 0 or ready < self._blocked_ready:
                     self._blocked_ready = ready
@@ -322,7 +340,9 @@ class OutrateMixin:
             return False
         return not self._caching or (n - 1) % self._block_size != 0
 
-    def _allocate_slots(self, request: Request, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
+    def _allocate_slots(
+        self, request: Request, num_new_tokens: int, *args: Any, **kwargs: Any
+    ) -> Any:
         """KV allocation that preempts held (throttled) requests first."""
         alloc = self.kv_cache_manager._outrate_allocate  # type: ignore[attr-defined]
         if self._held and kwargs.get("has_scheduled_reqs") is False:
@@ -367,7 +387,9 @@ class OutrateMixin:
             self._displace(now)
         # Held requests keep resident slots: admission needs
         # running + held < max_num_seqs and running < max_num_active_seqs.
-        self.max_num_active_reqs = min(self._cfg_active, self.max_num_running_reqs - len(self._held))
+        self.max_num_active_reqs = min(
+            self._cfg_active, self.max_num_running_reqs - len(self._held)
+        )
         try:
             out = super().schedule(throttle_prefills)  # type: ignore[misc]
         finally:
@@ -402,7 +424,11 @@ class OutrateMixin:
             self._admits.clear()
         refused = self._refused
         if refused:
-            hold = {r for r in refused if r.status == RequestStatus.RUNNING and r.request_id not in scheduled}
+            hold = {
+                r
+                for r in refused
+                if r.status == RequestStatus.RUNNING and r.request_id not in scheduled
+            }
             refused.clear()
             if hold:
                 self.running = remove_all(self.running, hold)
@@ -494,7 +520,9 @@ class OutrateMixin:
             if ms is not None and u.resident >= ms:
                 continue
             victim_user = max(
-                (v for v in self._users.values() if v.n_held), key=lambda v: v.resident, default=None
+                (v for v in self._users.values() if v.n_held),
+                key=lambda v: v.resident,
+                default=None,
             )
             if victim_user is None or victim_user.resident <= u.resident + 1:
                 return  # slots are already shared fairly
@@ -551,5 +579,7 @@ class OutrateAsyncScheduler(OutrateMixin, AsyncScheduler):
 def outrate_scheduler(*args: Any, **kwargs: Any) -> Scheduler:
     """`--scheduler-cls` target: picks the variant vLLM itself would pick."""
     vllm_config = kwargs.get("vllm_config", args[0] if args else None)
-    cls = OutrateAsyncScheduler if vllm_config.scheduler_config.async_scheduling else OutrateScheduler
+    cls = (
+        OutrateAsyncScheduler if vllm_config.scheduler_config.async_scheduling else OutrateScheduler
+    )
     return cls(*args, **kwargs)
