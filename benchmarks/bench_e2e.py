@@ -26,7 +26,12 @@ sys.path.insert(0, str(REPO / "examples"))
 
 from build_tiny_model import build  # noqa: E402
 from loadgen import run_concurrently  # noqa: E402
-from serverproc import ServerProcess, stock_vllm_argv, stock_vllm_env, tiny_model_flags  # noqa: E402
+from serverproc import (  # noqa: E402
+    ServerProcess,
+    outrate_serve_argv,
+    stock_vllm_argv,
+    stock_vllm_env,
+)
 
 USERS = 8
 STREAMS = 16
@@ -58,18 +63,7 @@ def run(pairs: int, rounds: int) -> tuple[list[float], list[float]]:
     policy.write_text(POLICY)
     common = ["--max-num-seqs", "16"]
     stock_argv = stock_vllm_argv(model, *common)
-    ours_argv = [
-        sys.executable,
-        "-m",
-        "outrate",
-        "serve",
-        *tiny_model_flags(model),
-        *common,
-        "--outrate-policy",
-        str(policy),
-        "--outrate-reload",
-        "off",
-    ]
+    ours_argv = outrate_serve_argv(model, policy, *common, "--outrate-reload", "off")
     stock: list[float] = []
     ours: list[float] = []
     for pair in range(pairs):

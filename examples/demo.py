@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from build_tiny_model import build  # noqa: E402
 from loadgen import Stream, run_concurrently, throughput, user_rate  # noqa: E402
-from serverproc import ServerProcess, tiny_model_flags  # noqa: E402
+from serverproc import ServerProcess, outrate_serve_argv  # noqa: E402
 
 POLICY = REPO / "policies" / "demo.yaml"
 BURST_S = 0.1
@@ -106,19 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     t = time.monotonic()
     model = build(REPO / "models" / "tiny-llama")
     print(f"tiny model ready ({time.monotonic() - t:.1f} s): {model}")
-    argv_serve = [
-        sys.executable,
-        "-m",
-        "outrate",
-        "serve",
-        *tiny_model_flags(model),
-        "--outrate-policy",
-        str(POLICY),
-        "--max-num-seqs",
-        "16",
-        "--max-num-active-seqs",
-        "12",
-    ]
+    argv_serve = outrate_serve_argv(
+        model, POLICY, "--max-num-seqs", "16", "--max-num-active-seqs", "12"
+    )
     server = ServerProcess(argv_serve, name="demo")
     print(
         f"starting outrate serve with {POLICY.relative_to(REPO)} (engine start takes 20-40 s; "

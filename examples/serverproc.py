@@ -134,6 +134,23 @@ def stock_vllm_argv(model_dir: str | os.PathLike[str], *extra: str) -> list[str]
     ]
 
 
+def outrate_serve_argv(
+    model_dir: str | os.PathLike[str], policy: str | os.PathLike[str], *extra: str
+) -> list[str]:
+    """Command line of `outrate serve` for the tiny model with a policy file:
+    the same engine flags as :func:`stock_vllm_argv`, plus the policy."""
+    return [
+        sys.executable,
+        "-m",
+        "outrate",
+        "serve",
+        *tiny_model_flags(model_dir),
+        "--outrate-policy",
+        str(policy),
+        *extra,
+    ]
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -29,7 +29,7 @@ from loadgen import (  # noqa: E402
     throughput,
     user_rate,
 )
-from serverproc import ServerProcess, cpu_seconds, tiny_model_flags  # noqa: E402
+from serverproc import ServerProcess, cpu_seconds, outrate_serve_argv  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -65,19 +65,7 @@ def server(tmp_path_factory):
     policy = policy_dir / "policy.yaml"
     policy.write_text(POLICY)
     model = build(REPO / "models" / "tiny-llama")
-    argv = [
-        sys.executable,
-        "-m",
-        "outrate",
-        "serve",
-        *tiny_model_flags(model),
-        "--outrate-policy",
-        str(policy),
-        "--max-num-seqs",
-        "16",
-        "--max-num-active-seqs",
-        "12",
-    ]
+    argv = outrate_serve_argv(model, policy, "--max-num-seqs", "16", "--max-num-active-seqs", "12")
     proc = ServerProcess(argv, log_path=policy_dir / "server.log", name="outrate")
     proc.start(timeout_s=300)
     proc.policy_path = policy
