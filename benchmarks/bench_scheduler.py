@@ -1,0 +1,469 @@
+"""Per-step cost of outrate's scheduler against stock vLLM 0.32.
+
+    python benchmarks/bench_scheduler.py [--quick] [--check] [--no-profile]
+
+What is timed: `schedule()` + `update_from_output()` of the REAL vLLM
+`Scheduler` / `AsyncScheduler` (stock) and of `OutrateScheduler` /
+`OutrateAsyncScheduler`, with a real KV cache manager, real `Request`s, a fake
+clock that advances 10 ms per step and fabricated `ModelRunnerOutput`s (one
+sampled token per scheduled request; async is fed one step behind, as the
+engine's batch queue does). Building the fabricated output is not timed.
+Every request is in decode when timing starts (admitted and prefilled during
+warm-up) and has a max_tokens so large that nothing finishes. Every scheduler
+gets max_num_seqs = R + 1: outrate keeps the last free seat for users with
+budget, so at exactly R one throttled request would stay in the waiting queue
+instead of running (held) like the others.
+
+Why the ratios are what they are:
+
+- 0% throttled: every user has a limit it never reaches (1e6 tok/s), so
+  outrate charges every request every step but holds nobody. Compared with
+  stock scheduling the same R requests: the pure price of the hooks
+  (target <= 1.05).
+- f throttled: f*R requests belong to users at 0.001 tok/s (burst 100ms):
+  after their first token they are held out of `running` for ~1000 s of fake
+  time, i.e. for the whole run. The rest belong to 1e6 tok/s users. Compared
+  with stock scheduling only the n requests outrate actually schedules per step
+  (n measured from the outputs): what a step costs on top of the work that is
+  really done (target <= 1.3 at 95% of 1024; other rows are informative).
+
+Noise: the machine is small and shared (other test runs come and go), so
+(1) per-step times are taken with `time.perf_counter_ns` with the garbage
+collector disabled (it runs between rounds, untimed); (2) stock-all,
+stock-scheduled and outrate are measured in many short interleaved rounds
+(A/B/C, B/C/A, C/A/B, ... 10 steps each) so a neighbour's burst of load lands
+on all three alike; (3) the us columns are medians over all timed steps, and
+`ratio` is the median over rounds of the per-round ratio of medians (paired:
+drift between rounds cancels), so it can differ a little from the quotient of
+the columns. Expect a few percent of run-to-run jitter anyway; rerun before
+believing a FAIL that is within a few percent of its target.
+
+How to read the table: `sched/step` is the median number of requests outrate
+scheduled per step; `stock_all_us` is stock with all R requests running;
+`stock_sched_us` is stock with only `sched/step` requests running (equal to
+`stock_all_us` at 0%); `ratio` is `outrate_us` over `stock_all_us` at 0% and
+over `stock_sched_us` otherwise. `users` is the number of users; with
+throttling it reads `throttled+free` (a single user cannot be both, so U=1
+rows with throttling use one throttled and one free user).
+
+The profile section runs cProfile over a few hundred outrate steps of the
+worst case (95% of 1024 throttled) and prints the top functions by cumulative
+time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import gc
+import io
+import pstats
+import statistics
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))  # the vLLM harness lives with the tests
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm_harness import (  # noqa: E402
+    BLOCK,
+    MS,
+    TOKEN,
+    FakeClock,
+    make_request,
+    make_scheduler,
+    model_dir,
+)
+
+from outrate.compiler import CompiledPolicy, compile_policy  # noqa: E402
+from outrate.loader import parse_policy  # noqa: E402
+
+PROMPT_LEN = 8
+MAX_TOKENS = 1_000_000  # never reached: the run is far shorter
+MAX_MODEL_LEN = 2048  # the harness's; a request stops when it gets there
+STEP_NS = 10 * MS
+PROBE_STEPS = 10  # untimed outrate steps that tell how many requests it schedules
+FREE_RATE = "1000000"  # tok/s: never reached
+SLOW_RATE = "0.001"  # tok/s: one token, then held for ~1000 s of fake time
+TARGET_UNTHROTTLED = 1.05
+TARGET_WORST = 1.3
+
+
+@dataclass(frozen=True)
+class Cell:
+    mode: str  # "sync" | "async"
+    running: int
+    users: int
+    throttled: float  # fraction of requests whose user is out of budget
+
+
+@dataclass(frozen=True)
+class Sizes:
+    warmup: int  # steps before timing (admission, prefill, first holds)
+    rounds: int
+    steps: int  # timed steps per scheduler per round
+
+    @property
+    def total(self) -> int:
+        return self.warmup + self.rounds * self.steps
+
+
+FULL = Sizes(warmup=30, rounds=40, steps=10)
+QUICK = Sizes(warmup=20, rounds=10, steps=5)
+
+
+@dataclass
+class Result:
+    cell: Cell
+    users_label: str
+    scheduled: int
+    stock_all_us: float
+    stock_sched_us: float
+    outrate_us: float
+    ratio: float  # paired per round, see paired_ratio()
+
+    @property
+    def target(self) -> float | None:
+        if self.cell.throttled == 0:
+            return TARGET_UNTHROTTLED
+        if self.cell.running == 1024 and self.cell.throttled == 0.95:
+            return TARGET_WORST
+        return None
+
+    @property
+    def passed(self) -> bool | None:
+        return None if self.target is None else self.ratio <= self.target
+
+
+# -- workload ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    users: list[str]  # user of request i
+    throttled_users: list[str]
+    free_users: list[str]
+    label: str
+
+    @property
+    def n_throttled(self) -> int:
+        slow = set(self.throttled_users)
+        return sum(u in slow for u in self.users)
+
+
+def workload(running: int, users: int, throttled: float) -> Workload:
+    """Who owns which request. Throttled requests are spread evenly through
+    the arrival order (not bunched at one end of `running`); within each
+    group requests go round-robin over that group's users."""
+    if not 1 <= users <= running:
+        raise ValueError(f"need 1 <= users <= running, got users={users} running={running}")
+    n_slow = round(throttled * running)
+    if n_slow == 0:
+        free = [f"u{i}" for i in range(users)]
+        return Workload([free[i % users] for i in range(running)], [], free, str(users))
+    if n_slow == running:
+        raise ValueError("at least one request must be unthrottled")
+    k_slow = min(max(round(throttled * users), 1), max(users - 1, 1))
+    k_free = max(users - k_slow, 1)
+    slow = [f"t{i}" for i in range(k_slow)]
+    free = [f"u{i}" for i in range(k_free)]
+    owners: list[str] = []
+    i_slow = i_free = 0
+    for i in range(running):
+        if (i + 1) * n_slow // running != i * n_slow // running:
+            owners.append(slow[i_slow % k_slow])
+            i_slow += 1
+        else:
+            owners.append(free[i_free % k_free])
+            i_free += 1
+    return Workload(owners, slow, free, f"{k_slow}+{k_free}")
+
+
+def policy_for(w: Workload) -> CompiledPolicy:
+    lines = ["version: 1", f"default: {FREE_RATE}", "burst: 100ms", "users:"]
+    lines += [f"  {u}: {SLOW_RATE}" for u in w.throttled_users]
+    lines += [f"  {u}: {FREE_RATE}" for u in w.free_users]
+    text = "\n".join(lines) + "\n"
+    return compile_policy(parse_policy(text, "bench.yaml"), "bench.yaml")
+
+
+# -- driving one scheduler ----------------------------------------------------
+
+
+@dataclass
+class Bench:
+    """One scheduler stepped like the engine steps it, timing only the
+    scheduler's own calls."""
+
+    name: str
+    sched: Any
+    clock: FakeClock
+    rounds: list[list[int]] = field(default_factory=list)  # ns per step, per round
+    scheduled: list[int] = field(default_factory=list)
+    _pending: deque = field(default_factory=deque)
+
+    @property
+    def is_async(self) -> bool:
+        return isinstance(self.sched, AsyncScheduler)
+
+    def step(self) -> tuple[int, int]:
+        """One engine step: (ns spent in the scheduler, requests scheduled)."""
+        sched = self.sched
+        t0 = time.perf_counter_ns()
+        out = sched.schedule()
+        t1 = time.perf_counter_ns()
+        ids = list(out.num_scheduled_tokens)
+        reqs = sched.requests
+        mro = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[[] if reqs[r].is_prefill_chunk else [TOKEN] for r in ids],
+        )
+        pending = self._pending
+        pending.append((out, mro))
+        spent = t1 - t0
+        if not ids:  # nothing new in flight: collect what is (as the engine does)
+            while pending:
+                spent += self._deliver()
+        elif not self.is_async or len(pending) >= 2:
+            spent += self._deliver()
+        self.clock.advance(STEP_NS)
+        return spent, len(ids)
+
+    def _deliver(self) -> int:
+        out, mro = self._pending.popleft()
+        t0 = time.perf_counter_ns()
+        self.sched.update_from_output(out, mro)
+        return time.perf_counter_ns() - t0
+
+    def run(self, steps: int, record: bool = True) -> None:
+        times, scheduled = [], []
+        for _ in range(steps):
+            ns, n = self.step()
+            times.append(ns)
+            scheduled.append(n)
+        if record:
+            self.rounds.append(times)
+            self.scheduled += scheduled
+
+    def median_us(self) -> float:
+        return statistics.median(t for r in self.rounds for t in r) / 1000
+
+    def reset(self) -> None:
+        self.rounds.clear()
+        self.scheduled.clear()
+
+    def median_scheduled(self) -> int:
+        return round(statistics.median(self.scheduled))
+
+
+def build(
+    kind: str, owners: Sequence[str | None], sizes: Sizes, policy: CompiledPolicy | None
+) -> Bench:
+    """A scheduler with len(owners) running requests, warmed up into decode."""
+    r = len(owners)
+    clock = FakeClock()
+    tokens = PROMPT_LEN + sizes.total + PROBE_STEPS + 4  # most a request can reach
+    per_req_blocks = -(-tokens // BLOCK) + 1
+    if tokens >= MAX_MODEL_LEN:
+        raise ValueError(f"{sizes.total} steps would run requests into max_model_len")
+    sched = make_scheduler(
+        kind,
+        policy,
+        clock,
+        num_blocks=r * per_req_blocks + 64,
+        max_num_seqs=r + 1,  # see module docstring: the last free seat
+        max_num_batched_tokens=max(r * PROMPT_LEN, 256),
+    )
+    bench = Bench(kind, sched, clock)
+    for user in owners:
+        sched.add_request(make_request(user, PROMPT_LEN, MAX_TOKENS))
+    bench.run(sizes.warmup, record=False)
+    _check_settled(bench, r)
+    return bench
+
+
+def _check_settled(bench: Bench, r: int) -> None:
+    sched = bench.sched
+    running, waiting = sched.get_request_counts()
+    if waiting or running != r:
+        raise RuntimeError(
+            f"{bench.name}: not settled after warm-up: {running} running, {waiting} waiting"
+        )
+    busy = [q for q in sched.running if q.is_prefill_chunk]
+    if busy:
+        raise RuntimeError(f"{bench.name}: {len(busy)} requests still prefilling after warm-up")
+
+
+def interleave(benches: Sequence[Bench], sizes: Sizes) -> None:
+    """Short rounds, A/B/C then B/C/A then C/A/B ...: each scheduler runs
+    `sizes.steps` steps per round and takes every position in turn, so load
+    from neighbours lands on all of them alike. The collector is off while
+    steps run and collects between rounds, outside the timed calls."""
+    k = len(benches)
+    gc.collect()
+    gc.disable()
+    try:
+        for rnd in range(sizes.rounds):
+            for j in range(k):
+                benches[(rnd + j) % k].run(sizes.steps)
+            gc.enable()
+            gc.collect()
+            gc.disable()
+    finally:
+        gc.enable()
+
+
+def paired_ratio(a: Bench, b: Bench) -> float:
+    """Median over rounds of (a's median / b's median) in the same round:
+    both ran within milliseconds of each other, so slow drift cancels."""
+    return statistics.median(
+        statistics.median(x) / statistics.median(y) for x, y in zip(a.rounds, b.rounds, strict=True)
+    )
+
+
+def measure(cell: Cell, sizes: Sizes) -> Result:
+    w = workload(cell.running, cell.users, cell.throttled)
+    outrate = build(cell.mode, w.users, sizes, policy_for(w))
+    # n: what outrate schedules per step once the throttled users are held.
+    outrate.run(PROBE_STEPS)
+    n = outrate.median_scheduled()
+    outrate.reset()
+    stock_all = build(f"stock-{cell.mode}", [None] * cell.running, sizes, None)
+    benches = [stock_all, outrate]
+    stock_sched = stock_all
+    if n != cell.running:
+        stock_sched = build(f"stock-{cell.mode}", [None] * n, sizes, None)
+        benches.insert(1, stock_sched)
+    interleave(benches, sizes)
+    return Result(
+        cell=cell,
+        users_label=w.label,
+        scheduled=outrate.median_scheduled(),
+        stock_all_us=stock_all.median_us(),
+        stock_sched_us=stock_sched.median_us(),
+        outrate_us=outrate.median_us(),
+        ratio=paired_ratio(outrate, stock_all if cell.throttled == 0 else stock_sched),
+    )
+
+
+# -- grid and report ----------------------------------------------------------
+
+
+def grid(quick: bool) -> list[Cell]:
+    runnings = (64, 256) if quick else (64, 256, 1024)
+    users = (16,) if quick else (1, 16, 256)
+    return [
+        Cell(mode, r, u, f)
+        for mode in ("sync", "async")
+        for r in runnings
+        for u in users
+        if u <= r
+        for f in (0.0, 0.5, 0.95)
+    ]
+
+
+HEADER = """\
+Per-step cost of schedule() + update_from_output(), median us, all requests in decode.
+stock_all: stock vLLM with all R running.  stock_sched: stock vLLM with only the
+requests outrate actually schedules (sched/step).  ratio = outrate / stock_all at 0%
+throttled (price of the hooks), outrate / stock_sched otherwise (price of the held).
+users: count, or throttled+free users when some are throttled."""
+
+COLUMNS = {
+    "mode": 5, "R": 5, "users": 7, "thr%": 4, "sched/step": 10, "stock_all_us": 12,
+    "stock_sched_us": 14, "outrate_us": 10, "ratio": 6, "target": 6, "result": 6,
+}  # fmt: skip
+
+
+def format_row(values: Iterable[str]) -> str:
+    return "  ".join(v.rjust(w) for v, w in zip(values, COLUMNS.values(), strict=True))
+
+
+def format_table(results: Iterable[Result]) -> str:
+    lines = [HEADER, "", format_row(COLUMNS)]
+    for res in results:
+        c = res.cell
+        row = [c.mode, str(c.running), res.users_label, f"{c.throttled * 100:.0f}"]
+        row.append(str(res.scheduled))
+        row += [f"{us:.0f}" for us in (res.stock_all_us, res.stock_sched_us, res.outrate_us)]
+        row.append(f"{res.ratio:.3f}")
+        row.append("-" if res.target is None else f"<={res.target:g}")
+        row.append({None: "-", True: "PASS", False: "FAIL"}[res.passed])
+        lines.append(format_row(row))
+    return "\n".join(lines)
+
+
+def profile_worst(mode: str = "sync", users: int = 16, steps: int = 300, top: int = 15) -> str:
+    """cProfile of outrate's own scheduler calls at 95% of 1024 throttled."""
+    w = workload(1024, users, 0.95)
+    sizes = Sizes(warmup=FULL.warmup, rounds=1, steps=steps)
+    bench = build(mode, w.users, sizes, policy_for(w))
+    prof = cProfile.Profile()
+    sched = bench.sched
+    for name in ("schedule", "update_from_output"):
+        setattr(sched, name, _profiled(prof, getattr(sched, name)))
+    gc.disable()
+    try:
+        bench.run(steps)
+    finally:
+        gc.enable()
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("cumulative").print_stats(top)
+    head = (
+        f"cProfile: outrate {mode}, R=1024, users {w.label}, 95% throttled, {steps} steps, "
+        f"median {bench.median_scheduled()} scheduled/step (profiler overhead inflates times)"
+    )
+    return head + "\n" + buf.getvalue().strip()
+
+
+def _profiled(prof: cProfile.Profile, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        prof.enable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            prof.disable()
+
+    return call
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--quick", action="store_true", help="reduced grid and steps (CI smoke)")
+    ap.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
+    ap.add_argument("--no-profile", action="store_true", help="skip the cProfile section")
+    args = ap.parse_args(argv)
+    sizes = QUICK if args.quick else FULL
+    with contextlib.redirect_stdout(sys.stderr):
+        model_dir()  # builds or reuses the tiny model; keep its chatter off the table
+    results = []
+    for cell in grid(args.quick):
+        results.append(measure(cell, sizes))
+        print(
+            f"  measured {cell.mode} R={cell.running} U={cell.users} "
+            f"{cell.throttled * 100:.0f}%: ratio {results[-1].ratio:.3f}",
+            file=sys.stderr,
+            flush=True,
+        )
+    print(format_table(results))
+    if not args.quick and not args.no_profile:
+        print()
+        print(profile_worst())
+    failed = [r for r in results if r.passed is False]
+    if failed:
+        print(f"\n{len(failed)} target(s) missed", file=sys.stderr)
+    return 1 if args.check and failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

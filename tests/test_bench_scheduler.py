@@ -1,0 +1,64 @@
+"""The scheduler benchmark runs and its numbers are sane (timing targets are
+not asserted here: this machine is too noisy for that)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import bench_scheduler as bench  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+TINY = bench.Sizes(warmup=12, rounds=3, steps=3)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize(("throttled", "scheduled"), [(0.0, 16), (0.5, 8)])
+def test_measure_tiny(mode: str, throttled: float, scheduled: int) -> None:
+    res = bench.measure(bench.Cell(mode, 16, 4, throttled), TINY)
+    assert res.scheduled == scheduled
+    assert res.stock_all_us > 0 and res.stock_sched_us > 0 and res.outrate_us > 0
+    assert res.ratio > 0
+    if throttled == 0:
+        assert res.stock_sched_us == res.stock_all_us
+        assert res.target == bench.TARGET_UNTHROTTLED
+    else:
+        assert res.users_label == "2+2"
+        assert res.target is None
+    row = bench.format_table([res]).splitlines()[-1].split()
+    assert row[:5] == [mode, "16", res.users_label, f"{throttled * 100:.0f}", str(scheduled)]
+
+
+def test_workload_spreads_throttled_requests() -> None:
+    w = bench.workload(1024, 16, 0.95)
+    assert w.label == "15+1"
+    assert w.n_throttled == round(0.95 * 1024)
+    assert w.users[:4].count("u0") <= 1  # spread through arrival order, not bunched
+    one = bench.workload(64, 1, 0.5)
+    assert one.label == "1+1" and one.n_throttled == 32
+    assert set(bench.workload(64, 16, 0.0).users) == {f"u{i}" for i in range(16)}
+
+
+def test_grid_covers_the_brief() -> None:
+    full = bench.grid(quick=False)
+    assert {c.running for c in full} == {64, 256, 1024}
+    assert {c.users for c in full} == {1, 16, 256}
+    assert {c.throttled for c in full} == {0.0, 0.5, 0.95}
+    assert {c.mode for c in full} == {"sync", "async"}
+    assert all(c.users <= c.running for c in full)
+    assert len(bench.grid(quick=True)) < len(full)
+
+
+def test_check_flags_a_missed_target() -> None:
+    cell = bench.Cell("sync", 1024, 16, 0.95)
+    ok = bench.Result(cell, "15+1", 51, 9000.0, 400.0, 480.0, ratio=1.2)
+    bad = bench.Result(cell, "15+1", 51, 9000.0, 400.0, 600.0, ratio=1.5)
+    assert ok.passed is True and bad.passed is False
+    assert "FAIL" in bench.format_table([ok, bad]).splitlines()[-1]
