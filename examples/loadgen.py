@@ -125,8 +125,9 @@ def run_concurrently(
 class UserRate:
     user: str | None
     tokens: int
-    first: float
-    last: float
+    first: float  # first token reached the client
+    last: float  # last token reached the client
+    sent: float  # the user's first request left the client
 
     @property
     def window(self) -> float:
@@ -134,11 +135,16 @@ class UserRate:
 
     @property
     def rate(self) -> float:
+        """Measured rate, first to last token."""
         return (self.tokens - 1) / self.window if self.window > 0 else float("inf")
 
     def bound(self, rate: float, burst_s: float) -> float:
-        """The contract: at most (W + burst) * rate + 1 tokens in any window W."""
-        return (self.window + burst_s) * rate + 1
+        """The contract, (W + burst) * rate + 1, for the one window the client
+        can vouch for: every token was sampled after the first request was
+        sent and before the last token arrived, so W = last - sent. (First to
+        last on the client is not a sound window: the first token's arrival
+        carries the API server's latency, which can shrink it.)"""
+        return (self.last - self.sent + burst_s) * rate + 1
 
 
 def throughput(streams: Iterable[Stream], user: str | None) -> float:
@@ -152,10 +158,11 @@ def throughput(streams: Iterable[Stream], user: str | None) -> float:
 
 
 def user_rate(streams: Iterable[Stream], user: str | None) -> UserRate:
-    times = sorted(t for s in streams if s.user == user for t in s.token_times)
+    mine = [s for s in streams if s.user == user]
+    times = sorted(t for s in mine for t in s.token_times)
     if not times:
-        return UserRate(user, 0, 0.0, 0.0)
-    return UserRate(user, len(times), times[0], times[-1])
+        return UserRate(user, 0, 0.0, 0.0, 0.0)
+    return UserRate(user, len(times), times[0], times[-1], min(s.started for s in mine))
 
 
 def max_window_excess(

@@ -22,7 +22,9 @@ Holdback: a running request whose user is out of budget is taken out of
 and its resident slot. Two stock behaviours that a naive holdback breaks are
 restored explicitly: `len(running) + held <= max_num_seqs` (the admission cap
 `max_num_active_reqs` is lowered for the step), and held requests are the
-preferred preemption victims (`kv_cache_manager.allocate_slots` is wrapped).
+preferred preemption victims (`kv_cache_manager.allocate_slots` is wrapped,
+only for steps that start with held requests: the wrapper costs a Python call
+per allocation).
 
 Written against vLLM 0.32.0 (pinned). When vLLM grows a public scheduler
 policy hook, this file is what goes.
@@ -172,6 +174,7 @@ class OutrateMixin:
         """(Re)wire the limiter. The engine calls this once; tests pass a fake clock."""
         self.policy_box = policy if isinstance(policy, PolicyBox) else PolicyBox(policy)
         self.limiter = Limiter(self.policy_box.current, clock=clock)
+        self._take = self.limiter.take  # bound once: called for every sampling dispatch
         self._clock = clock
         self._users: dict[str, _User] = {}
         self._held: dict[Request, None] = {}  # insertion-ordered: newest held last
@@ -193,9 +196,8 @@ class OutrateMixin:
         self._block_size = self.block_size  # type: ignore[attr-defined]
         self._caching = bool(self.cache_config.enable_prefix_caching)  # type: ignore[attr-defined]
         kvm = self.kv_cache_manager  # type: ignore[attr-defined]
-        if not hasattr(kvm, "_outrate_allocate"):
-            kvm._outrate_allocate = kvm.allocate_slots
-        kvm.allocate_slots = self._allocate_slots
+        kvm.__dict__.pop("allocate_slots", None)  # re-wiring: back to the class method
+        self._stock_allocate = kvm.allocate_slots
         self.stats = {"charged": 0, "refunded": 0, "held": 0, "released": 0, "displaced": 0}
         # Requests already in the scheduler (only in tests that re-wire) join now.
         for req in self.requests.values():
@@ -277,7 +279,7 @@ class OutrateMixin:
             num_new_tokens = super()._reserve_prefill_lookahead(  # type: ignore[misc]
                 request, num_computed_tokens, num_new_tokens
             )
-        num_tokens = request.num_tokens
+        num_tokens = len(request._all_token_ids)  # == request.num_tokens, minus a property call
         if num_new_tokens == 0 or num_computed_tokens + num_new_tokens < num_tokens:
             return num_new_tokens  # nothing sampled: middle prefill chunks are free
         rs: _ReqState = request.__dict__[_ATTR]
@@ -286,9 +288,11 @@ class OutrateMixin:
             return num_new_tokens  # never charge a request twice in a step
         u = rs.user
         if u.refused_step != step:
-            if self.limiter.take(u.bucket, self._now):
+            bucket = u.bucket
+            if self._take(bucket, self._now):
                 rs.charged_step = step
-                self._charged.append(request)
+                if bucket.limit.scale:  # unlimited: nothing to refund
+                    self._charged.append(request)
                 return num_new_tokens
             u.refused_step = step
             self._touched.append(u)
@@ -344,7 +348,7 @@ class OutrateMixin:
         self, request: Request, num_new_tokens: int, *args: Any, **kwargs: Any
     ) -> Any:
         """KV allocation that preempts held (throttled) requests first."""
-        alloc = self.kv_cache_manager._outrate_allocate  # type: ignore[attr-defined]
+        alloc = self._stock_allocate
         if self._held and kwargs.get("has_scheduled_reqs") is False:
             kwargs["has_scheduled_reqs"] = True  # held requests are scheduled work too
         while True:
@@ -385,6 +389,11 @@ class OutrateMixin:
             self._release(now)
         if self._held and len(self.running) + len(self._held) >= self.max_num_running_reqs:
             self._displace(now)
+        kvm = self.kv_cache_manager  # type: ignore[attr-defined]
+        if self._held:
+            kvm.allocate_slots = self._allocate_slots
+        elif "allocate_slots" in kvm.__dict__:
+            del kvm.allocate_slots
         # Held requests keep resident slots: admission needs
         # running + held < max_num_seqs and running < max_num_active_seqs.
         self.max_num_active_reqs = min(
