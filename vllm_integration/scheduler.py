@@ -182,7 +182,13 @@ class OutrateMixin:
         self._seq = 0
         self._step = 0
         self._now = 0
-        self._charged: list[Request] = []
+        # Refund candidates: a charged request can miss the step only if its KV
+        # allocation failed (then it is the last one charged in its loop: both
+        # of stock's loops stop there) or if it was preempted afterwards.
+        self._last_charge_running: Request | None = None
+        self._last_charge_waiting: Request | None = None
+        self._preempted_charged: list[Request] = []
+        self._n_charged = 0
         self._refused: list[Request] = []
         self._touched: list[_User] = []
         self._admits: list[Request] = []
@@ -257,6 +263,8 @@ class OutrateMixin:
         if rs is not None:
             self._leave_slot(rs, request)
             rs.preempted_step = self._step
+            if rs.charged_step == self._step:
+                self._preempted_charged.append(request)  # refunded after the step
         super()._preempt_request(request, timestamp, drop_stale_output)  # type: ignore[misc]
 
     def get_request_counts(self) -> tuple[int, int]:
@@ -292,7 +300,11 @@ class OutrateMixin:
             if self._take(bucket, self._now):
                 rs.charged_step = step
                 if bucket.limit.scale:  # unlimited: nothing to refund
-                    self._charged.append(request)
+                    self._n_charged += 1
+                    if request.status == RequestStatus.RUNNING:
+                        self._last_charge_running = request
+                    else:
+                        self._last_charge_waiting = request
                 return num_new_tokens
             u.refused_step = step
             self._touched.append(u)
@@ -409,17 +421,23 @@ class OutrateMixin:
     def _after_schedule(self, scheduled: dict[str, int], now: int) -> None:
         limiter = self.limiter
         # The one refund point: charged but not scheduled (KV allocation
-        # failed, preempted later in the same step).
-        charged = self._charged
-        if charged:
-            n = 0
-            for r in charged:
-                if r.request_id not in scheduled:
-                    limiter.give_back(r.__dict__[_ATTR].user.bucket, now)
-                    n += 1
-            self.stats["charged"] += len(charged) - n
-            self.stats["refunded"] += n
-            charged.clear()
+        # failed, or preempted later in the same step). O(1): see the
+        # candidates' comment in outrate_configure.
+        if self._n_charged:
+            refunded = 0
+            candidates = self._preempted_charged
+            for r in (self._last_charge_running, self._last_charge_waiting, *candidates):
+                if r is not None and r.request_id not in scheduled:
+                    rs = r.__dict__.get(_ATTR)
+                    if rs is not None and rs.charged_step == self._step:
+                        limiter.give_back(rs.user.bucket, now)
+                        rs.charged_step = -1  # never refunded twice
+                        refunded += 1
+            self.stats["charged"] += self._n_charged - refunded
+            self.stats["refunded"] += refunded
+            self._n_charged = 0
+            self._last_charge_running = self._last_charge_waiting = None
+            candidates.clear()
         if self._stash:
             for r in reversed(self._stash):
                 self.waiting.prepend_request(r)  # type: ignore[attr-defined]
