@@ -48,7 +48,8 @@ from vllm.v1.request import Request, RequestStatus
 from outrate.compiler import CompiledPolicy
 from outrate.errors import OutrateError
 from outrate.identity import resolve_identity
-from outrate.limiter import Bucket, Limiter
+from outrate.limiter import Limiter
+from vllm_integration.state import ATTR, PolicyBox, RequestState, UserState, request_state
 
 logger = logging.getLogger("vllm.outrate")  # under vLLM's logger: same format and level
 
@@ -59,64 +60,11 @@ DISPLACE_SCAN = 32
 """Waiting requests examined per step for fair-admission displacement."""
 
 
-class PolicyBox:
-    """The one reference the scheduler reads per step; reloads replace it."""
-
-    __slots__ = ("current",)
-
-    def __init__(self, policy: CompiledPolicy) -> None:
-        self.current = policy
-
-
-class _User:
-    """A user with live requests in this scheduler."""
-
-    __slots__ = (
-        "key",
-        "bucket",
-        "live",
-        "resident",
-        "n_held",
-        "held",
-        "refused_step",
-        "ready_at",
-        "armed",
-    )
-
-    def __init__(self, key: str, bucket: Bucket) -> None:
-        self.key = key
-        self.bucket = bucket
-        self.live = 0  # requests not finished
-        self.resident = 0  # requests holding a running slot (visible or held)
-        self.n_held = 0
-        self.held: list[tuple[int, int, Request]] = []  # heap (priority, seq, req)
-        self.refused_step = -1
-        self.ready_at = 0
-        self.armed = False  # has a live entry in the wake heap
-
-
-class _ReqState:
-    __slots__ = ("user", "resident", "held", "charged_step", "preempted_step")
-
-    def __init__(self, user: _User) -> None:
-        self.user = user
-        self.resident = False
-        self.held = False
-        self.charged_step = -1
-        self.preempted_step = -1
-
-
 _CONNECTORS = (
     ("connector", "a KV connector"),
     ("ec_connector", "an EC connector"),
     ("aux_output_connector", "an aux output connector"),
 )
-
-_ATTR = "_outrate"  # our state on vLLM's Request objects (it has no __slots__)
-
-
-def _rs(request: Request) -> _ReqState:
-    return request.__dict__[_ATTR]
 
 
 class OutrateMixin:
@@ -176,9 +124,9 @@ class OutrateMixin:
         self.limiter = Limiter(self.policy_box.current, clock=clock)
         self._take = self.limiter.take  # bound once: called for every sampling dispatch
         self._clock = clock
-        self._users: dict[str, _User] = {}
+        self._users: dict[str, UserState] = {}
         self._held: dict[Request, None] = {}  # insertion-ordered: newest held last
-        self._wake: list[tuple[int, int, _User]] = []
+        self._wake: list[tuple[int, int, UserState]] = []
         self._seq = 0
         self._step = 0
         self._now = 0
@@ -190,7 +138,7 @@ class OutrateMixin:
         self._preempted_charged: list[Request] = []
         self._n_charged = 0
         self._refused: list[Request] = []
-        self._touched: list[_User] = []
+        self._touched: list[UserState] = []
         self._admits: list[Request] = []
         self._stash: list[Request] = []
         self._blocked_ready = 0
@@ -213,21 +161,21 @@ class OutrateMixin:
     def n_held(self) -> int:
         return len(self._held)
 
-    def _user(self, key: str) -> _User:
+    def _user(self, key: str) -> UserState:
         u = self._users.get(key)
         if u is None:
-            u = _User(key, self.limiter.pin(key))
+            u = UserState(key, self.limiter.pin(key))
             self._users[key] = u
         return u
 
     def _register(self, request: Request) -> None:
         u = self._user(resolve_identity(request.sampling_params, logger))
         u.live += 1
-        rs = _ReqState(u)
+        rs = RequestState(u)
         if request.status == RequestStatus.RUNNING:
             rs.resident = True
             u.resident += 1
-        request.__dict__[_ATTR] = rs
+        request.__dict__[ATTR] = rs
 
     # -- request lifecycle --------------------------------------------------
 
@@ -236,7 +184,7 @@ class OutrateMixin:
             self._register(request)
         super().add_request(request)  # type: ignore[misc]
 
-    def _leave_slot(self, rs: _ReqState, request: Request) -> None:
+    def _leave_slot(self, rs: RequestState, request: Request) -> None:
         if rs.held:
             rs.held = False
             del self._held[request]
@@ -246,7 +194,7 @@ class OutrateMixin:
             rs.user.resident -= 1
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
-        rs = request.__dict__.pop(_ATTR, None)
+        rs = request.__dict__.pop(ATTR, None)
         if rs is not None:
             self._leave_slot(rs, request)
             u = rs.user
@@ -259,7 +207,7 @@ class OutrateMixin:
     def _preempt_request(
         self, request: Request, timestamp: float, drop_stale_output: bool = False
     ) -> None:
-        rs = request.__dict__.get(_ATTR)
+        rs = request.__dict__.get(ATTR)
         if rs is not None:
             self._leave_slot(rs, request)
             rs.preempted_step = self._step
@@ -290,7 +238,7 @@ class OutrateMixin:
         num_tokens = len(request._all_token_ids)  # == request.num_tokens, minus a property call
         if num_new_tokens == 0 or num_computed_tokens + num_new_tokens < num_tokens:
             return num_new_tokens  # nothing sampled: middle prefill chunks are free
-        rs: _ReqState = request.__dict__[_ATTR]
+        rs: RequestState = request.__dict__[ATTR]
         step = self._step
         if rs.charged_step == step:
             return num_new_tokens  # never charge a request twice in a step
@@ -318,7 +266,7 @@ class OutrateMixin:
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
         if not super()._handle_blocked_waiting_request(request):  # type: ignore[misc]
             return False
-        rs: _ReqState = request.__dict__[_ATTR]
+        rs: RequestState = request.__dict__[ATTR]
         if rs.preempted_step == self._step:
             return False  # displaced or preempted this step: not back in the same step
         u = rs.user
@@ -428,7 +376,7 @@ class OutrateMixin:
             candidates = self._preempted_charged
             for r in (self._last_charge_running, self._last_charge_waiting, *candidates):
                 if r is not None and r.request_id not in scheduled:
-                    rs = r.__dict__.get(_ATTR)
+                    rs = r.__dict__.get(ATTR)
                     if rs is not None and rs.charged_step == self._step:
                         limiter.give_back(rs.user.bucket, now)
                         rs.charged_step = -1  # never refunded twice
@@ -444,7 +392,7 @@ class OutrateMixin:
             self._stash.clear()
         if self._admits:
             for r in self._admits:
-                rs = r.__dict__.get(_ATTR)
+                rs = r.__dict__.get(ATTR)
                 if rs is not None and rs.resident and r.status != RequestStatus.RUNNING:
                     rs.resident = False
                     rs.user.resident -= 1
@@ -470,7 +418,7 @@ class OutrateMixin:
         limiter.cleanup(now, 4)
 
     def _hold(self, r: Request) -> None:
-        rs: _ReqState = r.__dict__[_ATTR]
+        rs: RequestState = r.__dict__[ATTR]
         rs.held = True
         self._held[r] = None
         self._seq += 1
@@ -479,7 +427,7 @@ class OutrateMixin:
         u.n_held += 1
         self.stats["held"] += 1
 
-    def _arm(self, u: _User, now: int) -> None:
+    def _arm(self, u: UserState, now: int) -> None:
         u.ready_at = self.limiter.ready_at(u.bucket, now)
         u.armed = True
         self._seq += 1
@@ -505,12 +453,12 @@ class OutrateMixin:
             if u.n_held:
                 self._touched.append(u)  # re-armed after this step
 
-    def _release_user(self, u: _User, k: int) -> int:
+    def _release_user(self, u: UserState, k: int) -> int:
         released = 0
         held = u.held
         while held and released < k:
             r = heapq.heappop(held)[2]
-            rs = r.__dict__.get(_ATTR)
+            rs = r.__dict__.get(ATTR)
             if rs is None or not rs.held:
                 continue  # finished or preempted while held
             rs.held = False
@@ -537,7 +485,7 @@ class OutrateMixin:
         for i, r in enumerate(self.waiting):  # type: ignore[attr-defined]
             if i >= DISPLACE_SCAN:
                 return
-            rs = r.__dict__.get(_ATTR)
+            rs = r.__dict__.get(ATTR)
             if rs is None:
                 continue
             u = rs.user
@@ -557,9 +505,9 @@ class OutrateMixin:
             self.stats["displaced"] += 1
             return
 
-    def _youngest_held(self, u: _User) -> Request:
+    def _youngest_held(self, u: UserState) -> Request:
         return max(
-            (e for e in u.held if e[2].__dict__.get(_ATTR) is not None and _rs(e[2]).held),
+            (e for e in u.held if e[2].__dict__.get(ATTR) is not None and request_state(e[2]).held),
             key=lambda e: (e[0], e[1]),
         )[2]
 
