@@ -18,22 +18,17 @@ from outrate.lint import Finding, lint_deployment
 
 CONFIG_KEY = "outrate"
 SCHEDULER_CLS = "vllm_integration.scheduler.outrate_scheduler"
-OUR_SCHEDULERS = (
-    SCHEDULER_CLS,
-    "vllm_integration.scheduler.OutrateScheduler",
-    "vllm_integration.scheduler.OutrateAsyncScheduler",
-)
 
 
-class DeploymentError(OutrateError):
-    """The vLLM deployment cannot enforce a policy; the message says why."""
+class DeploymentRejected(OutrateError):
+    """The vLLM deployment cannot enforce a policy; the message says why.
+    (Not `outrate.deployment.DeploymentError`: that one is a description that
+    cannot be read.)"""
 
     def __init__(self, findings: list[Finding]) -> None:
         self.findings = findings
-        lines = [f"{f.location}: {f.code} {f.severity}: {f.message}" for f in findings]
-        super().__init__(
-            "outrate cannot run under this vLLM configuration:\n  " + "\n  ".join(lines)
-        )
+        lines = "\n  ".join(map(str, findings))
+        super().__init__(f"outrate cannot run under this vLLM configuration:\n  {lines}")
 
 
 def outrate_settings(args: Any) -> dict[str, Any] | None:
@@ -78,11 +73,11 @@ def policy_from_vllm_config(vllm_config: Any) -> tuple[CompiledPolicy, dict[str,
 
 
 def check_deployment(dep: Deployment) -> list[Finding]:
-    """Raise DeploymentError on errors; return the warnings."""
+    """Raise DeploymentRejected on errors; return the warnings."""
     findings = lint_deployment(dep)
     errors = [f for f in findings if f.severity == "error"]
     if errors:
-        raise DeploymentError(errors)
+        raise DeploymentRejected(errors)
     return findings
 
 

@@ -100,7 +100,7 @@ def apply_outrate_args(engine_args: Any, args: argparse.Namespace) -> Any:
             return engine_args
         policy = compile_settings(settings)
         for finding in check_deployment(deployment_from_engine_args(engine_args)):
-            logger.warning("outrate: %s %s: %s", finding.code, finding.severity, finding.message)
+            logger.warning("outrate: %s", finding)
     except OutrateError as exc:
         raise SystemExit(f"outrate: {exc}") from exc
     engine_args.scheduler_cls = SCHEDULER_CLS

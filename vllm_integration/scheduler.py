@@ -49,7 +49,7 @@ from outrate.compiler import CompiledPolicy
 from outrate.errors import OutrateError
 from outrate.identity import resolve_identity
 from outrate.limiter import Limiter
-from vllm_integration.state import ATTR, PolicyBox, RequestState, UserState, request_state
+from vllm_integration.state import ATTR, PolicyBox, RequestState, UserState, is_held
 
 logger = logging.getLogger("vllm.outrate")  # under vLLM's logger: same format and level
 
@@ -440,7 +440,7 @@ class OutrateMixin:
         room = self._cfg_active - len(self.running)
         while wake and wake[0][0] <= now and room > 0:
             ready, _, u = heapq.heappop(wake)
-            if not u.armed or ready != u.ready_at:
+            if not u.wakes_at(ready):
                 continue  # stale entry
             u.armed = False
             if not u.n_held:
@@ -458,10 +458,9 @@ class OutrateMixin:
         held = u.held
         while held and released < k:
             r = heapq.heappop(held)[2]
-            rs = r.__dict__.get(ATTR)
-            if rs is None or not rs.held:
+            if not is_held(r):
                 continue  # finished or preempted while held
-            rs.held = False
+            r.__dict__[ATTR].held = False
             del self._held[r]
             u.n_held -= 1
             self.running.append(r)
@@ -507,7 +506,7 @@ class OutrateMixin:
 
     def _youngest_held(self, u: UserState) -> Request:
         return max(
-            (e for e in u.held if e[2].__dict__.get(ATTR) is not None and request_state(e[2]).held),
+            (e for e in u.held if is_held(e[2])),
             key=lambda e: (e[0], e[1]),
         )[2]
 
@@ -531,7 +530,7 @@ class OutrateMixin:
         earliest = 0
         while self._wake:
             ready, _, u = self._wake[0]
-            if u.armed and ready == u.ready_at:
+            if u.wakes_at(ready):
                 earliest = ready
                 break
             heapq.heappop(self._wake)

@@ -53,6 +53,10 @@ class UserState:
         self.ready_at = 0
         self.armed = False  # has a live entry in the wake heap
 
+    def wakes_at(self, ready: int) -> bool:
+        """Whether a wake-heap entry for `ready` is this user's live one."""
+        return self.armed and ready == self.ready_at
+
 
 class RequestState:
     __slots__ = ("user", "resident", "held", "charged_step", "preempted_step")
@@ -65,5 +69,8 @@ class RequestState:
         self.preempted_step = -1
 
 
-def request_state(request: Request) -> RequestState:
-    return request.__dict__[ATTR]
+def is_held(request: Request) -> bool:
+    """Whether a user's held-heap entry still stands for a held request
+    (entries of finished, preempted or released requests are skipped lazily)."""
+    rs = request.__dict__.get(ATTR)
+    return rs is not None and rs.held
