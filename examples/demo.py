@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from build_tiny_model import build  # noqa: E402
-from loadgen import Stream, run_concurrently, throughput, user_rate  # noqa: E402
+from loadgen import Stream, run_concurrently, throughput, token_times, user_rate  # noqa: E402
 from serverproc import ServerProcess, outrate_serve_argv  # noqa: E402
 
 POLICY = REPO / "policies" / "demo.yaml"
@@ -46,7 +46,7 @@ def plot(streams: list[Stream], t0: float, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for label, user, _, _, limit in USERS:
-        times = sorted(t - t0 for s in streams if s.user == user for t in s.token_times)
+        times = [t - t0 for t in token_times(streams, user)]
         ax.step(
             times,
             range(1, len(times) + 1),

@@ -157,24 +157,27 @@ def throughput(streams: Iterable[Stream], user: str | None) -> float:
     return n / (end - start) if end > start else 0.0
 
 
+def token_times(streams: Iterable[Stream], user: str | None) -> list[float]:
+    """Arrival times of all of a user's tokens, over all its streams, sorted."""
+    return sorted(t for s in streams if s.user == user for t in s.token_times)
+
+
 def user_rate(streams: Iterable[Stream], user: str | None) -> UserRate:
     mine = [s for s in streams if s.user == user]
-    times = sorted(t for s in mine for t in s.token_times)
+    times = token_times(mine, user)
     if not times:
         return UserRate(user, 0, 0.0, 0.0, 0.0)
     return UserRate(user, len(times), times[0], times[-1], min(s.started for s in mine))
 
 
-def max_window_excess(
-    times: list[float], rate: float, burst_s: float, slack_s: float = 0.0
-) -> float:
+def max_window_excess(times: list[float], rate: float, burst_s: float) -> float:
     """Largest (tokens in [t_i, t_j]) - bound over all windows; <= 0 means the
-    GCRA bound held everywhere. `slack_s` widens windows by the client-side
-    timing noise (chunks reach the client in bursts, not when sampled)."""
+    GCRA bound held everywhere (on client times only a report: chunks reach
+    the client in bursts, not when they were sampled)."""
     worst = float("-inf")
     times = sorted(times)
     for i in range(len(times)):
         for j in range(i, len(times)):
-            w = times[j] - times[i] + slack_s
+            w = times[j] - times[i]
             worst = max(worst, (j - i + 1) - ((w + burst_s) * rate + 1))
     return worst

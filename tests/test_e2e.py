@@ -27,6 +27,7 @@ from loadgen import (  # noqa: E402
     run_concurrently,
     stream_completion,
     throughput,
+    token_times,
     user_rate,
 )
 from serverproc import ServerProcess, cpu_seconds, outrate_serve_argv  # noqa: E402
@@ -72,10 +73,6 @@ def server(tmp_path_factory):
     proc.stop()
 
 
-def tokens(streams: list[Stream], user: str | None) -> list[float]:
-    return sorted(t for s in streams if s.user == user for t in s.token_times)
-
-
 def assert_complete(streams: list[Stream]) -> None:
     for s in streams:
         assert s.error is None, s.error
@@ -96,7 +93,7 @@ def test_limits_hold_with_one_and_four_streams(server):
     report = []
     for user, limit in (("acc-20-1", 20), ("acc-20-4", 20), ("acc-100-1", 100), ("acc-100-4", 100)):
         ur = user_rate(streams, user)
-        excess = max_window_excess(tokens(streams, user), limit, BURST_S)
+        excess = max_window_excess(token_times(streams, user), limit, BURST_S)
         report.append(
             f"{user}: {ur.tokens} tokens at {ur.rate:.2f} tok/s over {ur.window:.2f} s "
             f"(bound {ur.bound(limit, BURST_S):.1f}); worst client-side window {excess:+.1f}"
