@@ -8,6 +8,7 @@ policy the loader accepted cannot fail: every value was checked there.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -20,7 +21,7 @@ from typing import Any
 
 from outrate.errors import PolicyError, Problem
 from outrate.limiter import ANONYMOUS, Limit
-from outrate.loader import load_policy, validate
+from outrate.loader import parse_policy_bytes, read_policy_file, validate
 from outrate.policy import UNLIMITED, LimitRule, Policy, TierRule
 
 PATTERN_CACHE_SIZE = 65_536
@@ -48,6 +49,9 @@ class CompiledPolicy:
     patterns: tuple[tuple[str, Limit], ...] = ()
     policy: Policy | None = field(default=None, repr=False)
     """The validated policy this came from, for lint and `outrate` tooling."""
+    sha256: str = ""
+    """Hex digest of the exact bytes compiled (file) or of the flags' JSON:
+    what `outrate_policy_info` and the reloader compare."""
     _lookup: dict[str, Limit] = field(init=False, repr=False)
     _matchers: tuple[tuple[Any, Limit], ...] = field(init=False, repr=False)
     _cache: dict[str, Limit] = field(init=False, repr=False, default_factory=dict)
@@ -137,7 +141,7 @@ def _limit(
     return Limit(None if rate == UNLIMITED else rate, burst, streams, rule=name)
 
 
-def compile_policy(policy: Policy, source: str) -> CompiledPolicy:
+def compile_policy(policy: Policy, source: str, sha256: str = "") -> CompiledPolicy:
     """Resolve a validated policy into shared Limits. Never fails on a loaded
     policy: tier references and every value were checked by the loader."""
     burst = policy.burst
@@ -166,12 +170,17 @@ def compile_policy(policy: Policy, source: str) -> CompiledPolicy:
             (m.pattern, resolve(m, f"match[{i}] {m.pattern}")) for i, m in enumerate(policy.match)
         ),
         policy=policy,
+        sha256=sha256,
     )
 
 
 def load_compiled(path: str | os.PathLike[str]) -> CompiledPolicy:
     """Load, validate and compile a policy file (what the engine and lint run)."""
-    return compile_policy(load_policy(path), os.fspath(path))
+    source = os.fspath(path)
+    raw = read_policy_file(source)
+    return compile_policy(
+        parse_policy_bytes(raw, source), source, hashlib.sha256(raw).hexdigest()
+    )
 
 
 def policy_from_flags(
@@ -213,7 +222,8 @@ def policy_from_flags(
         return USERS_FLAG if path[:1] == ("users",) else DEFAULT_FLAG
 
     policy = validate(data, source, file_for=flag_for)
-    return compile_policy(policy, source)
+    digest = hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+    return compile_policy(policy, source, digest)
 
 
 __all__ = [

@@ -31,10 +31,9 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any, Literal, NamedTuple
 
-from outrate.compiler import CompiledPolicy, compile_policy
+from outrate.compiler import CompiledPolicy, compile_policy, load_compiled
 from outrate.deployment import Deployment
 from outrate.errors import PolicyError, Problem
-from outrate.loader import load_policy
 from outrate.policy import LimitRule, Policy, format_duration
 
 Severity = Literal["error", "warning"]
@@ -396,7 +395,7 @@ def lint_all(
     compiled: CompiledPolicy | None = None
     problems: tuple[Problem, ...] = ()
     try:
-        compiled = compile_policy(load_policy(source), source)
+        compiled = load_compiled(source)
     except PolicyError as e:
         problems = e.problems
         findings += [

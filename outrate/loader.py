@@ -405,15 +405,20 @@ def parse_policy(text: str, source: str) -> Policy:
     return validate(data, source, doc)
 
 
-def load_policy(path: str | os.PathLike[str]) -> Policy:
-    """Read and validate a policy file. Every failure is a PolicyError."""
+def read_policy_file(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of a policy file: the one place a policy file is read (lint,
+    startup and the reloader alike). Every failure is a PolicyError."""
     source = os.fspath(path)
     try:
         with open(source, "rb") as f:
-            raw = f.read()
+            return f.read()
     except OSError as e:
         reason = e.strerror or str(e)
         raise PolicyError([Problem(source, 1, 1, "<file>", f"cannot read: {reason}")]) from e
+
+
+def parse_policy_bytes(raw: bytes, source: str) -> Policy:
+    """Decode (UTF-8, optional BOM), parse and validate a policy file's bytes."""
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -429,3 +434,8 @@ def load_policy(path: str | os.PathLike[str]) -> Policy:
             ]
         ) from e
     return parse_policy(text, source)
+
+
+def load_policy(path: str | os.PathLike[str]) -> Policy:
+    """Read and validate a policy file. Every failure is a PolicyError."""
+    return parse_policy_bytes(read_policy_file(path), os.fspath(path))
