@@ -52,6 +52,10 @@ class CompiledPolicy:
     sha256: str = ""
     """Hex digest of the exact bytes compiled (file) or of the flags' JSON:
     what `outrate_policy_info` and the reloader compare."""
+    per_user_series: tuple[str, ...] = ()
+    """Globs of users who get Prometheus series of their own (`metrics.per_user`)."""
+    max_series: int = 1000
+    _series_matchers: tuple[Any, ...] = field(init=False, repr=False)
     _lookup: dict[str, Limit] = field(init=False, repr=False)
     _matchers: tuple[tuple[Any, Limit], ...] = field(init=False, repr=False)
     _cache: dict[str, Limit] = field(init=False, repr=False, default_factory=dict)
@@ -64,6 +68,15 @@ class CompiledPolicy:
         object.__setattr__(self, "patterns", tuple(self.patterns))
         matchers = tuple((re.compile(translate(p)).match, lim) for p, lim in self.patterns)
         object.__setattr__(self, "_matchers", matchers)
+        series = tuple(re.compile(translate(p)).match for p in self.per_user_series)
+        object.__setattr__(self, "_series_matchers", series)
+
+    def wants_series(self, user_id: str) -> bool:
+        """Whether `user_id` is counted under its own id in metrics (listed users
+        and `metrics.per_user` globs), cap permitting; else under its rule."""
+        if user_id in self._lookup:
+            return True
+        return any(match(user_id) is not None for match in self._series_matchers)
 
     def limit_for(self, user_id: str) -> Limit:
         """The limit of `user_id`: exact user, then first matching pattern, then
@@ -95,7 +108,20 @@ class CompiledPolicy:
         behave exactly like stock vLLM."""
         limits = [self.default, self.anonymous, *self.users.values(), *self.tiers.values()]
         limits += [lim for _, lim in self.patterns]
-        return all(lim.rate is None and lim.max_streams is None for lim in limits)
+        return all(
+            (lim.rate is None and lim.max_streams is None) or lim.shadow for lim in limits
+        )
+
+    @property
+    def shadow_rules(self) -> list[str]:
+        """Rules computed and counted but not enforced (for lint and logs)."""
+        limits = [self.default, self.anonymous, *self.tiers.values(), *self.users.values()]
+        limits += [lim for _, lim in self.patterns]
+        seen: dict[str, None] = {}
+        for lim in limits:
+            if lim.shadow and lim.rate is not None:
+                seen.setdefault(lim.rule)
+        return list(seen)
 
     def summary(self) -> str:
         """One line for logs and `outrate lint`."""
@@ -120,57 +146,73 @@ def _count(n: int, word: str) -> str:
 def _limit(
     rule: TierRule,
     name: str,
-    burst_ns: int,
-    tiers: Mapping[str, TierRule],
+    label: str,
+    policy: Policy,
     tier_limits: Mapping[str, Limit],
 ) -> Limit:
-    """One rule -> one Limit. Inheritance: the rule's own burst/max_streams, then
-    its tier's, then the policy burst."""
+    """One rule -> one Limit. Inheritance: the rule's own burst/max_streams/shadow,
+    then its tier's, then the policy's burst and mode."""
+    shadow = rule.shadow
     if isinstance(rule, LimitRule) and rule.tier is not None:
-        base = tiers[rule.tier]
-        if rule.burst is None and rule.max_streams is None:
+        base = policy.tiers[rule.tier]
+        if rule.burst is None and rule.max_streams is None and rule.shadow is None:
             return tier_limits[rule.tier]  # shared: same rule as the tier
         rate = base.rate
-        burst = rule.burst or base.burst or burst_ns
+        burst = rule.burst or base.burst or policy.burst
         streams = rule.max_streams if rule.max_streams is not None else base.max_streams
+        if shadow is None:
+            shadow = base.shadow
         name = f"{name} (tiers.{rule.tier})"
     else:
         rate = rule.rate if rule.rate is not None else UNLIMITED
-        burst = rule.burst or burst_ns
+        burst = rule.burst or policy.burst
         streams = rule.max_streams
-    return Limit(None if rate == UNLIMITED else rate, burst, streams, rule=name)
+    if shadow is None:
+        shadow = policy.mode == "shadow"
+    return Limit(
+        None if rate == UNLIMITED else rate, burst, streams, rule=name, shadow=shadow, label=label
+    )
 
 
 def compile_policy(policy: Policy, source: str, sha256: str = "") -> CompiledPolicy:
     """Resolve a validated policy into shared Limits. Never fails on a loaded
     policy: tier references and every value were checked by the loader."""
-    burst = policy.burst
     tier_limits = {
-        name: _limit(rule, f"tiers.{name}", burst, policy.tiers, {})
+        name: _limit(rule, f"tiers.{name}", f"tier:{name}", policy, {})
         for name, rule in policy.tiers.items()
     }
 
-    def resolve(rule: TierRule, name: str) -> Limit:
-        return _limit(rule, name, burst, policy.tiers, tier_limits)
+    def resolve(rule: TierRule, name: str, label: str) -> Limit:
+        return _limit(rule, name, label, policy, tier_limits)
 
-    default = resolve(policy.default, "default")
+    default = resolve(policy.default, "default", "default")
     if policy.anonymous is not None:
-        anonymous = resolve(policy.anonymous, "anonymous")
+        anonymous = resolve(policy.anonymous, "anonymous", "anonymous")
     else:  # one shared bucket at the default limit
         d = default
-        anonymous = Limit(d.rate, d.burst_ns, d.max_streams, rule="anonymous (default)")
+        anonymous = Limit(
+            d.rate,
+            d.burst_ns,
+            d.max_streams,
+            rule="anonymous (default)",
+            shadow=d.shadow,
+            label="anonymous",
+        )
     return CompiledPolicy(
         source=source,
         default=default,
         anonymous=anonymous,
-        burst_ns=burst,
-        users={uid: resolve(rule, f"users.{uid}") for uid, rule in policy.users.items()},
+        burst_ns=policy.burst,
+        users={uid: resolve(rule, f"users.{uid}", uid) for uid, rule in policy.users.items()},
         tiers=tier_limits,
         patterns=tuple(
-            (m.pattern, resolve(m, f"match[{i}] {m.pattern}")) for i, m in enumerate(policy.match)
+            (m.pattern, resolve(m, f"match[{i}] {m.pattern}", f"match:{m.pattern}"))
+            for i, m in enumerate(policy.match)
         ),
         policy=policy,
         sha256=sha256,
+        per_user_series=policy.metrics.per_user,
+        max_series=policy.metrics.max_series,
     )
 
 

@@ -50,7 +50,17 @@ class Limit:
     integers in this limit's scaled units (see module docstring).
     """
 
-    __slots__ = ("rate", "burst_ns", "max_streams", "rule", "scale", "interval", "tolerance")
+    __slots__ = (
+        "rate",
+        "burst_ns",
+        "max_streams",
+        "rule",
+        "shadow",
+        "label",
+        "scale",
+        "interval",
+        "tolerance",
+    )
 
     def __init__(
         self,
@@ -58,6 +68,8 @@ class Limit:
         burst_ns: int,
         max_streams: int | None = None,
         rule: str = "",
+        shadow: bool = False,
+        label: str = "",
     ) -> None:
         if rate is not None:
             rate = exact_rate(rate)
@@ -71,6 +83,10 @@ class Limit:
         self.burst_ns = int(burst_ns)
         self.max_streams = max_streams
         self.rule = rule
+        self.shadow = shadow
+        """Computed and counted, never enforced: nobody is held, no prefill capped."""
+        self.label = label
+        """The `limit` label of this rule's metrics (`default`, `tier:pro`, ...)."""
         if rate is None:
             self.scale = 0
             self.interval = 0
@@ -84,8 +100,8 @@ class Limit:
     def unlimited(self) -> bool:
         return self.rate is None
 
-    def _key(self) -> tuple[Fraction | None, int, int | None]:
-        return (self.rate, self.burst_ns, self.max_streams)
+    def _key(self) -> tuple[Fraction | None, int, int | None, bool]:
+        return (self.rate, self.burst_ns, self.max_streams, self.shadow)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Limit) and self._key() == other._key()
@@ -103,6 +119,8 @@ class Limit:
             text = f"{rate} tok/s burst {_fmt_ns(self.burst_ns)}"
         if self.max_streams is not None:
             text += f" max_streams {self.max_streams}"
+        if self.shadow:
+            text += " (shadow)"
         return text
 
     def __repr__(self) -> str:

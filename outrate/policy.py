@@ -308,6 +308,23 @@ Streams = Annotated[
 ]
 
 
+def _check_flag(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise _problem(f"must be true or false (got {_shown(value)})")
+    return value
+
+
+Flag = Annotated[bool, PlainValidator(_check_flag), WithJsonSchema({"type": "boolean"})]
+Shadow = Annotated[
+    Flag | None,
+    Field(
+        description="true: this limit is computed and counted (metrics: "
+        "outrate_shadow_over_limit_tokens_total) but never enforced. Default: the "
+        "policy's mode (a tier's setting passes to the users and patterns that use it)."
+    ),
+]
+
+
 class _Spec(_Strict):
     """What every limit spec shares: the bare-rate shorthand."""
 
@@ -330,6 +347,7 @@ class TierRule(_Spec):
     rate: Rate = Field(description=_RATE_DOC)
     burst: Burst = None
     max_streams: Streams = None
+    shadow: Shadow = None
 
 
 class LimitRule(_Spec):
@@ -346,6 +364,7 @@ class LimitRule(_Spec):
     rate: Rate | None = Field(default=None, description=_RATE_DOC)
     burst: Burst = None
     max_streams: Streams = None
+    shadow: Shadow = None
 
     @field_validator("rate", mode="after")
     @classmethod
@@ -381,6 +400,45 @@ class MatchRule(LimitRule):
 LimitSpec = Annotated[LimitRule, _ScalarOrMapping()]
 TierSpec = Annotated[TierRule, _ScalarOrMapping()]
 
+MODES = ("enforce", "shadow")
+
+
+def _check_mode(value: object) -> str:
+    if value not in MODES:
+        raise _problem(f"must be 'enforce' or 'shadow' (got {_shown(value)})")
+    return str(value)
+
+
+MAX_SERIES_LIMIT = 100_000
+"""More per-user series than this is a cardinality problem for any Prometheus."""
+
+
+def _check_max_series(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _problem(f"must be a whole number (got {_shown(value)})")
+    if value < 0:
+        raise _problem("must be >= 0")
+    if value > MAX_SERIES_LIMIT:
+        raise _problem(f"must be at most {MAX_SERIES_LIMIT}")
+    return value
+
+
+class MetricsSection(_Strict):
+    """Which users get Prometheus series of their own (bounded cardinality)."""
+
+    per_user: tuple[Name, ...] = Field(
+        default=(),
+        description="Globs over user ids that get a series of their own (listed users "
+        "always do). Everyone else is counted under the rule that matched them.",
+    )
+    max_series: Annotated[
+        int, PlainValidator(_check_max_series), WithJsonSchema({"type": "integer", "minimum": 0})
+    ] = Field(
+        default=1000,
+        description="At most this many per-user series (listed and per_user users together); "
+        "past it, users are counted under limit=\"other\".",
+    )
+
 
 class Policy(_Strict):
     """A whole policy file. `default` is required so nobody's limit depends on an
@@ -400,6 +458,18 @@ class Policy(_Strict):
     burst: Duration = Field(
         default=DEFAULT_BURST_NS,
         description="Default burst of every rule that sets none (default 100ms).",
+    )
+    mode: Annotated[
+        str,
+        PlainValidator(_check_mode),
+        WithJsonSchema({"enum": list(MODES)}),
+    ] = Field(
+        default="enforce",
+        description="shadow: every limit is computed and counted but none is enforced "
+        "(a rule's own 'shadow' still wins). Switch to enforce with an edit: hot reload.",
+    )
+    metrics: MetricsSection = Field(
+        default_factory=MetricsSection, description="Per-user series on /metrics."
     )
     tiers: dict[Name, TierSpec] = Field(
         default_factory=dict, description="Named limits that users and patterns refer to."

@@ -44,6 +44,14 @@ def outrate_settings(args: Any) -> dict[str, Any] | None:
             "or --user-output-tokens-per-second: put those limits in the policy file"
         )
     settings: dict[str, Any] = {"reload": getattr(args, "outrate_reload", "watch") or "watch"}
+    trace = getattr(args, "outrate_trace", None)
+    if trace is not None:
+        settings["trace"] = os.path.abspath(trace)
+        max_bytes = getattr(args, "outrate_trace_max_bytes", None)
+        if max_bytes is not None:
+            if max_bytes < 1:
+                raise OutrateError(f"--outrate-trace-max-bytes must be >= 1, got {max_bytes}")
+            settings["trace_max_bytes"] = max_bytes
     if path is not None:
         settings["policy"] = os.path.abspath(path)
     else:

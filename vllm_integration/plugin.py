@@ -68,6 +68,20 @@ def add_outrate_args(parser: Any) -> None:
         help="Apply edits of the policy file to the running engine (default: watch).",
     )
     group.add_argument(
+        "--outrate-trace",
+        default=None,
+        metavar="PATH",
+        help="Write the engine-side token trace (JSON lines, one per scheduler step that "
+        "charged, refunded, held or released anything) to PATH.",
+    )
+    group.add_argument(
+        "--outrate-trace-max-bytes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Stop writing the trace at N bytes (default 256 MiB).",
+    )
+    group.add_argument(
         "--default-user-output-tokens-per-second",
         type=float,
         default=None,
@@ -104,9 +118,11 @@ def apply_outrate_args(engine_args: Any, args: argparse.Namespace) -> Any:
     except OutrateError as exc:
         raise SystemExit(f"outrate: {exc}") from exc
     engine_args.scheduler_cls = SCHEDULER_CLS
-    engine_args.additional_config = {**(engine_args.additional_config or {}), CONFIG_KEY: settings}
     from vllm_integration.api import install_request_guards
+    from vllm_integration.metrics import install_metrics
 
+    settings["metrics_dir"] = install_metrics()
+    engine_args.additional_config = {**(engine_args.additional_config or {}), CONFIG_KEY: settings}
     install_request_guards()
     logger.info("outrate: %s", policy.summary())
     return engine_args

@@ -49,6 +49,7 @@ from outrate.compiler import CompiledPolicy
 from outrate.errors import OutrateError
 from outrate.identity import resolve_identity
 from outrate.limiter import Limiter
+from outrate.metrics import Metrics
 from vllm_integration.state import ATTR, PolicyBox, RequestState, UserState, is_held
 
 logger = logging.getLogger("vllm.outrate")  # under vLLM's logger: same format and level
@@ -90,6 +91,8 @@ class OutrateMixin:
         policy, settings = policy_from_vllm_config(self.vllm_config)  # type: ignore[attr-defined]
         self.outrate_configure(policy)
         logger.info("outrate: %s", policy.summary())
+        if policy.shadow_rules:
+            logger.info("outrate: shadow (counted, not enforced): %s", ", ".join(policy.shadow_rules))
         self._reloader = None
         if settings.get("reload", "watch") != "off" and "policy" in settings:
             from outrate.reload import Reloader
@@ -106,12 +109,18 @@ class OutrateMixin:
                 logger=logging.getLogger("vllm.outrate.reload"),
             )
             self._reloader.start()
+        from vllm_integration.telemetry import start_telemetry
+
+        self._telemetry = start_telemetry(self, settings)
         install_idle_wait()
 
     def shutdown(self) -> None:
         reloader = getattr(self, "_reloader", None)
         if reloader is not None:
             reloader.stop()
+        telemetry = getattr(self, "_telemetry", None)
+        if telemetry is not None:
+            telemetry.stop()
         super().shutdown()  # type: ignore[misc]
 
     # -- wiring -----------------------------------------------------------
@@ -124,6 +133,12 @@ class OutrateMixin:
         self.limiter = Limiter(self.policy_box.current, clock=clock)
         self._take = self.limiter.take  # bound once: called for every sampling dispatch
         self._clock = clock
+        self.metrics = Metrics()
+        self._trace: Any = None  # a TraceWriter when --outrate-trace is given
+        self._step_users: list[UserState] = []  # users charged this step
+        self._prev_now = 0
+        self._tr_held: dict[str, int] = {}
+        self._tr_released: dict[str, int] = {}
         self._users: dict[str, UserState] = {}
         self._held: dict[Request, None] = {}  # insertion-ordered: newest held last
         self._wake: list[tuple[int, int, UserState]] = []
@@ -164,13 +179,16 @@ class OutrateMixin:
     def _user(self, key: str) -> UserState:
         u = self._users.get(key)
         if u is None:
-            u = UserState(key, self.limiter.pin(key))
+            metrics = self.metrics
+            label = metrics.label_of(key, self.limiter.policy)
+            u = UserState(key, self.limiter.pin(key), metrics.record(label))
             self._users[key] = u
         return u
 
     def _register(self, request: Request) -> None:
         u = self._user(resolve_identity(request.sampling_params, logger))
         u.live += 1
+        u.m.live += 1
         rs = RequestState(u)
         if request.status == RequestStatus.RUNNING:
             rs.resident = True
@@ -189,6 +207,7 @@ class OutrateMixin:
             rs.held = False
             del self._held[request]
             rs.user.n_held -= 1  # its heap entry is skipped lazily
+            rs.user.m.unhold(rs.held_since, self._clock())
         if rs.resident:
             rs.resident = False
             rs.user.resident -= 1
@@ -199,6 +218,7 @@ class OutrateMixin:
             self._leave_slot(rs, request)
             u = rs.user
             u.live -= 1
+            u.m.live -= 1
             if u.live == 0:
                 del self._users[u.key]
                 Limiter.unpin(u.bucket)
@@ -245,14 +265,25 @@ class OutrateMixin:
         u = rs.user
         if u.refused_step != step:
             bucket = u.bucket
-            if self._take(bucket, self._now):
+            if self._take(bucket, self._now) or self._shadow_over(bucket, rs, u):
+                last = rs.charged_step
                 rs.charged_step = step
-                if bucket.limit.scale:  # unlimited: nothing to refund
-                    self._n_charged += 1
-                    if request.status == RequestStatus.RUNNING:
-                        self._last_charge_running = request
-                    else:
-                        self._last_charge_waiting = request
+                self._n_charged += 1
+                if request.status == RequestStatus.RUNNING:
+                    self._last_charge_running = request
+                else:
+                    self._last_charge_waiting = request
+                # Metrics: counted on the user, folded per step (_fold_step).
+                if u.step != step:
+                    u.step = step
+                    self._step_users.append(u)
+                u.st_tokens += 1
+                now = self._now
+                if last == step - 1:
+                    u.st_consec += 1  # interval = this step's period, observed at the fold
+                elif rs.last_ns:
+                    u.m.interval.observe(now - rs.last_ns)
+                rs.last_ns = now
                 return num_new_tokens
             u.refused_step = step
             self._touched.append(u)
@@ -263,6 +294,21 @@ class OutrateMixin:
             self._refused.append(request)
         return 0
 
+    def _shadow_over(self, bucket: Any, rs: RequestState, u: UserState) -> bool:
+        """A shadow limit refused a token: count it, let it run."""
+        if not bucket.limit.shadow:
+            return False
+        rs.over_step = self._step
+        u.st_over += 1
+        return True
+
+    def _defer(self, rs: RequestState, reason: str) -> bool:
+        """Admission deferred; counted once per deferral, not per step."""
+        if rs.deferred != reason:
+            rs.deferred = reason
+            self.metrics.deferred[reason] += 1
+        return False
+
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
         if not super()._handle_blocked_waiting_request(request):  # type: ignore[misc]
             return False
@@ -272,9 +318,11 @@ class OutrateMixin:
         u = rs.user
         now = self._now
         limit = self.limiter.limit_of(u.bucket, now)
-        if limit.max_streams is not None and u.resident >= limit.max_streams:
-            return False  # waits in the queue without blocking anyone else
-        if u.refused_step == self._step or u.n_held or self.limiter.available(u.bucket, now) == 0:
+        if limit.shadow:
+            pass  # computed and counted, never enforced
+        elif limit.max_streams is not None and u.resident >= limit.max_streams:
+            return self._defer(rs, "max_streams")  # waits without blocking anyone else
+        elif u.refused_step == self._step or u.n_held or self.limiter.available(u.bucket, now) == 0:
             if (
                 not self._can_prefill_ahead(request)
                 or len(self.running) + 1 >= self.max_num_active_reqs
@@ -282,7 +330,8 @@ class OutrateMixin:
                 ready = self.limiter.ready_at(u.bucket, now)
                 if self._blocked_ready == 0 or ready < self._blocked_ready:
                     self._blocked_ready = ready
-                return False
+                return self._defer(rs, "budget")
+        rs.deferred = ""
         # Counted as resident now (so max_streams holds within one step);
         # undone after the step if stock did not admit it after all.
         rs.resident = True
@@ -378,7 +427,12 @@ class OutrateMixin:
                 if r is not None and r.request_id not in scheduled:
                     rs = r.__dict__.get(ATTR)
                     if rs is not None and rs.charged_step == self._step:
-                        limiter.give_back(rs.user.bucket, now)
+                        u = rs.user
+                        if rs.over_step == self._step:
+                            u.st_over -= 1  # a shadow over-limit token: nothing was taken
+                        elif u.bucket.limit.scale:
+                            limiter.give_back(u.bucket, now)
+                        u.st_refunded += 1
                         rs.charged_step = -1  # never refunded twice
                         refunded += 1
             self.stats["charged"] += self._n_charged - refunded
@@ -415,7 +469,42 @@ class OutrateMixin:
                 if u.n_held and not u.armed:
                     self._arm(u, now)
             touched.clear()
+        if self._step_users or self._trace is not None:
+            self._fold_step(now)
+        self._prev_now = now
         limiter.cleanup(now, 4)
+
+    def _fold_step(self, now: int) -> None:
+        """Once per step: this step's charges into each label's metrics (and
+        one trace line). Requests charged in the previous step too get this
+        step's period as their token interval, observed once per user."""
+        period = now - self._prev_now
+        trace = self._trace
+        charged: dict[str, int] = {}
+        refunded: dict[str, int] = {}
+        over: dict[str, int] = {}
+        for u in self._step_users:
+            m = u.m
+            m.tokens += u.st_tokens - u.st_refunded
+            if u.st_consec:
+                m.interval.observe(period, u.st_consec)
+            if u.st_over:
+                m.shadow_over += u.st_over
+            if trace is not None:
+                if u.st_tokens:
+                    charged[u.key] = u.st_tokens
+                if u.st_refunded:
+                    refunded[u.key] = u.st_refunded
+                if u.st_over:
+                    over[u.key] = u.st_over
+            u.st_tokens = u.st_consec = u.st_refunded = u.st_over = 0
+        self._step_users.clear()
+        if trace is not None and (charged or self._tr_held or self._tr_released):
+            trace.step(
+                (now, self._step, charged, refunded, self._tr_held, self._tr_released, over)
+            )
+            self._tr_held = {}
+            self._tr_released = {}
 
     def _hold(self, r: Request) -> None:
         rs: RequestState = r.__dict__[ATTR]
@@ -423,6 +512,10 @@ class OutrateMixin:
         self._held[r] = None
         self._seq += 1
         u = rs.user
+        rs.held_since = self._now
+        u.m.hold(self._now)
+        if self._trace is not None:
+            self._tr_held[u.key] = self._tr_held.get(u.key, 0) + 1
         heapq.heappush(u.held, (r.priority if self._priority else 0, self._seq, r))
         u.n_held += 1
         self.stats["held"] += 1
@@ -449,29 +542,34 @@ class OutrateMixin:
             if k == 0:  # policy changed under it: arm again
                 self._arm(u, now)
                 continue
-            room -= self._release_user(u, k)
+            room -= self._release_user(u, k, now)
             if u.n_held:
                 self._touched.append(u)  # re-armed after this step
 
-    def _release_user(self, u: UserState, k: int) -> int:
+    def _release_user(self, u: UserState, k: int, now: int) -> int:
         released = 0
         held = u.held
         while held and released < k:
             r = heapq.heappop(held)[2]
             if not is_held(r):
                 continue  # finished or preempted while held
-            r.__dict__[ATTR].held = False
+            rs = r.__dict__[ATTR]
+            rs.held = False
+            u.m.unhold(rs.held_since, now)
             del self._held[r]
             u.n_held -= 1
             self.running.append(r)
             released += 1
         self.stats["released"] += released
+        if released and self._trace is not None:
+            self._tr_released[u.key] = self._tr_released.get(u.key, 0) + released
         return released
 
     def _release_all(self) -> None:
+        now = self._clock()
         for u in self._users.values():
             if u.n_held:
-                self._release_user(u, u.n_held)
+                self._release_user(u, u.n_held, now)
             u.armed = False
         self._wake.clear()
 
@@ -502,6 +600,7 @@ class OutrateMixin:
                 return  # slots are already shared fairly
             self._preempt_request(self._youngest_held(victim_user), time.monotonic())
             self.stats["displaced"] += 1
+            self.metrics.displaced += 1
             return
 
     def _youngest_held(self, u: UserState) -> Request:
@@ -518,6 +617,25 @@ class OutrateMixin:
             u.armed = False
             if u.n_held:
                 self._arm(u, now)
+            self._relabel(u, policy)
+        if self._trace is not None:
+            self._trace.event(now, policy=policy.sha256, source=policy.source)
+
+    def _relabel(self, u: UserState, policy: CompiledPolicy) -> None:
+        """A reload can move a user to another `limit` label: its live and
+        held requests move with it (counters already counted stay)."""
+        new = self.metrics.record(self.metrics.label_of(u.key, policy))
+        old = u.m
+        if new is old:
+            return
+        old.live -= u.live
+        new.live += u.live
+        for r in {e[2] for e in u.held if is_held(e[2])}:  # a request may have stale twins
+            since = r.__dict__[ATTR].held_since
+            old.held -= 1
+            old.held_since_sum -= since
+            new.hold(since)
+        u.m = new
 
     # -- engine loop --------------------------------------------------------
 

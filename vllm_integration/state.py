@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from outrate.compiler import CompiledPolicy
 from outrate.limiter import Bucket
+from outrate.metrics import LabelMetrics
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -40,9 +41,15 @@ class UserState:
         "refused_step",
         "ready_at",
         "armed",
+        "m",
+        "step",
+        "st_tokens",
+        "st_consec",
+        "st_refunded",
+        "st_over",
     )
 
-    def __init__(self, key: str, bucket: Bucket) -> None:
+    def __init__(self, key: str, bucket: Bucket, m: LabelMetrics) -> None:
         self.key = key
         self.bucket = bucket
         self.live = 0  # requests not finished
@@ -52,6 +59,13 @@ class UserState:
         self.refused_step = -1
         self.ready_at = 0
         self.armed = False  # has a live entry in the wake heap
+        self.m = m  # the metrics record of this user's `limit` label
+        # This step's charges, folded into `m` (and the trace) once per step:
+        self.step = -1  # the step this user was last charged in
+        self.st_tokens = 0
+        self.st_consec = 0  # of which by requests also charged the step before
+        self.st_refunded = 0
+        self.st_over = 0  # shadow over-limit tokens
 
     def wakes_at(self, ready: int) -> bool:
         """Whether a wake-heap entry for `ready` is this user's live one."""
@@ -59,7 +73,17 @@ class UserState:
 
 
 class RequestState:
-    __slots__ = ("user", "resident", "held", "charged_step", "preempted_step")
+    __slots__ = (
+        "user",
+        "resident",
+        "held",
+        "charged_step",
+        "preempted_step",
+        "last_ns",
+        "held_since",
+        "over_step",
+        "deferred",
+    )
 
     def __init__(self, user: UserState) -> None:
         self.user = user
@@ -67,6 +91,10 @@ class RequestState:
         self.held = False
         self.charged_step = -1
         self.preempted_step = -1
+        self.last_ns = 0  # when its last token was charged (0: none yet)
+        self.held_since = 0
+        self.over_step = -1  # step of a shadow over-limit charge (refunds)
+        self.deferred = ""  # why admission is deferred now ("" when it is not)
 
 
 def is_held(request: Request) -> bool:

@@ -1,0 +1,361 @@
+"""Engine-side metrics: counted where decisions are made, published to vLLM's /metrics.
+
+The scheduler runs in vLLM's engine-core process; `/metrics` is served by the
+API server. Rather than putting prometheus_client in the scheduler's hot path
+(and switching the whole server into Prometheus multiprocess mode), the
+scheduler counts in plain integers on one `LabelMetrics` record per `limit`
+label, a `Publisher` thread writes a JSON snapshot of them twice a second
+(atomic rename), and a collector registered in the API server turns the newest
+snapshot into Prometheus families on each scrape (`families`).
+
+Cardinality is bounded by construction: a label is a rule (`default`,
+`anonymous`, `tier:NAME`, `match:PATTERN`) or, for users listed in the policy
+or opted in with `metrics.per_user`, the user id, at most `metrics.max_series`
+of those; past the cap users are counted under `other`.
+
+Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from outrate.compiler import CompiledPolicy
+from outrate.identity import ANONYMOUS
+from outrate.limiter import NS_PER_S, Limit
+
+OTHER = "other"
+"""Label of per-user series past `metrics.max_series`."""
+
+BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+"""Upper bounds of both histograms (seconds), from 1 ms to 60 s, then +Inf."""
+BUCKETS_NS = tuple(round(b * NS_PER_S) for b in BUCKETS_S)
+
+SNAPSHOT_FILE = "engine-metrics.json"
+PUBLISH_INTERVAL_S = 0.5
+
+DEFERRED_REASONS = ("max_streams", "budget")
+
+
+class Histogram:
+    """Counts per bucket (the last is +Inf) and the sum, in ns. `count` is the
+    sum of the buckets, so a snapshot is always self-consistent."""
+
+    __slots__ = ("buckets", "sum_ns")
+
+    def __init__(self) -> None:
+        self.buckets = [0] * (len(BUCKETS_NS) + 1)
+        self.sum_ns = 0
+
+    def observe(self, ns: int, n: int = 1) -> None:
+        self.buckets[bisect_left(BUCKETS_NS, ns)] += n
+        self.sum_ns += ns * n
+
+
+class LabelMetrics:
+    """Everything counted for one `limit` label. Mutated by the scheduler thread
+    only; the publisher reads it (int reads are atomic under the GIL)."""
+
+    __slots__ = (
+        "label",
+        "tokens",
+        "shadow_over",
+        "live",
+        "held",
+        "held_since_sum",
+        "throttled_ns",
+        "wait",
+        "interval",
+    )
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.tokens = 0  # charged, net of refunds
+        self.shadow_over = 0  # tokens a shadow limit would have refused
+        self.live = 0  # requests in the engine (running, held or waiting)
+        self.held = 0  # requests held for budget now
+        self.held_since_sum = 0  # sum of their hold start times (ns)
+        self.throttled_ns = 0  # request-ns of holds that ended
+        self.wait = Histogram()  # duration of each hold
+        self.interval = Histogram()  # time between consecutive charged tokens
+
+    def hold(self, since: int) -> None:
+        self.held += 1
+        self.held_since_sum += since
+
+    def unhold(self, since: int, now: int) -> None:
+        self.held -= 1
+        self.held_since_sum -= since
+        waited = now - since if now > since else 0
+        self.throttled_ns += waited
+        self.wait.observe(waited)
+
+    def throttled_total_ns(self, now: int) -> int:
+        """Completed holds plus the ones still running, in O(1)."""
+        return self.throttled_ns + self.held * now - self.held_since_sum
+
+
+class Metrics:
+    """The scheduler's counters: per-label records plus engine-wide counts.
+
+    `label_of` decides which record a user is counted under; it runs once per
+    user (when the user appears, and again after a policy swap), never per
+    token.
+    """
+
+    def __init__(self) -> None:
+        self.labels: dict[str, LabelMetrics] = {}
+        self._series: set[str] = set()  # user ids that have a series of their own
+        self.displaced = 0
+        self.deferred = dict.fromkeys(DEFERRED_REASONS, 0)
+        self.reloads = {"applied": 0, "rejected": 0}
+
+    def record(self, label: str) -> LabelMetrics:
+        m = self.labels.get(label)
+        if m is None:
+            m = self.labels[label] = LabelMetrics(label)
+        return m
+
+    def label_of(self, user: str, policy: CompiledPolicy) -> str:
+        if user == ANONYMOUS:
+            return "anonymous"
+        if policy.wants_series(user):
+            series = self._series
+            if user in series:
+                return user
+            if len(series) < policy.max_series:
+                series.add(user)
+                return user
+            return OTHER
+        return policy.limit_for(user).label or "default"
+
+    @property
+    def n_series(self) -> int:
+        return len(self._series)
+
+
+def limit_of_label(label: str, policy: CompiledPolicy) -> Limit | None:
+    """The limit a label stands for under `policy` (None for `other` or a
+    label the policy no longer has)."""
+    if label == "default":
+        return policy.default
+    if label == "anonymous":
+        return policy.anonymous
+    if label.startswith("tier:") and label[5:] in policy.tiers:
+        return policy.tiers[label[5:]]
+    if label.startswith("match:"):
+        for pattern, lim in policy.patterns:
+            if pattern == label[6:]:
+                return lim
+    if label == OTHER:
+        return None
+    if label in policy.users or policy.wants_series(label):
+        return policy.limit_for(label)
+    return None
+
+
+def snapshot(
+    metrics: Metrics, policy: CompiledPolicy, now: int | None = None
+) -> dict[str, Any]:
+    """A JSON-able picture of `metrics`. Safe to call from another thread."""
+    now = time.monotonic_ns() if now is None else now
+    labels = {}
+    for m in list(metrics.labels.values()):
+        lim = limit_of_label(m.label, policy)
+        labels[m.label] = {
+            "tokens": m.tokens,
+            "shadow_over": m.shadow_over,
+            "live": m.live,
+            "held": m.held,
+            "throttled_ns": m.throttled_total_ns(now),
+            "wait": [list(m.wait.buckets), m.wait.sum_ns],
+            "interval": [list(m.interval.buckets), m.interval.sum_ns],
+            "rate": None if lim is None else (-1 if lim.rate is None else float(lim.rate)),
+            "mode": None if lim is None else ("shadow" if lim.shadow else "enforce"),
+        }
+    return {
+        "pid": os.getpid(),
+        "monotonic_ns": now,
+        "policy": {"sha256": policy.sha256, "source": policy.source},
+        "displaced": metrics.displaced,
+        "deferred": dict(metrics.deferred),
+        "reloads": dict(metrics.reloads),
+        "series": metrics.n_series,
+        "labels": labels,
+    }
+
+
+def write_snapshot(path: str, data: dict[str, Any]) -> None:
+    """Atomic: a scrape never sees half a file."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, separators=(",", ":"))
+    os.replace(tmp, path)
+
+
+class Publisher:
+    """Writes `snapshot()` to `directory/engine-metrics.json` every `interval_s`,
+    from its own daemon thread (never the scheduler's), and once more on stop."""
+
+    def __init__(
+        self,
+        directory: str,
+        take: Callable[[], dict[str, Any]],
+        interval_s: float = PUBLISH_INTERVAL_S,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.path = os.path.join(directory, SNAPSHOT_FILE)
+        self._take = take
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="outrate-metrics", daemon=True)
+        self._logger = logger or logging.getLogger("vllm.outrate")
+        self._failed = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
+        self.publish()
+
+    def publish(self) -> None:
+        try:
+            write_snapshot(self.path, self._take())
+            self._failed = False
+        except Exception as e:  # never take the engine down for a metrics file
+            if not self._failed:
+                self._logger.warning("outrate: cannot write metrics to %s: %s", self.path, e)
+            self._failed = True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.publish()
+
+
+# -- the API-server side: snapshot -> Prometheus families ----------------------
+
+
+def read_snapshot(directory: str) -> dict[str, Any] | None:
+    try:
+        with open(os.path.join(directory, SNAPSHOT_FILE), encoding="utf-8") as f:
+            data: dict[str, Any] = json.load(f)
+            return data
+    except (OSError, ValueError):
+        return None
+
+
+def families(data: dict[str, Any] | None) -> Iterator[Any]:
+    """Prometheus metric families of one snapshot (names are a contract:
+    README "Metrics")."""
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+    )
+
+    if data is None:
+        return
+    labels: dict[str, dict[str, Any]] = data.get("labels", {})
+    tokens = CounterMetricFamily(
+        "outrate_output_tokens", "Output tokens charged to the limit, net of refunds.", labels=["limit"]
+    )
+    over = CounterMetricFamily(
+        "outrate_shadow_over_limit_tokens",
+        "Tokens a shadow limit would have refused (counted, not enforced).",
+        labels=["limit"],
+    )
+    held = GaugeMetricFamily(
+        "outrate_held_requests", "Requests held for budget right now.", labels=["limit"]
+    )
+    live = GaugeMetricFamily(
+        "outrate_live_requests",
+        "Requests in the engine under this limit (running, held or waiting).",
+        labels=["limit"],
+    )
+    throttled = CounterMetricFamily(
+        "outrate_throttled_seconds", "Request-seconds spent held for budget.", labels=["limit"]
+    )
+    rate = GaugeMetricFamily(
+        "outrate_limit_tokens_per_second",
+        "The configured rate of the limit (+Inf: unlimited).",
+        labels=["limit", "mode"],
+    )
+    wait = HistogramMetricFamily(
+        "outrate_budget_wait_seconds",
+        "How long a request was held for budget, per hold.",
+        labels=["limit"],
+    )
+    interval = HistogramMetricFamily(
+        "outrate_token_interval_seconds",
+        "Engine-side time between consecutive charged tokens of one request.",
+        labels=["limit"],
+    )
+    for label, v in sorted(labels.items()):
+        tokens.add_metric([label], v["tokens"])
+        over.add_metric([label], v["shadow_over"])
+        held.add_metric([label], v["held"])
+        live.add_metric([label], v["live"])
+        throttled.add_metric([label], v["throttled_ns"] / NS_PER_S)
+        if v.get("rate") is not None:
+            r = float("inf") if v["rate"] < 0 else v["rate"]
+            rate.add_metric([label, v["mode"]], r)
+        for fam, (counts, sum_ns) in ((wait, v["wait"]), (interval, v["interval"])):
+            fam.add_metric([label], _cumulative(counts), sum_ns / NS_PER_S)
+    yield from (tokens, over, held, live, throttled, rate, wait, interval)
+    displaced = CounterMetricFamily(
+        "outrate_displaced", "Held requests preempted so a user with budget could run."
+    )
+    displaced.add_metric([], data.get("displaced", 0))
+    yield displaced
+    deferred = CounterMetricFamily(
+        "outrate_deferred",
+        "Requests whose admission was deferred (counted when the deferral starts).",
+        labels=["reason"],
+    )
+    for reason in DEFERRED_REASONS:
+        deferred.add_metric([reason], data.get("deferred", {}).get(reason, 0))
+    yield deferred
+    reloads = CounterMetricFamily(
+        "outrate_policy_reloads", "Policy file reloads by result.", labels=["result"]
+    )
+    for result in ("applied", "rejected"):
+        reloads.add_metric([result], data.get("reloads", {}).get(result, 0))
+    yield reloads
+    info = GaugeMetricFamily(
+        "outrate_policy_info", "The policy in force (value 1).", labels=["sha256", "source"]
+    )
+    policy = data.get("policy", {})
+    info.add_metric([policy.get("sha256", ""), policy.get("source", "")], 1)
+    yield info
+
+
+def _cumulative(counts: list[int]) -> list[tuple[str, int]]:
+    out = []
+    total = 0
+    for bound, n in zip((*(f"{b:g}" for b in BUCKETS_S), "+Inf"), counts, strict=True):
+        total += n
+        out.append((bound, total))
+    return out
+
+
+class SnapshotCollector:
+    """A prometheus_client collector reading the engine's newest snapshot."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def collect(self) -> Iterator[Any]:
+        return families(read_snapshot(self.directory))
+
+    def describe(self) -> list[Any]:
+        return []  # unchecked collector: names are known only at collect time

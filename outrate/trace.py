@@ -1,0 +1,218 @@
+"""The engine-side token trace (`--outrate-trace PATH`): JSON lines, one per
+scheduler step that charged, refunded, held or released anything.
+
+Written for tests, the demo and operators who want to see pacing where it is
+decided, not where the API server delivers it. Format (README "Trace"):
+
+    {"trace": "outrate", "version": 1, "pid": 1234, "clock": "monotonic_ns", ...}
+    {"t": 81234567890, "step": 17, "charged": {"alice": 2}, "refunded": {"alice": 1}}
+    {"t": 81284567890, "step": 18, "held": {"alice": 2}, "over": {"bob": 1}}
+    {"t": 81300000000, "policy": "<sha256>", "source": "/etc/policy.yaml"}
+    {"t": 81400000000, "dropped": 120}
+
+`t` is the scheduler's step time (CLOCK_MONOTONIC, ns): every token charged in
+the step was dispatched at `t`. Per user id: `charged` tokens (shadow
+over-limit tokens included), `refunded` (charged but not scheduled: net is
+charged - refunded), `held` and `released` requests, `over` (tokens a shadow
+limit would have refused). Keys with nothing to say are left out.
+
+The scheduler only appends a tuple to a bounded deque; a daemon thread formats
+and writes, and stops writing at `max_bytes` (a last line says so). If the
+writer falls behind by more than `max_pending` steps, the oldest steps are
+dropped and a `dropped` line counts them: the scheduler never waits on disk.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+DEFAULT_MAX_BYTES = 256 * 1024 * 1024
+FLUSH_INTERVAL_S = 0.1
+MAX_PENDING = 200_000
+
+Step = tuple[int, int, dict[str, int], dict[str, int], dict[str, int], dict[str, int], dict[str, int]]
+"""(t, step, charged, refunded, held, released, over)."""
+
+_KEYS = ("charged", "refunded", "held", "released", "over")
+
+
+class TraceWriter:
+    def __init__(
+        self,
+        path: str,
+        header: dict[str, Any] | None = None,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        max_pending: int = MAX_PENDING,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self._pending: collections.deque[Step | dict[str, Any]] = collections.deque(
+            maxlen=max_pending
+        )
+        self._max_pending = max_pending
+        self._dropped = 0
+        self._written = 0
+        self._full = False
+        self._logger = logger or logging.getLogger("vllm.outrate")
+        self._stop = threading.Event()
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        self._file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed in stop()
+        self._thread = threading.Thread(target=self._run, name="outrate-trace", daemon=True)
+        first = {
+            "trace": "outrate",
+            "version": 1,
+            "pid": os.getpid(),
+            "clock": "monotonic_ns",
+            "t": time.monotonic_ns(),
+            **(header or {}),
+        }
+        self._write_line(json.dumps(first, separators=(",", ":")))
+        self._file.flush()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # -- called by the scheduler thread: O(1), no I/O ---------------------------
+
+    def step(self, entry: Step) -> None:
+        if len(self._pending) == self._max_pending:
+            self._dropped += 1  # the deque drops its oldest entry
+        self._pending.append(entry)
+
+    def event(self, t: int, **fields: Any) -> None:
+        """A line that is not a step (policy swaps)."""
+        if len(self._pending) == self._max_pending:
+            self._dropped += 1
+        self._pending.append({"t": t, **fields})
+
+    # -- the writer thread --------------------------------------------------------
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self._drain()
+        self._file.close()
+
+    def _run(self) -> None:
+        while not self._stop.wait(FLUSH_INTERVAL_S):
+            self._drain()
+
+    def _drain(self) -> None:
+        if self._file.closed:
+            return
+        pending = self._pending
+        lines = []
+        dropped, self._dropped = self._dropped, 0
+        if dropped:
+            lines.append(json.dumps({"t": time.monotonic_ns(), "dropped": dropped}))
+        while pending:
+            try:
+                entry = pending.popleft()
+            except IndexError:
+                break
+            lines.append(_format(entry))
+        if not lines:
+            return
+        for line in lines:
+            if not self._write_line(line):
+                break
+        try:
+            self._file.flush()
+        except OSError as e:
+            self._give_up(f"cannot write the trace: {e}")
+
+    def _write_line(self, line: str) -> bool:
+        if self._full:
+            return False
+        size = len(line) + 1
+        if self._written + size > self.max_bytes:
+            note = json.dumps({"t": time.monotonic_ns(), "truncated": self.max_bytes})
+            self._file.write(note + "\n")
+            self._give_up(f"trace reached its cap of {self.max_bytes} bytes; no more lines")
+            return False
+        try:
+            self._file.write(line + "\n")
+        except OSError as e:
+            self._give_up(f"cannot write the trace: {e}")
+            return False
+        self._written += size
+        return True
+
+    def _give_up(self, why: str) -> None:
+        if not self._full:
+            self._logger.warning("outrate: %s: %s", self.path, why)
+        self._full = True
+
+
+def _format(entry: Step | dict[str, Any]) -> str:
+    if isinstance(entry, dict):
+        return json.dumps(entry, separators=(",", ":"))
+    t, step, *maps = entry
+    out: dict[str, Any] = {"t": t, "step": step}
+    for key, value in zip(_KEYS, maps, strict=True):
+        if value:
+            out[key] = value
+    return json.dumps(out, separators=(",", ":"))
+
+
+# -- reading a trace (tests, the demo, tools) ------------------------------------
+
+
+def read_trace(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every line of a trace as a dict (a torn last line is skipped)."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out
+
+
+def user_tokens(lines: list[dict[str, Any]], user: str) -> list[tuple[int, int]]:
+    """(t, net tokens) of one user per step that charged it, in time order."""
+    out = []
+    for rec in lines:
+        n = rec.get("charged", {}).get(user, 0) - rec.get("refunded", {}).get(user, 0)
+        if n:
+            out.append((rec["t"], n))
+    return out
+
+
+def max_window_excess(steps: list[tuple[int, int]], rate: float, burst_ns: int) -> float:
+    """Largest `tokens in [t_i, t_j] - ((t_j - t_i + burst) * rate + 1)` over all
+    windows that start and end on a charged step (the worst windows do): <= 0
+    means the GCRA bound held in every window.
+
+    Exact in O(n): with P the prefix sums, the excess of (i, j) is
+    `(P[j+1] - r t_j) - (P[i] - r t_i) - r burst - 1`, so for each i it is
+    maximised by the largest `P[j+1] - r t_j` over j >= i (a suffix maximum).
+    """
+    if not steps:
+        return float("-inf")
+    r = rate / 1e9  # tokens per ns
+    prefix = [0]
+    for _, k in steps:
+        prefix.append(prefix[-1] + k)
+    worst = float("-inf")
+    best_end = float("-inf")
+    for i in range(len(steps) - 1, -1, -1):
+        t = steps[i][0]
+        best_end = max(best_end, prefix[i + 1] - r * t)
+        worst = max(worst, best_end - (prefix[i] - r * t))
+    return worst - r * burst_ns - 1
+
+
+def largest_gap_s(steps: list[tuple[int, int]]) -> float:
+    """Longest time between two consecutive charged steps of one user."""
+    return max(((b[0] - a[0]) / 1e9 for a, b in zip(steps, steps[1:])), default=0.0)
