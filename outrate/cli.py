@@ -111,6 +111,53 @@ def serve(ctx: typer.Context) -> None:
     raise typer.Exit(launch(list(ctx.args)))
 
 
+@app.command()
+def top(
+    url: Annotated[
+        str,
+        typer.Argument(
+            help="The vLLM server (http://host:port) or its /metrics URL.", show_default=False
+        ),
+    ],
+    interval: Annotated[
+        float, typer.Option("--interval", min=0.05, help="Seconds between scrapes.")
+    ] = 1.0,
+    once: Annotated[
+        bool, typer.Option("--once", help="Print one table (two scrapes --interval apart), exit.")
+    ] = False,
+    limit_filter: Annotated[
+        str | None,
+        typer.Option("--limit-filter", metavar="GLOB", help="Only limits matching GLOB: 'tier:*'."),
+    ] = None,
+    timeout: Annotated[
+        float, typer.Option("--timeout", min=0.05, help="Seconds to wait for each scrape.")
+    ] = 5.0,
+) -> None:
+    """Per-limit rates, held requests and throttling, live from a server's /metrics."""
+    from outrate import top as view  # prometheus_client only for `top`: `lint` stays quick
+
+    try:
+        target = view.metrics_url(url)
+    except OutrateError as e:
+        raise typer.BadParameter(str(e), param_hint="URL") from e
+    show = view.once if once else view.watch
+    try:
+        show(
+            target,
+            interval=interval,
+            timeout=timeout,
+            console=view.make_console(),
+            limit_filter=limit_filter,
+        )
+    except OutrateError as e:
+        _err(f"outrate top: {e}")
+        raise typer.Exit(1) from e
+    except KeyboardInterrupt:
+        if once:
+            raise  # an interrupted --once printed nothing: not a success
+        raise typer.Exit(0) from None
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -1,0 +1,457 @@
+"""`outrate top`: what each limit is doing right now, read from an engine's /metrics.
+
+The figures are the engine's own counters (measured where the decisions are
+made), differenced between two scrapes. Fetch, parse and diff are separate
+small functions over a `Snapshot`, so tests feed them what prometheus_client
+really prints and a fake clock; only `watch` and `once` wait.
+
+No vLLM import here: `outrate top` runs on an operator's laptop.
+"""
+
+from __future__ import annotations
+
+import math
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from time import monotonic, sleep
+from typing import NamedTuple
+
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from outrate.errors import OutrateError
+
+Clock = Callable[[], float]
+Sleep = Callable[[float], None]
+
+PREFIX = "outrate_"
+
+LIMIT_SAMPLES: Mapping[str, str] = {
+    "outrate_output_tokens_total": "tokens",
+    "outrate_held_requests": "held",
+    "outrate_live_requests": "live",
+    "outrate_throttled_seconds_total": "throttled_seconds",
+    "outrate_shadow_over_limit_tokens_total": "shadow_over_tokens",
+    "outrate_limit_tokens_per_second": "rate_limit",
+}
+"""Samples labelled by `limit`: sample name -> `LimitValues` field."""
+
+NO_METRICS = "has no outrate metrics: is the server running with --outrate-policy?"
+
+
+class TopError(OutrateError):
+    """The metrics page cannot be read, or has nothing of outrate's on it."""
+
+
+@dataclass(frozen=True, slots=True)
+class LimitValues:
+    """One limit's samples in one scrape; None where the page has no such sample."""
+
+    tokens: float | None = None
+    held: float | None = None
+    live: float | None = None
+    throttled_seconds: float | None = None
+    shadow_over_tokens: float | None = None
+    rate_limit: float | None = None  # tok/s; inf = unlimited
+    mode: str | None = None  # enforce | shadow
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Everything `top` shows, from one scrape taken at `at` (clock seconds)."""
+
+    at: float
+    limits: Mapping[str, LimitValues]
+    samples: int  # outrate_* samples on the page; 0: the server runs without outrate
+    policy_sha256: str | None = None
+    policy_source: str | None = None
+    reloads: Mapping[str, float] | None = None  # result -> count
+    displaced: float | None = None
+    deferred: Mapping[str, float] | None = None  # reason -> count
+
+
+class Row(NamedTuple):
+    """One limit over the interval between two snapshots; None prints as `-`."""
+
+    limit: str
+    rate: float | None  # tok/s charged
+    rate_limit: float | None  # configured tok/s, inf = unlimited
+    mode: str | None
+    held: int | None  # requests held now
+    live: int | None  # requests in the engine now
+    throttled: float | None  # share of live request-time spent held, in [0, 1]
+    shadow_over: float | None  # tok/s a shadow rule would have refused
+
+
+def metrics_url(url: str) -> str:
+    """The /metrics URL of a server given as its root, host:port, or the full URL."""
+    if "://" not in url:
+        url = "http://" + url
+    scheme = url.split("://", 1)[0].lower()
+    if scheme not in ("http", "https"):
+        raise TopError(f"{url}: not an http(s) URL")
+    url = url.rstrip("/")
+    return url if url.endswith("/metrics") else url + "/metrics"
+
+
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+"""No proxies: the engine is local or on the cluster network, never behind HTTP_PROXY."""
+
+
+def fetch(url: str, timeout: float) -> str:
+    """The page at `url` as text, or a TopError saying why not in a few words."""
+    request = urllib.request.Request(url, headers={"Accept": "text/plain;version=0.0.4"})
+    try:
+        with _OPENER.open(request, timeout=timeout) as response:
+            body: bytes = response.read()
+    except urllib.error.HTTPError as e:
+        raise TopError(f"cannot read {url}: HTTP {e.code} {e.reason}") from e
+    except urllib.error.URLError as e:
+        raise TopError(f"cannot read {url}: {_reason(e.reason)}") from e
+    except OSError as e:  # timeouts and resets while reading the body
+        raise TopError(f"cannot read {url}: {_reason(e)}") from e
+    return body.decode("utf-8", errors="replace")
+
+
+def _reason(reason: object) -> str:
+    if isinstance(reason, TimeoutError):
+        return "timed out"
+    if isinstance(reason, OSError) and reason.strerror:
+        return reason.strerror
+    return str(reason)
+
+
+def parse(text: str, at: float) -> Snapshot:
+    """The outrate samples of a Prometheus text page; everything else is ignored.
+
+    Series that differ only in labels other than `limit` (an `engine` label,
+    should one appear) are added up, except the configured rate, which is the
+    same everywhere. `_created` samples have their own names and fall through.
+    """
+    try:
+        families = list(text_string_to_metric_families(text))
+    except (ValueError, IndexError, KeyError) as e:  # the parser is lax but not total
+        raise TopError("is not a Prometheus metrics page") from e
+    values: dict[str, dict[str, float]] = {}
+    modes: dict[str, str] = {}
+    reloads: dict[str, float] = {}
+    deferred: dict[str, float] = {}
+    sha256 = source = None
+    displaced: float | None = None
+    samples = 0
+    for family in families:
+        for s in family.samples:
+            if not s.name.startswith(PREFIX):
+                continue
+            samples += 1
+            field = LIMIT_SAMPLES.get(s.name)
+            if field is not None:
+                limit = s.labels.get("limit")
+                if limit is None:
+                    continue
+                fields = values.setdefault(limit, {})
+                if field == "rate_limit":
+                    fields[field] = s.value
+                    if "mode" in s.labels:
+                        modes[limit] = s.labels["mode"]
+                else:
+                    fields[field] = fields.get(field, 0.0) + s.value
+            elif s.name == "outrate_policy_info":
+                if s.value > 0 or sha256 is None:
+                    sha256, source = s.labels.get("sha256"), s.labels.get("source")
+            elif s.name == "outrate_policy_reloads_total":
+                _add(reloads, s.labels.get("result", ""), s.value)
+            elif s.name == "outrate_deferred_total":
+                _add(deferred, s.labels.get("reason", ""), s.value)
+            elif s.name == "outrate_displaced_total":
+                displaced = (displaced or 0.0) + s.value
+    limits = {
+        name: LimitValues(
+            tokens=fields.get("tokens"),
+            held=fields.get("held"),
+            live=fields.get("live"),
+            throttled_seconds=fields.get("throttled_seconds"),
+            shadow_over_tokens=fields.get("shadow_over_tokens"),
+            rate_limit=fields.get("rate_limit"),
+            mode=modes.get(name),
+        )
+        for name, fields in values.items()
+    }
+    return Snapshot(
+        at=at,
+        limits=limits,
+        samples=samples,
+        policy_sha256=sha256,
+        policy_source=source,
+        reloads=reloads or None,
+        displaced=displaced,
+        deferred=deferred or None,
+    )
+
+
+def _add(into: dict[str, float], key: str, value: float) -> None:
+    into[key] = into.get(key, 0.0) + value
+
+
+def scrape(url: str, timeout: float, clock: Clock | None = None) -> Snapshot:
+    """Fetch and parse `url` (a /metrics URL); a page without outrate is an error."""
+    now = clock or monotonic
+    before = now()
+    text = fetch(url, timeout)
+    at = (before + now()) / 2  # the server rendered the page somewhere in between
+    try:
+        snapshot = parse(text, at)
+    except TopError as e:
+        raise TopError(f"{url} {e}") from e
+    if snapshot.samples == 0:
+        raise TopError(f"{url} {NO_METRICS}")
+    return snapshot
+
+
+def rows(prev: Snapshot | None, cur: Snapshot, limit_filter: str | None = None) -> list[Row]:
+    """Per limit, what happened between `prev` and `cur`; most throttled first.
+
+    Without `prev` (the first frame) only the gauges are known. A series
+    missing from `prev` started in between, so it counts from 0; a counter
+    that went down means the engine restarted, so it counts from 0 as well.
+    """
+    dt = cur.at - prev.at if prev is not None else 0.0
+    out = []
+    for limit, now in cur.limits.items():
+        if limit_filter is not None and not fnmatchcase(limit, limit_filter):
+            continue
+        rate = throttled = shadow_over = None
+        if prev is not None and dt > 0:
+            before = prev.limits.get(limit, NOTHING)
+            rate = _per_second(before.tokens, now.tokens, dt)
+            shadow_over = _per_second(before.shadow_over_tokens, now.shadow_over_tokens, dt)
+            held_for = _increase(before.throttled_seconds, now.throttled_seconds)
+            if held_for is not None and now.live:  # live 0 or absent: nothing to share
+                throttled = min(max(held_for / (dt * now.live), 0.0), 1.0)
+        out.append(
+            Row(
+                limit=limit,
+                rate=rate,
+                rate_limit=now.rate_limit,
+                mode=now.mode,
+                held=_int(now.held),
+                live=_int(now.live),
+                throttled=throttled,
+                shadow_over=shadow_over,
+            )
+        )
+    out.sort(key=lambda r: (-_or(r.throttled), -_or(r.rate), r.limit))
+    return out
+
+
+NOTHING = LimitValues()
+
+
+def _increase(before: float | None, now: float | None) -> float | None:
+    if now is None:
+        return None
+    start = before or 0.0
+    return now - start if now >= start else now
+
+
+def _per_second(before: float | None, now: float | None, dt: float) -> float | None:
+    increase = _increase(before, now)
+    return None if increase is None else increase / dt
+
+
+def _int(value: float | None) -> int | None:
+    return None if value is None or math.isnan(value) else round(value)
+
+
+def _or(value: float | None) -> float:
+    return -1.0 if value is None else value
+
+
+def header(snapshot: Snapshot) -> str:
+    """The policy being served and the engine-wide counters, in one line."""
+    if snapshot.policy_sha256 is None:
+        policy = "policy -"
+    else:
+        policy = f"policy {snapshot.policy_sha256[:12]} ({snapshot.policy_source or '-'})"
+    reloads = snapshot.reloads
+    if reloads is None:
+        reload_text = "-"
+    else:
+        applied, rejected = reloads.get("applied"), reloads.get("rejected")
+        reload_text = f"{_count(applied)} applied, {_count(rejected)} rejected"
+    deferred = snapshot.deferred
+    deferred_text = (
+        "-"
+        if deferred is None
+        else ", ".join(f"{reason} {_count(n)}" for reason, n in sorted(deferred.items()))
+    )
+    return (
+        f"{policy}; reloads: {reload_text}; displaced: {_count(snapshot.displaced)}; "
+        f"deferred: {deferred_text}"
+    )
+
+
+COLUMNS = (
+    "limit",
+    "rate tok/s",
+    "limit tok/s",
+    "mode",
+    "held",
+    "live",
+    "throttled",
+    "shadow over tok/s",
+)
+
+
+def render(
+    url: str,
+    prev: Snapshot | None,
+    cur: Snapshot,
+    *,
+    limit_filter: str | None = None,
+    max_rows: int | None = None,
+    error: str | None = None,
+) -> RenderableType:
+    """Two header lines and the table. `max_rows` crops it to a terminal and says so."""
+    over = f"rates over {cur.at - prev.at:.2f}s" if prev is not None else "first scrape"
+    lines = [Text(f"outrate top {url} ({over})"), Text(header(cur))]
+    if error is not None:
+        lines.append(Text(f"{error}; retrying, figures below are from the last scrape", "red"))
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for name in COLUMNS:
+        table.add_column(name, justify="left" if name in ("limit", "mode") else "right")
+    all_rows = rows(prev, cur, limit_filter)
+    shown = all_rows if max_rows is None else all_rows[:max_rows]
+    for row in shown:
+        table.add_row(*_cells(row), style=_style(row))
+    parts: list[RenderableType] = [*lines, table]
+    if len(shown) < len(all_rows):
+        parts.append(Text(f"... {len(all_rows) - len(shown)} more (--limit-filter GLOB)"))
+    return Group(*parts)
+
+
+def _cells(row: Row) -> tuple[str, ...]:
+    return (
+        row.limit,
+        _fixed(row.rate),
+        _configured(row.rate_limit),
+        row.mode or "-",
+        _count(row.held),
+        _count(row.live),
+        "-" if row.throttled is None else f"{row.throttled:.0%}",
+        _fixed(row.shadow_over),
+    )
+
+
+def _style(row: Row) -> str:
+    if row.throttled is not None and row.throttled >= 0.5:
+        return "red"
+    return "yellow" if row.held else ""
+
+
+def _fixed(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _configured(value: float | None) -> str:
+    if value is None or math.isnan(value):
+        return "-"
+    if math.isinf(value):
+        return "unlimited"
+    return f"{value:.0f}" if value == int(value) else f"{value:.3f}".rstrip("0")
+
+
+def _count(value: float | None) -> str:
+    return "-" if value is None or math.isnan(value) else f"{value:.0f}"
+
+
+UNWRAPPED = 10_000
+"""Columns for a pipe: wide enough that no row of the table is folded."""
+
+
+def make_console() -> Console:
+    """stdout; plain and never wrapped when it is not a terminal (a script reads it)."""
+    console = Console(highlight=False)
+    if console.is_terminal:
+        return console
+    return Console(highlight=False, width=UNWRAPPED)
+
+
+def once(
+    url: str,
+    *,
+    interval: float,
+    timeout: float,
+    console: Console,
+    limit_filter: str | None = None,
+    clock: Clock | None = None,
+    sleep_for: Sleep | None = None,
+) -> None:
+    """Two scrapes `interval` apart, one table printed (for scripts)."""
+    first = scrape(url, timeout, clock)
+    (sleep_for or sleep)(interval)
+    second = scrape(url, timeout, clock)
+    console.print(render(url, first, second, limit_filter=limit_filter))
+
+
+FRAME_LINES = 6
+"""Terminal lines a frame needs besides its rows: headers, error, "more", the cursor's."""
+
+
+def watch(
+    url: str,
+    *,
+    interval: float,
+    timeout: float,
+    console: Console,
+    limit_filter: str | None = None,
+    clock: Clock | None = None,
+    sleep_for: Sleep | None = None,
+) -> None:
+    """Redraw every `interval` seconds until KeyboardInterrupt.
+
+    A failing first scrape raises (nothing to show); later failures (the
+    engine restarting, say) are shown over the last figures and retried.
+    """
+    now, wait = clock or monotonic, sleep_for or sleep
+    cur = scrape(url, timeout, now)
+    prev: Snapshot | None = None
+
+    def frame(error: str | None = None) -> RenderableType:
+        rows_left = max(console.size.height - FRAME_LINES, 1) if console.is_terminal else None
+        return render(url, prev, cur, limit_filter=limit_filter, max_rows=rows_left, error=error)
+
+    with _display(console, frame()) as show:
+        due = now() + interval
+        while True:
+            wait(max(due - now(), 0.0))
+            due = max(due, now()) + interval  # a slow scrape delays, never bunches, the next
+            try:
+                prev, cur = cur, scrape(url, timeout, now)
+            except TopError as e:
+                show(frame(str(e)))
+                continue
+            show(frame())
+
+
+@contextmanager
+def _display(console: Console, first: RenderableType) -> Iterator[Callable[[RenderableType], None]]:
+    """Redraw in place on a terminal; on a pipe, print frame after frame (like `top -b`)."""
+    if console.is_terminal:
+        with Live(first, console=console, auto_refresh=False) as live:
+            yield lambda frame: live.update(frame, refresh=True)
+        return
+
+    def append(frame: RenderableType) -> None:
+        console.line()
+        console.print(frame)
+
+    console.print(first)
+    yield append

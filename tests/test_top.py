@@ -1,0 +1,493 @@
+"""`outrate top`: parse and diff what prometheus_client really prints (`_created`
+samples, histograms and vLLM's own metrics on the same page), the table
+`--once` prints against a real HTTP server, and each error's exact line and
+exit code. A fake clock makes the rates exact; nothing sleeps for real."""
+
+from __future__ import annotations
+
+import io
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+from rich.console import Console
+from typer.testing import CliRunner
+
+from outrate import top
+from outrate.cli import app
+from outrate.top import LimitValues, Row, Snapshot, TopError
+
+ROOT = Path(__file__).parent.parent
+SHA = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+SOURCE = "/etc/outrate/policy.yaml"
+CREATED = 1_700_000_000.0
+
+
+@dataclass(eq=False)  # a collector is registered by identity
+class Engine(Collector):
+    """What outrate's scheduler reports, rendered by prometheus_client itself."""
+
+    tokens: dict[str, float]
+    held: dict[str, float]
+    live: dict[str, float]
+    throttled: dict[str, float]
+    limits: dict[str, tuple[float, str]]
+    shadow_over: dict[str, float]
+    displaced: float = 0.0
+    deferred: dict[str, float] = field(default_factory=lambda: {"max_streams": 0, "budget": 2})
+    reloads: dict[str, float] = field(default_factory=lambda: {"applied": 1, "rejected": 0})
+    outrate: bool = True  # False: a server started without --outrate-policy
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._vllm()
+        if not self.outrate:
+            return
+        yield _counter(
+            "outrate_output_tokens",
+            "Output tokens charged to the limit, net of refunds.",
+            self.tokens,
+        )
+        yield _gauge("outrate_held_requests", "Requests held.", self.held)
+        yield _gauge("outrate_live_requests", "Requests in the engine.", self.live)
+        yield _counter("outrate_throttled_seconds", "Request-seconds held.", self.throttled)
+        rate = GaugeMetricFamily(
+            "outrate_limit_tokens_per_second", "Configured rate.", labels=["limit", "mode"]
+        )
+        for limit, (tok_s, mode) in self.limits.items():
+            rate.add_metric([limit, mode], tok_s)
+        yield rate
+        yield _counter(
+            "outrate_shadow_over_limit_tokens", "Shadow over-limit tokens.", self.shadow_over
+        )
+        for name in ("outrate_budget_wait_seconds", "outrate_token_interval_seconds"):
+            histogram = HistogramMetricFamily(name, "Seconds.", labels=["limit"])
+            for limit in self.tokens:
+                buckets = [("0.001", 1.0), ("0.1", 4.0), ("+Inf", 9.0)]
+                histogram.add_metric([limit], buckets, sum_value=3.5)
+            yield histogram
+        displaced = CounterMetricFamily("outrate_displaced", "Displaced.")
+        displaced.add_metric([], self.displaced, created=CREATED)
+        yield displaced
+        yield _counter("outrate_deferred", "Deferred.", self.deferred, label="reason")
+        yield _counter("outrate_policy_reloads", "Reloads.", self.reloads, label="result")
+        info = GaugeMetricFamily("outrate_policy_info", "Policy.", labels=["sha256", "source"])
+        info.add_metric([SHA, SOURCE], 1.0)
+        yield info
+
+    def _vllm(self) -> Iterator[Metric]:
+        running = GaugeMetricFamily(
+            "vllm:num_requests_running", "Running.", labels=["engine", "model_name"]
+        )
+        running.add_metric(["0", "tiny"], 7.0)
+        yield running
+        generated = CounterMetricFamily(
+            "vllm:generation_tokens", "Generated.", labels=["engine", "model_name"]
+        )
+        generated.add_metric(["0", "tiny"], 5000.0, created=CREATED)
+        yield generated
+
+    def page(self) -> str:
+        registry = CollectorRegistry()
+        registry.register(self)
+        return generate_latest(registry).decode()
+
+
+def _counter(name: str, doc: str, values: dict[str, float], label: str = "limit") -> Metric:
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for key, value in values.items():
+        family.add_metric([key], value, created=CREATED)
+    return family
+
+
+def _gauge(name: str, doc: str, values: dict[str, float]) -> Metric:
+    family = GaugeMetricFamily(name, doc, labels=["limit"])
+    for key, value in values.items():
+        family.add_metric([key], value)
+    return family
+
+
+BEFORE = Engine(
+    tokens={"alice": 1234, "tier:pro": 99, "default": 5, "anonymous": 0, "other": 10},
+    held={"alice": 3, "tier:pro": 0, "default": 0, "anonymous": 0, "other": 1},
+    live={"alice": 4, "tier:pro": 2, "default": 0, "anonymous": 0, "other": 1},
+    throttled={"alice": 12.5, "tier:pro": 1.0, "default": 0, "anonymous": 0, "other": 0},
+    limits={
+        "alice": (20.0, "enforce"),
+        "tier:pro": (50.0, "enforce"),
+        "default": (float("inf"), "shadow"),
+        "anonymous": (0.5, "enforce"),
+    },
+    shadow_over={"default": 0},
+)
+"""The first scrape."""
+
+AFTER = replace(
+    BEFORE,
+    # 2 s later; bob's series starts in between, so it counts from 0.
+    tokens={"alice": 1274, "tier:pro": 159, "default": 5, "anonymous": 0, "other": 31, "bob": 8},
+    held={"alice": 3, "tier:pro": 0, "default": 0, "anonymous": 0, "other": 1, "bob": 1},
+    live={"alice": 4, "tier:pro": 2, "default": 0, "anonymous": 0, "other": 1, "bob": 1},
+    throttled={
+        "alice": 18.5,
+        "tier:pro": 2.0,
+        "default": 0,
+        "anonymous": 0,
+        "other": 5,
+        "bob": 0.5,
+    },
+    shadow_over={"default": 7},
+    displaced=1.0,
+)
+"""The second scrape, 2 s after the first."""
+
+EXPECTED_ROWS = [
+    # other: 5 s held in 2 s with 1 live request is more than all of it: clipped to 1.
+    Row("other", 10.5, None, None, 1, 1, 1.0, None),
+    Row("alice", 20.0, 20.0, "enforce", 3, 4, 0.75, None),  # 6 s held / (2 s x 4)
+    Row("tier:pro", 30.0, 50.0, "enforce", 0, 2, 0.25, None),  # 1 s / (2 s x 2)
+    Row("bob", 4.0, None, None, 1, 1, 0.25, None),  # ties tier:pro, slower
+    Row("anonymous", 0.0, 0.5, "enforce", 0, 0, None, None),  # no live requests: no share
+    Row("default", 0.0, float("inf"), "shadow", 0, 0, None, 3.5),
+]
+
+EXPECTED_TABLE = f"""\
+outrate top {{url}} (rates over 2.00s)
+policy 9f86d081884c ({SOURCE}); reloads: 1 applied, 0 rejected; displaced: 1; deferred: budget 2, max_streams 0
+limit      rate tok/s  limit tok/s  mode     held  live  throttled  shadow over tok/s
+other            10.5            -  -           1     1       100%                  -
+alice            20.0           20  enforce     3     4        75%                  -
+tier:pro         30.0           50  enforce     0     2        25%                  -
+bob               4.0            -  -           1     1        25%                  -
+anonymous         0.0          0.5  enforce     0     0          -                  -
+default           0.0    unlimited  shadow      0     0          -                3.5
+"""  # noqa: E501
+
+
+# --- parse -------------------------------------------------------------------------------
+
+
+def test_the_page_is_what_prometheus_client_prints() -> None:
+    page = BEFORE.page()
+    assert 'outrate_output_tokens_total{limit="alice"} 1234.0' in page
+    assert 'outrate_output_tokens_created{limit="alice"} 1.7e+09' in page
+    assert 'outrate_limit_tokens_per_second{limit="default",mode="shadow"} +Inf' in page
+    assert 'outrate_budget_wait_seconds_bucket{le="+Inf",limit="alice"} 9.0' in page
+    assert "outrate_displaced_total 0.0" in page
+    assert 'vllm:generation_tokens_created{engine="0",model_name="tiny"}' in page
+
+
+def test_parse_keeps_outrate_samples_only() -> None:
+    snapshot = top.parse(BEFORE.page(), at=10.0)
+    assert snapshot.at == 10.0
+    assert snapshot.limits == {
+        "alice": LimitValues(1234, 3, 4, 12.5, None, 20.0, "enforce"),
+        "tier:pro": LimitValues(99, 0, 2, 1.0, None, 50.0, "enforce"),
+        "default": LimitValues(5, 0, 0, 0, 0, float("inf"), "shadow"),
+        "anonymous": LimitValues(0, 0, 0, 0, None, 0.5, "enforce"),
+        "other": LimitValues(10, 1, 1, 0, None, None, None),
+    }
+    assert snapshot.policy_sha256 == SHA and snapshot.policy_source == SOURCE
+    assert snapshot.reloads == {"applied": 1, "rejected": 0}
+    assert snapshot.deferred == {"max_streams": 0, "budget": 2}
+    assert snapshot.displaced == 0
+
+
+def test_parse_a_page_without_outrate() -> None:
+    snapshot = top.parse(replace(BEFORE, outrate=False).page(), at=0.0)
+    assert snapshot.samples == 0 and snapshot.limits == {}
+
+
+def test_parse_adds_up_series_split_by_other_labels() -> None:
+    page = (
+        'outrate_output_tokens_total{engine="0",limit="alice"} 10.0\n'
+        'outrate_output_tokens_total{engine="1",limit="alice"} 5.0\n'
+        'outrate_limit_tokens_per_second{engine="0",limit="alice",mode="enforce"} 20.0\n'
+        'outrate_limit_tokens_per_second{engine="1",limit="alice",mode="enforce"} 20.0\n'
+    )
+    assert top.parse(page, 0.0).limits["alice"] == LimitValues(
+        tokens=15.0, rate_limit=20.0, mode="enforce"
+    )
+
+
+@pytest.mark.parametrize("page", ["<html><body>Hello</body></html>", '{"detail": "Not Found"}'])
+def test_parse_rejects_what_is_not_prometheus_text(page: str) -> None:
+    with pytest.raises(TopError, match="^is not a Prometheus metrics page$"):
+        top.parse(page, 0.0)
+
+
+# --- rows and header ---------------------------------------------------------------------
+
+
+def test_rows_between_two_scrapes() -> None:
+    before, after = top.parse(BEFORE.page(), 100.0), top.parse(AFTER.page(), 102.0)
+    assert top.rows(before, after) == EXPECTED_ROWS
+
+
+def test_rows_of_the_first_frame_have_gauges_only() -> None:
+    first = top.rows(None, top.parse(BEFORE.page(), 100.0))
+    assert first[0] == Row("alice", None, 20.0, "enforce", 3, 4, None, None)
+    assert [r.limit for r in first] == ["alice", "anonymous", "default", "other", "tier:pro"]
+    assert all(r.rate is None and r.throttled is None and r.shadow_over is None for r in first)
+
+
+def test_rows_after_an_engine_restart_count_from_zero() -> None:
+    before = top.parse(AFTER.page(), 100.0)
+    restarted = replace(BEFORE, tokens={**BEFORE.tokens, "alice": 6}, throttled={"alice": 1.0})
+    (alice,) = top.rows(before, top.parse(restarted.page(), 101.0), limit_filter="alice")
+    assert (alice.rate, alice.throttled) == (6.0, 0.25)
+
+
+def test_rows_limit_filter_is_a_glob() -> None:
+    before, after = top.parse(BEFORE.page(), 0.0), top.parse(AFTER.page(), 2.0)
+    assert [r.limit for r in top.rows(before, after, "tier:*")] == ["tier:pro"]
+    assert [r.limit for r in top.rows(before, after, "a*")] == ["alice", "anonymous"]
+
+
+def test_header() -> None:
+    snapshot = top.parse(AFTER.page(), 0.0)
+    assert top.header(snapshot) == (
+        f"policy 9f86d081884c ({SOURCE}); reloads: 1 applied, 0 rejected; displaced: 1; "
+        "deferred: budget 2, max_streams 0"
+    )
+    assert top.header(Snapshot(at=0.0, limits={}, samples=1)) == (
+        "policy -; reloads: -; displaced: -; deferred: -"
+    )
+
+
+def test_render_crops_to_max_rows_and_says_so() -> None:
+    before, after = top.parse(BEFORE.page(), 0.0), top.parse(AFTER.page(), 2.0)
+    text = _plain(top.render("u", before, after, max_rows=2))
+    assert [line.split()[0] for line in text.splitlines()[3:]] == ["other", "alice", "..."]
+    assert text.endswith("... 4 more (--limit-filter GLOB)\n")
+
+
+@pytest.mark.parametrize(
+    ("given", "url"),
+    [
+        ("http://127.0.0.1:8000", "http://127.0.0.1:8000/metrics"),
+        ("http://127.0.0.1:8000/", "http://127.0.0.1:8000/metrics"),
+        ("http://127.0.0.1:8000/metrics", "http://127.0.0.1:8000/metrics"),
+        ("http://127.0.0.1:8000/metrics/", "http://127.0.0.1:8000/metrics"),
+        ("localhost:8000", "http://localhost:8000/metrics"),
+        ("https://llm.internal/v1-engine", "https://llm.internal/v1-engine/metrics"),
+    ],
+)
+def test_metrics_url(given: str, url: str) -> None:
+    assert top.metrics_url(given) == url
+
+
+# --- a real HTTP server ------------------------------------------------------------------
+
+
+class Server:
+    """Serves `pages` one per request, then the last again; `status` for HTTP errors."""
+
+    def __init__(self, pages: list[str], status: int = 200) -> None:
+        self.pages, self.status = pages, status
+        self.paths: list[str] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                server.paths.append(self.path)
+                body = server.pages[min(len(server.paths), len(server.pages)) - 1].encode()
+                self.send_response(server.status)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.root = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.url = self.root + "/metrics"
+
+    def __enter__(self) -> Server:
+        threading.Thread(target=self.httpd.serve_forever, args=(0.01,), daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class FakeTime:
+    """`outrate.top`'s clock and sleep: sleeping advances the clock, instantly."""
+
+    def __init__(self, interrupt_after: int | None = None) -> None:
+        self.now, self.interrupt_after = 1000.0, interrupt_after
+        self.sleeps: list[float] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        if self.interrupt_after is not None and len(self.sleeps) >= self.interrupt_after:
+            raise KeyboardInterrupt
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+@pytest.fixture
+def fake_time(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
+    fake = FakeTime()
+    monkeypatch.setattr(top, "monotonic", fake.clock)
+    monkeypatch.setattr(top, "sleep", fake.sleep)
+    return fake
+
+
+runner = CliRunner()
+
+
+def run(*args: str) -> tuple[int, str, str]:
+    result = runner.invoke(app, ["top", *args])
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_once_prints_one_plain_table(fake_time: FakeTime) -> None:
+    with Server([BEFORE.page(), AFTER.page()]) as server:
+        code, out, err = run(server.root, "--once", "--interval", "2")
+    assert (code, err) == (0, "")
+    assert out == EXPECTED_TABLE.format(url=server.url)
+    assert "\x1b" not in out
+    assert server.paths == ["/metrics", "/metrics"] and fake_time.sleeps == [2.0]
+
+
+def test_once_with_limit_filter(fake_time: FakeTime) -> None:
+    with Server([BEFORE.page(), AFTER.page()]) as server:
+        code, out, _ = run(server.url, "--once", "--interval", "2", "--limit-filter", "tier:*")
+    assert code == 0
+    assert out.splitlines()[3:] == [
+        "tier:pro        30.0           50  enforce     0     2        25%                  -"
+    ]
+
+
+def test_watch_redraws_until_ctrl_c(fake_time: FakeTime) -> None:
+    fake_time.interrupt_after = 2  # two redraws, then Ctrl-C
+    with Server([BEFORE.page(), BEFORE.page(), AFTER.page()]) as server:
+        code, out, err = run(server.root, "--interval", "2")
+    assert (code, err) == (0, "")
+    assert fake_time.sleeps == [2.0, 2.0] and len(server.paths) == 3
+    # Not a terminal: one frame after the other, like `top -b`.
+    first, nothing_yet, last = out.split("\n\n")
+    assert first.splitlines()[0] == f"outrate top {server.url} (first scrape)"
+    alice = " ".join(nothing_yet.splitlines()[3].split())
+    assert alice == "alice 0.0 20 enforce 3 4 0% -"  # the same page twice: nothing moved
+    assert last == EXPECTED_TABLE.format(url=server.url)
+
+
+def test_watch_keeps_the_last_figures_while_the_engine_is_away() -> None:
+    fake = FakeTime(interrupt_after=3)
+    pages = [BEFORE.page(), AFTER.page(), "oops"]
+    console = Console(file=io.StringIO(), width=200)
+    with Server(pages) as server, pytest.raises(KeyboardInterrupt):
+        top.watch(
+            server.url,
+            interval=1.0,
+            timeout=5.0,
+            console=console,
+            clock=fake.clock,
+            sleep_for=fake.sleep,
+        )
+    out = console.file.getvalue()  # type: ignore[attr-defined]
+    assert f"{server.url} is not a Prometheus metrics page; retrying" in out
+    assert "alice            40.0" in out  # the last good pair: 40 tokens in 1 s
+
+
+# --- errors and usage --------------------------------------------------------------------
+
+
+def test_connection_refused() -> None:
+    with socket.socket() as bound:  # bound, not listening: connecting is refused
+        bound.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{bound.getsockname()[1]}/metrics"
+        code, out, err = run(url, "--once")
+    assert (code, out) == (1, "")
+    assert err == f"outrate top: cannot read {url}: Connection refused\n"
+
+
+def test_timeout() -> None:
+    with socket.socket() as silent:  # accepts connections, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/metrics"
+        code, _, err = run(url, "--once", "--timeout", "0.2")
+    assert code == 1
+    assert err == f"outrate top: cannot read {url}: timed out\n"
+
+
+def test_http_error() -> None:
+    with Server(['{"detail":"Not Found"}'], status=404) as server:
+        code, out, err = run(server.root)
+    assert (code, out) == (1, "")
+    assert err == f"outrate top: cannot read {server.url}: HTTP 404 Not Found\n"
+
+
+def test_server_without_outrate(fake_time: FakeTime) -> None:
+    with Server([replace(BEFORE, outrate=False).page()]) as server:
+        code, out, err = run(server.root, "--once")
+    assert (code, out) == (1, "")
+    assert err == (
+        f"outrate top: {server.url} has no outrate metrics: "
+        "is the server running with --outrate-policy?\n"
+    )
+
+
+def test_not_a_metrics_page(fake_time: FakeTime) -> None:
+    with Server(["<html><body>Grafana</body></html>"]) as server:
+        code, _, err = run(server.root, "--once")
+    assert code == 1
+    assert err == f"outrate top: {server.url} is not a Prometheus metrics page\n"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],  # no URL
+        ["http://h:1", "--interval", "0"],
+        ["http://h:1", "--interval", "soon"],
+        ["http://h:1", "--onse"],
+        ["ftp://h:1"],
+    ],
+)
+def test_usage_errors_exit_2(args: list[str]) -> None:
+    code, out, _ = run(*args)
+    assert (code, out) == (2, "")
+
+
+def test_top_never_imports_vllm() -> None:
+    """`outrate top` runs on an operator's laptop, where vLLM is not installed."""
+    script = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "import outrate.cli\n"
+        "r = CliRunner().invoke(outrate.cli.app, ['top', sys.argv[1], '--once', "
+        "'--interval', '0.05'])\n"
+        "assert r.exit_code == 0, r.output\n"
+        "heavy = {m.split('.')[0] for m in sys.modules} & {'vllm', 'torch'}\n"
+        "assert not heavy, heavy\n"
+    )
+    with Server([BEFORE.page(), AFTER.page()]) as server:
+        subprocess.run([sys.executable, "-c", script, server.root], check=True, cwd=ROOT)
+
+
+def _plain(renderable: object) -> str:
+    console = Console(file=io.StringIO(), width=top.UNWRAPPED)
+    console.print(renderable)
+    return console.file.getvalue()  # type: ignore[attr-defined]
