@@ -57,6 +57,11 @@ CPU_SERVER_ENV: dict[str, str] = {
     "TOKENIZERS_PARALLELISM": "false",
     # Unbuffered output, so the log file is current when startup fails.
     "PYTHONUNBUFFERED": "1",
+    # vLLM's engine core busy-waits (sched_yield) for the worker's result;
+    # on 2 cores that starved delivery to the API server: the client saw
+    # nothing for ~7 s, then every token at once. Sleep 100 us instead
+    # (vllm_integration/cpu_spin.py; applied where the outrate plugin loads).
+    "OUTRATE_SHM_SPIN_SLEEP_US": "100",
 }
 
 # Dropped from the inherited environment: VLLM_CPU_KVCACHE_SPACE (GiB) silently

@@ -108,9 +108,7 @@ class CompiledPolicy:
         behave exactly like stock vLLM."""
         limits = [self.default, self.anonymous, *self.users.values(), *self.tiers.values()]
         limits += [lim for _, lim in self.patterns]
-        return all(
-            (lim.rate is None and lim.max_streams is None) or lim.shadow for lim in limits
-        )
+        return all((lim.rate is None and lim.max_streams is None) or lim.shadow for lim in limits)
 
     @property
     def shadow_rules(self) -> list[str]:
@@ -220,9 +218,7 @@ def load_compiled(path: str | os.PathLike[str]) -> CompiledPolicy:
     """Load, validate and compile a policy file (what the engine and lint run)."""
     source = os.fspath(path)
     raw = read_policy_file(source)
-    return compile_policy(
-        parse_policy_bytes(raw, source), source, hashlib.sha256(raw).hexdigest()
-    )
+    return compile_policy(parse_policy_bytes(raw, source), source, hashlib.sha256(raw).hexdigest())
 
 
 def policy_from_flags(

@@ -161,25 +161,19 @@ def limit_of_label(label: str, policy: CompiledPolicy) -> Limit | None:
     return None
 
 
-def snapshot(
-    metrics: Metrics, policy: CompiledPolicy, now: int | None = None
-) -> dict[str, Any]:
+def snapshot(metrics: Metrics, policy: CompiledPolicy, now: int | None = None) -> dict[str, Any]:
     """A JSON-able picture of `metrics`. Safe to call from another thread."""
     now = time.monotonic_ns() if now is None else now
     labels = {}
     for m in list(metrics.labels.values()):
-        lim = limit_of_label(m.label, policy)
-        labels[m.label] = {
-            "tokens": m.tokens,
-            "shadow_over": m.shadow_over,
-            "live": m.live,
-            "held": m.held,
-            "throttled_ns": m.throttled_total_ns(now),
-            "wait": [list(m.wait.buckets), m.wait.sum_ns],
-            "interval": [list(m.interval.buckets), m.interval.sum_ns],
-            "rate": None if lim is None else (-1 if lim.rate is None else float(lim.rate)),
-            "mode": None if lim is None else ("shadow" if lim.shadow else "enforce"),
-        }
+        labels[m.label] = _row(m, limit_of_label(m.label, policy), now)
+    empty = LabelMetrics("")
+    rule_labels = ["default", "anonymous", *(f"tier:{t}" for t in policy.tiers)]
+    rule_labels += [f"match:{p}" for p, _ in policy.patterns]
+    for label in rule_labels:  # configured limits show before their first request
+        if label not in labels:
+            lim = limit_of_label(label, policy)
+            labels[label] = _row(empty, lim, now)
     return {
         "pid": os.getpid(),
         "monotonic_ns": now,
@@ -189,6 +183,20 @@ def snapshot(
         "reloads": dict(metrics.reloads),
         "series": metrics.n_series,
         "labels": labels,
+    }
+
+
+def _row(m: LabelMetrics, lim: Limit | None, now: int) -> dict[str, Any]:
+    return {
+        "tokens": m.tokens,
+        "shadow_over": m.shadow_over,
+        "live": m.live,
+        "held": m.held,
+        "throttled_ns": m.throttled_total_ns(now),
+        "wait": [list(m.wait.buckets), m.wait.sum_ns],
+        "interval": [list(m.interval.buckets), m.interval.sum_ns],
+        "rate": None if lim is None else (-1 if lim.rate is None else float(lim.rate)),
+        "mode": None if lim is None else ("shadow" if lim.shadow else "enforce"),
     }
 
 
@@ -267,7 +275,9 @@ def families(data: dict[str, Any] | None) -> Iterator[Any]:
         return
     labels: dict[str, dict[str, Any]] = data.get("labels", {})
     tokens = CounterMetricFamily(
-        "outrate_output_tokens", "Output tokens charged to the limit, net of refunds.", labels=["limit"]
+        "outrate_output_tokens",
+        "Output tokens charged to the limit, net of refunds.",
+        labels=["limit"],
     )
     over = CounterMetricFamily(
         "outrate_shadow_over_limit_tokens",

@@ -436,7 +436,7 @@ class MetricsSection(_Strict):
     ] = Field(
         default=1000,
         description="At most this many per-user series (listed and per_user users together); "
-        "past it, users are counted under limit=\"other\".",
+        'past it, users are counted under limit="other".',
     )
 
 

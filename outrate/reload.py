@@ -46,6 +46,11 @@ _MISSING = "<missing>"
 _IGNORED_EVENTS = frozenset({"opened", "closed_no_write"})
 """Our own reads of the file cause these; reacting to them would loop forever."""
 
+MAX_WAIT_S = 0.5
+"""A directory that never goes quiet (a trace or log written beside the policy)
+must not postpone a reload forever: check at most this long after the first
+event of a burst."""
+
 _MAX_ITEMS = 5
 """Per kind of change in the log line; the rest is `... and N more`."""
 
@@ -99,6 +104,7 @@ class Reloader:
         self._load_lock = threading.Lock()
         self._state_lock = threading.RLock()
         self._due: float | None = None
+        self._first: float | None = None  # first event since the last check
         self._stopping = False
         self._running = False
         self._observer: BaseObserver | None = None
@@ -246,7 +252,12 @@ class Reloader:
         """Something changed in the directory: (re)arm the debounce timer."""
         with self._cond:
             if not self._stopping:
-                self._due = time.monotonic() + self.debounce_s
+                now = time.monotonic()
+                if self._first is None:
+                    self._first = now
+                self._due = min(
+                    now + self.debounce_s, self._first + max(MAX_WAIT_S, self.debounce_s)
+                )
                 self._cond.notify_all()
 
     def _run(self) -> None:
@@ -261,7 +272,7 @@ class Reloader:
                         continue
                     delay = self._due - time.monotonic()
                     if delay <= 0:
-                        self._due = None
+                        self._due = self._first = None
                         break
                     self._cond.wait(delay)
             try:

@@ -36,7 +36,8 @@ DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 FLUSH_INTERVAL_S = 0.1
 MAX_PENDING = 200_000
 
-Step = tuple[int, int, dict[str, int], dict[str, int], dict[str, int], dict[str, int], dict[str, int]]
+Counts = dict[str, int]
+Step = tuple[int, int, Counts, Counts, Counts, Counts, Counts]
 """(t, step, charged, refunded, held, released, over)."""
 
 _KEYS = ("charged", "refunded", "held", "released", "over")
@@ -179,14 +180,41 @@ def read_trace(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return out
 
 
-def user_tokens(lines: list[dict[str, Any]], user: str) -> list[tuple[int, int]]:
-    """(t, net tokens) of one user per step that charged it, in time order."""
+def user_tokens(
+    lines: list[dict[str, Any]], user: str, since_ns: int = 0, until_ns: int | None = None
+) -> list[tuple[int, int]]:
+    """(t, net tokens) of one user per step that charged it, in time order,
+    for steps in [since_ns, until_ns]."""
     out = []
     for rec in lines:
+        t = rec.get("t", 0)
+        if t < since_ns or (until_ns is not None and t > until_ns):
+            continue
         n = rec.get("charged", {}).get(user, 0) - rec.get("refunded", {}).get(user, 0)
         if n:
-            out.append((rec["t"], n))
+            out.append((t, n))
     return out
+
+
+def engine_rate(steps: list[tuple[int, int]]) -> float:
+    """(tokens - 1) / (last - first): the paced rate, first token to last."""
+    if len(steps) < 2:
+        return 0.0
+    tokens = sum(k for _, k in steps)
+    return (tokens - 1) / ((steps[-1][0] - steps[0][0]) / 1e9)
+
+
+def max_tokens_in(steps: list[tuple[int, int]], window_ns: int) -> int:
+    """Most tokens in any window of `window_ns` (the demo's worst 1-second window)."""
+    best = total = 0
+    j = 0
+    for t, k in steps:
+        total += k
+        while steps[j][0] <= t - window_ns:
+            total -= steps[j][1]
+            j += 1
+        best = max(best, total)
+    return best
 
 
 def max_window_excess(steps: list[tuple[int, int]], rate: float, burst_ns: int) -> float:
@@ -215,4 +243,4 @@ def max_window_excess(steps: list[tuple[int, int]], rate: float, burst_ns: int) 
 
 def largest_gap_s(steps: list[tuple[int, int]]) -> float:
     """Longest time between two consecutive charged steps of one user."""
-    return max(((b[0] - a[0]) / 1e9 for a, b in zip(steps, steps[1:])), default=0.0)
+    return max(((b[0] - a[0]) / 1e9 for a, b in zip(steps, steps[1:], strict=False)), default=0.0)

@@ -260,6 +260,34 @@ def test_burst_of_writes_collapses_into_one_check(
     assert rates(h.r.current) == {"alice": 67, "bob": 30, "carol": 1, "dave": 2}
 
 
+def test_a_directory_that_never_goes_quiet_does_not_postpone_the_reload(
+    start: Callable[..., Harness], policy: Path
+) -> None:
+    """A trace or log written beside the policy every 50 ms (shorter than the
+    debounce) must not keep re-arming the timer forever: found on a live
+    server whose --outrate-trace sat next to its policy."""
+    h = start(policy)
+    stop = threading.Event()
+
+    def chatter() -> None:
+        with open(policy.parent / "trace.jsonl", "a") as f:
+            while not stop.is_set():
+                f.write("{}\n")
+                f.flush()
+                time.sleep(0.05)
+
+    noisy = threading.Thread(target=chatter, daemon=True)
+    noisy.start()
+    try:
+        time.sleep(0.3)
+        write_atomic(policy, policy_text(alice=77, bob=30, carol=40))
+        h.expect_applied(2)  # within expect_applied's timeout, chatter or not
+    finally:
+        stop.set()
+        noisy.join()
+    assert rates(h.r.current)["alice"] == 77
+
+
 BROKEN = {
     "syntax": "version: 1\ndefault: [100\n",
     "invalid value": "version: 1\ndefault: 100\nusers:\n  alice: -5\n",

@@ -30,6 +30,9 @@ def register() -> None:
     if _registered:
         return
     _registered = True
+    from vllm_integration.cpu_spin import install_spin_sleep
+
+    install_spin_sleep()  # only with OUTRATE_SHM_SPIN_SLEEP_US set (see cpu_spin.py)
     from vllm.engine.arg_utils import EngineArgs
 
     stock_add = EngineArgs.add_cli_args

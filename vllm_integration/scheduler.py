@@ -92,7 +92,8 @@ class OutrateMixin:
         self.outrate_configure(policy)
         logger.info("outrate: %s", policy.summary())
         if policy.shadow_rules:
-            logger.info("outrate: shadow (counted, not enforced): %s", ", ".join(policy.shadow_rules))
+            shadow = ", ".join(policy.shadow_rules)
+            logger.info("outrate: shadow (counted, not enforced): %s", shadow)
         self._reloader = None
         if settings.get("reload", "watch") != "off" and "policy" in settings:
             from outrate.reload import Reloader
@@ -500,9 +501,7 @@ class OutrateMixin:
             u.st_tokens = u.st_consec = u.st_refunded = u.st_over = 0
         self._step_users.clear()
         if trace is not None and (charged or self._tr_held or self._tr_released):
-            trace.step(
-                (now, self._step, charged, refunded, self._tr_held, self._tr_released, over)
-            )
+            trace.step((now, self._step, charged, refunded, self._tr_held, self._tr_released, over))
             self._tr_held = {}
             self._tr_released = {}
 
