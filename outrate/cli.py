@@ -83,6 +83,8 @@ def _print_text(report: LintReport, strict: bool) -> None:
     elif report.policy is not None:
         noted = f", {_count(warnings, 'warning')}" if warnings else ""
         typer.echo(f"ok{noted}: {report.policy.summary()}")
+    if report.shadow:
+        typer.echo(f"shadow (counted, not enforced): {', '.join(report.shadow)}")
 
 
 def _count(n: int, word: str) -> str:

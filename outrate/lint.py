@@ -379,7 +379,13 @@ class LintReport:
             "ok": self.ok(strict),
             "findings": [f._asdict() for f in self.findings],
             "policy": self.policy.summary() if self.policy is not None else None,
+            "shadow": self.shadow,
         }
+
+    @property
+    def shadow(self) -> list[str]:
+        """Rules computed and counted but not enforced (shadow mode)."""
+        return self.policy.shadow_rules if self.policy is not None else []
 
 
 def lint_all(

@@ -9,9 +9,9 @@ label, a `Publisher` thread writes a JSON snapshot of them twice a second
 snapshot into Prometheus families on each scrape (`families`).
 
 Cardinality is bounded by construction: a label is a rule (`default`,
-`anonymous`, `tier:NAME`, `match:PATTERN`) or, for users listed in the policy
-or opted in with `metrics.per_user`, the user id, at most `metrics.max_series`
-of those; past the cap users are counted under `other`.
+`anonymous`, `tier:NAME`, `match:PATTERN`), a user listed in the policy, or a
+user opted in with `metrics.per_user`, at most `metrics.max_series` of those;
+past the cap, opted-in users are counted under `other`.
 
 Nothing here imports vLLM.
 """
@@ -112,7 +112,7 @@ class Metrics:
 
     def __init__(self) -> None:
         self.labels: dict[str, LabelMetrics] = {}
-        self._series: set[str] = set()  # user ids that have a series of their own
+        self._series: set[str] = set()  # opted-in (metrics.per_user) users with a series
         self.displaced = 0
         self.deferred = dict.fromkeys(DEFERRED_REASONS, 0)
         self.reloads = {"applied": 0, "rejected": 0}
@@ -126,6 +126,8 @@ class Metrics:
     def label_of(self, user: str, policy: CompiledPolicy) -> str:
         if user == ANONYMOUS:
             return "anonymous"
+        if user in policy.users:
+            return user  # listed: bounded by the policy itself
         if policy.wants_series(user):
             series = self._series
             if user in series:

@@ -435,8 +435,8 @@ class MetricsSection(_Strict):
         int, PlainValidator(_check_max_series), WithJsonSchema({"type": "integer", "minimum": 0})
     ] = Field(
         default=1000,
-        description="At most this many per-user series (listed and per_user users together); "
-        'past it, users are counted under limit="other".',
+        description="At most this many per_user series (users listed in the policy always "
+        "have theirs); past it, those users are counted under limit=other.",
     )
 
 

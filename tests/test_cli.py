@@ -140,6 +140,7 @@ def test_lint_json_with_a_bad_policy() -> None:
             }
         ],
         "policy": None,
+        "shadow": [],
     }
 
 
@@ -181,3 +182,18 @@ def test_core_never_imports_vllm() -> None:
     subprocess.run(
         [sys.executable, "-c", script, str(POLICIES / "tiers.yaml")], check=True, cwd=ROOT
     )
+
+
+def test_lint_lists_the_rules_in_shadow(tmp_path: Path) -> None:
+    policy = tmp_path / "p.yaml"
+    policy.write_text(
+        "version: 1\ndefault: 100\ntiers:\n  pro: {rate: 50, shadow: true}\n"
+        "users:\n  alice: {rate: 20, shadow: true}\n  bob: {tier: pro}\n  carol: 5\n"
+    )
+    result = runner.invoke(app, ["lint", str(policy)])
+    assert result.exit_code == 0
+    assert result.stdout.splitlines()[-1] == (
+        "shadow (counted, not enforced): tiers.pro, users.alice"
+    )
+    result = runner.invoke(app, ["lint", "--format", "json", str(policy)])
+    assert json.loads(result.stdout)["shadow"] == ["tiers.pro", "users.alice"]

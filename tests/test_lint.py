@@ -478,6 +478,7 @@ def test_lint_all_with_a_bad_policy() -> None:
         "ok": False,
         "findings": [f._asdict() for f in report.findings],
         "policy": None,
+        "shadow": [],
     }
 
 

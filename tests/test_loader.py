@@ -20,6 +20,18 @@ BAD = Path(__file__).parent / "fixtures" / "bad"
 
 # fixture name -> the exact messages, in file order; FILE stands for its path.
 EXPECTED: dict[str, list[str]] = {
+    "metrics_max_series_negative": [
+        "FILE:5:15: metrics.max_series: must be >= 0",
+    ],
+    "metrics_unknown_key": [
+        "FILE:4:3: metrics: unknown key 'per_users' (did you mean 'per_user'?)",
+    ],
+    "mode_unknown": [
+        "FILE:2:7: mode: must be 'enforce' or 'shadow' (got 'dry-run')",
+    ],
+    "shadow_not_bool": [
+        "FILE:4:29: users.alice.shadow: must be true or false (got 'yes')",
+    ],
     "burst_negative": [
         "FILE:4:27: users.alice.burst: must be > 0",
     ],

@@ -33,6 +33,7 @@ policy hook, this file is what goes.
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left
 import logging
 import time
 from collections.abc import Callable
@@ -49,7 +50,7 @@ from outrate.compiler import CompiledPolicy
 from outrate.errors import OutrateError
 from outrate.identity import resolve_identity
 from outrate.limiter import Limiter
-from outrate.metrics import Metrics
+from outrate.metrics import BUCKETS_NS, Metrics
 from vllm_integration.state import ATTR, PolicyBox, RequestState, UserState, is_held
 
 logger = logging.getLogger("vllm.outrate")  # under vLLM's logger: same format and level
@@ -278,12 +279,14 @@ class OutrateMixin:
                 if u.step != step:
                     u.step = step
                     self._step_users.append(u)
-                u.st_tokens += 1
                 now = self._now
+                prev = rs.prev_ns = rs.last_ns
                 if last == step - 1:
                     u.st_consec += 1  # interval = this step's period, observed at the fold
-                elif rs.last_ns:
-                    u.m.interval.observe(now - rs.last_ns)
+                else:
+                    u.st_gap += 1
+                    if prev:
+                        u.m.interval.observe(now - prev)
                 rs.last_ns = now
                 return num_new_tokens
             u.refused_step = step
@@ -434,6 +437,7 @@ class OutrateMixin:
                         elif u.bucket.limit.scale:
                             limiter.give_back(u.bucket, now)
                         u.st_refunded += 1
+                        self._unobserve(rs, u, now)
                         rs.charged_step = -1  # never refunded twice
                         refunded += 1
             self.stats["charged"] += self._n_charged - refunded
@@ -475,6 +479,18 @@ class OutrateMixin:
         self._prev_now = now
         limiter.cleanup(now, 4)
 
+    def _unobserve(self, rs: RequestState, u: UserState, now: int) -> None:
+        """A refunded token was never sampled: take back its interval."""
+        prev = rs.last_ns = rs.prev_ns
+        if prev and prev == self._prev_now:
+            u.st_consec -= 1
+            return
+        u.st_gap -= 1
+        if prev:
+            h = u.m.interval
+            h.buckets[bisect_left(BUCKETS_NS, now - prev)] -= 1
+            h.sum_ns -= now - prev
+
     def _fold_step(self, now: int) -> None:
         """Once per step: this step's charges into each label's metrics (and
         one trace line). Requests charged in the previous step too get this
@@ -486,19 +502,20 @@ class OutrateMixin:
         over: dict[str, int] = {}
         for u in self._step_users:
             m = u.m
-            m.tokens += u.st_tokens - u.st_refunded
+            m.tokens += u.st_consec + u.st_gap  # net: refunds took theirs back
             if u.st_consec:
                 m.interval.observe(period, u.st_consec)
             if u.st_over:
                 m.shadow_over += u.st_over
             if trace is not None:
-                if u.st_tokens:
-                    charged[u.key] = u.st_tokens
+                gross = u.st_consec + u.st_gap + u.st_refunded
+                if gross:
+                    charged[u.key] = gross
                 if u.st_refunded:
                     refunded[u.key] = u.st_refunded
                 if u.st_over:
                     over[u.key] = u.st_over
-            u.st_tokens = u.st_consec = u.st_refunded = u.st_over = 0
+            u.st_consec = u.st_gap = u.st_refunded = u.st_over = 0
         self._step_users.clear()
         if trace is not None and (charged or self._tr_held or self._tr_released):
             trace.step((now, self._step, charged, refunded, self._tr_held, self._tr_released, over))

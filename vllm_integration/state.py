@@ -43,8 +43,8 @@ class UserState:
         "armed",
         "m",
         "step",
-        "st_tokens",
         "st_consec",
+        "st_gap",
         "st_refunded",
         "st_over",
     )
@@ -62,8 +62,8 @@ class UserState:
         self.m = m  # the metrics record of this user's `limit` label
         # This step's charges, folded into `m` (and the trace) once per step:
         self.step = -1  # the step this user was last charged in
-        self.st_tokens = 0
-        self.st_consec = 0  # of which by requests also charged the step before
+        self.st_consec = 0  # tokens of requests also charged the step before
+        self.st_gap = 0  # tokens of requests that were not (first tokens, resumes)
         self.st_refunded = 0
         self.st_over = 0  # shadow over-limit tokens
 
@@ -80,6 +80,7 @@ class RequestState:
         "charged_step",
         "preempted_step",
         "last_ns",
+        "prev_ns",
         "held_since",
         "over_step",
         "deferred",
@@ -92,6 +93,7 @@ class RequestState:
         self.charged_step = -1
         self.preempted_step = -1
         self.last_ns = 0  # when its last token was charged (0: none yet)
+        self.prev_ns = 0  # the one before: a refund puts it back
         self.held_since = 0
         self.over_step = -1  # step of a shadow over-limit charge (refunds)
         self.deferred = ""  # why admission is deferred now ("" when it is not)

@@ -1,0 +1,114 @@
+"""What the engine-side metrics cost per scheduler step.
+
+    python benchmarks/bench_metrics.py [--quick] [--check]
+
+Same rig as bench_scheduler.py (real vLLM schedulers, real KV cache manager,
+fake clock, fabricated outputs, every request in decode, interleaved paired
+rounds). Two outrate schedulers per cell: as shipped (metrics counted in the
+charging hook and folded once per step), and the same scheduler with the
+charging hook as it was before metrics (`hook_without_metrics` below: the
+shipped hook minus its counting lines). `ratio` = with / without, median over
+rounds of the per-round ratio of medians. Target: <= 1.02 in every cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import types
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_scheduler import (  # noqa: E402
+    FULL,
+    QUICK,
+    build,
+    interleave,
+    model_dir,
+    paired_ratio,
+    policy_for,
+    workload,
+)
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from vllm_integration.state import ATTR  # noqa: E402
+
+TARGET = 1.02
+
+
+def hook_without_metrics(
+    self: Any, request: Any, num_computed_tokens: int, num_new_tokens: int
+) -> int:
+    """OutrateMixin._reserve_prefill_lookahead without its metric lines."""
+    if self._lookahead:
+        num_new_tokens = (
+            type(self)
+            .__mro__[2]
+            ._reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens)
+        )
+    num_tokens = len(request._all_token_ids)
+    if num_new_tokens == 0 or num_computed_tokens + num_new_tokens < num_tokens:
+        return num_new_tokens
+    rs = request.__dict__[ATTR]
+    step = self._step
+    if rs.charged_step == step:
+        return num_new_tokens
+    u = rs.user
+    if u.refused_step != step:
+        bucket = u.bucket
+        if self._take(bucket, self._now):
+            rs.charged_step = step
+            self._n_charged += 1
+            if request.status == RequestStatus.RUNNING:
+                self._last_charge_running = request
+            else:
+                self._last_charge_waiting = request
+            return num_new_tokens
+        u.refused_step = step
+        self._touched.append(u)
+    if self._chunked and num_computed_tokens < num_tokens - 1:
+        return num_tokens - 1 - num_computed_tokens
+    if rs.resident:
+        self._refused.append(request)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--quick", action="store_true", help="fewer cells and steps")
+    ap.add_argument("--check", action="store_true", help="exit 1 if a cell misses the target")
+    args = ap.parse_args(argv)
+    sizes = QUICK if args.quick else FULL
+    with contextlib.redirect_stdout(sys.stderr):
+        model_dir()
+    runnings = (64, 256) if args.quick else (64, 256, 1024)
+    print("Per-step cost with metrics / without (median us), 16 users, all in decode.")
+    print(f"{'mode':>5}  {'R':>5}  {'thr%':>4}  {'without':>8}  {'with':>8}  {'ratio':>6}  result")
+    missed = 0
+    for mode in ("sync", "async"):
+        for r in runnings:
+            for f in (0.0, 0.5):
+                w = workload(r, 16, f)
+                on = build(mode, w.users, sizes, policy_for(w))
+                off = build(mode, w.users, sizes, policy_for(w))
+                off.sched._reserve_prefill_lookahead = types.MethodType(
+                    hook_without_metrics, off.sched
+                )
+                interleave([off, on], sizes)
+                ratio = paired_ratio(on, off)
+                ok = ratio <= TARGET
+                missed += not ok
+                print(
+                    f"{mode:>5}  {r:>5}  {f * 100:>4.0f}  {off.median_us():>8.0f}  "
+                    f"{on.median_us():>8.0f}  {ratio:>6.3f}  {'PASS' if ok else 'FAIL'}",
+                    flush=True,
+                )
+    return 1 if args.check and missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
