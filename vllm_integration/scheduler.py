@@ -33,9 +33,9 @@ policy hook, this file is what goes.
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_left
 import logging
 import time
+from bisect import bisect_left
 from collections.abc import Callable
 from typing import Any
 
