@@ -36,6 +36,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_limiter.py
 	$(BIN)/python benchmarks/bench_scheduler.py
+	$(BIN)/python benchmarks/bench_metrics.py
 	$(BIN)/python benchmarks/bench_e2e.py
 
 lint: $(STAMP)
