@@ -51,6 +51,7 @@ from outrate.errors import OutrateError
 from outrate.identity import resolve_identity
 from outrate.limiter import Limiter
 from outrate.metrics import BUCKETS_NS, Metrics
+from outrate.store import BudgetStore
 from vllm_integration.state import ATTR, PolicyBox, RequestState, UserState, is_held
 
 logger = logging.getLogger("vllm.outrate")  # under vLLM's logger: same format and level
@@ -132,7 +133,7 @@ class OutrateMixin:
     ) -> None:
         """(Re)wire the limiter. The engine calls this once; tests pass a fake clock."""
         self.policy_box = policy if isinstance(policy, PolicyBox) else PolicyBox(policy)
-        self.limiter = Limiter(self.policy_box.current, clock=clock)
+        self.limiter: BudgetStore = Limiter(self.policy_box.current, clock=clock)
         self._take = self.limiter.take  # bound once: called for every sampling dispatch
         self._clock = clock
         self.metrics = Metrics()
@@ -223,7 +224,7 @@ class OutrateMixin:
             u.m.live -= 1
             if u.live == 0:
                 del self._users[u.key]
-                Limiter.unpin(u.bucket)
+                self.limiter.unpin(u.bucket)
         return super()._free_request(request, delay_free_blocks)  # type: ignore[misc]
 
     def _preempt_request(

@@ -1,0 +1,51 @@
+"""The budget store protocol: what the scheduler needs from per-user state.
+
+The scheduler (vllm_integration/scheduler.py) only talks to a `BudgetStore`.
+`outrate.limiter.Limiter` (in-memory GCRA, one engine) is the first
+implementation; a store shared between engines is a second one, and the
+scheduler does not change. Decisions must be O(1), allocation-free and never
+wait on I/O: a shared store decides from state held in memory and refreshes it
+off the scheduler's thread.
+
+A `Bucket` is the handle a live request keeps for its user (`pin`/`unpin`);
+`now` is the scheduler's step time in ns (CLOCK_MONOTONIC or a test's clock).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from outrate.compiler import CompiledPolicy
+    from outrate.limiter import Bucket, Limit
+
+
+class BudgetStore(Protocol):
+    @property
+    def policy(self) -> CompiledPolicy: ...
+
+    def set_policy(self, policy: CompiledPolicy) -> None:
+        """Swap the policy; each user's debt carries over in tokens."""
+
+    def pin(self, user: str) -> Bucket:
+        """The user's bucket, kept alive until every pin is `unpin`ned."""
+
+    def unpin(self, b: Bucket) -> None: ...
+
+    def take(self, b: Bucket, now: int) -> bool:
+        """Take one token if it conforms. The hot path: O(1), no I/O."""
+
+    def give_back(self, b: Bucket, now: int) -> None:
+        """Undo one successful `take` (the scheduler's one refund point)."""
+
+    def ready_at(self, b: Bucket, now: int) -> int:
+        """Earliest time `take` can succeed; `now` if it can now."""
+
+    def available(self, b: Bucket, now: int) -> int:
+        """Tokens `take` would grant back to back at `now`."""
+
+    def limit_of(self, b: Bucket, now: int) -> Limit:
+        """The limit in force for the bucket's user."""
+
+    def cleanup(self, now: int | None = None, budget: int = 64) -> int:
+        """Forget up to `budget` idle, unpinned users; bounded work per call."""
