@@ -62,18 +62,19 @@ def hook_without_metrics(
         bucket = u.bucket
         if self._take(bucket, self._now):
             rs.charged_step = step
-            self._n_charged += 1
+            st = self._st
+            st.n_charged += 1
             if request.status == RequestStatus.RUNNING:
-                self._last_charge_running = request
+                st.last_charge_running = request
             else:
-                self._last_charge_waiting = request
+                st.last_charge_waiting = request
             return num_new_tokens
         u.refused_step = step
-        self._touched.append(u)
+        self._st.touched.append(u)
     if self._chunked and num_computed_tokens < num_tokens - 1:
         return num_tokens - 1 - num_computed_tokens
     if rs.resident:
-        self._refused.append(request)
+        self._st.refused.append(request)
     return 0
 
 

@@ -50,7 +50,7 @@ def test_counted_tokens_equal_emitted_tokens_under_kv_pressure(priority, seed, t
         priority=priority,
     )
     trace = TraceWriter(str(tmp_path / "trace.jsonl"))
-    s._trace = trace
+    s.outrate_trace(trace)
     d = Driver(s, clock, step_ns=9 * MS)
     users = ["hog", "vip", "u1", "u2"]
     for _ in range(400):
@@ -91,12 +91,13 @@ def test_counted_tokens_equal_emitted_tokens_under_kv_pressure(priority, seed, t
 def test_the_trace_shows_the_gcra_bound_in_every_window(kind, tmp_path):
     clock = FakeClock()
     s = make_scheduler(kind, policy("version: 1\ndefault: unlimited\nusers:\n  a: 20\n"), clock)
-    s._trace = TraceWriter(str(tmp_path / "t.jsonl"))
+    trace = TraceWriter(str(tmp_path / "t.jsonl"))
+    s.outrate_trace(trace)
     d = Driver(s, clock, step_ns=7 * MS)
     for _ in range(4):
         d.add(make_request("a", max_tokens=30))
     d.run_until_done()
-    s._trace.stop()
+    trace.stop()
     steps = user_tokens(read_trace(tmp_path / "t.jsonl"), "a")
     assert sum(k for _, k in steps) == 120
     assert max_window_excess(steps, 20, 100 * MS) <= 1e-9

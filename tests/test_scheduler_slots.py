@@ -27,7 +27,7 @@ def policy(text: str):
 def check_invariants(s) -> None:
     assert len(s.running) + s.n_held <= s.max_num_running_reqs
     assert s.max_num_active_reqs == s._cfg_active  # restored after every step
-    held = [r for r in s._held]
+    held = list(s.holdback.held)
     assert all(r.status == RequestStatus.RUNNING for r in held)
     assert not set(map(id, held)) & set(map(id, s.running))
     assert sum(u.n_held for u in s._users.values()) == s.n_held

@@ -1,41 +1,31 @@
-"""The rate-limited vLLM V1 scheduler.
+"""The rate-limited vLLM V1 scheduler: a thin adapter over vLLM 0.32's
+`Scheduler` / `AsyncScheduler` (the overridden methods and why are indexed in
+vllm_integration/__init__.py).
 
-Every touch of vLLM's scheduler internals lives in this file. It subclasses
-vLLM 0.32.0's `Scheduler` / `AsyncScheduler` and overrides these methods:
+One step, top to bottom (`schedule`): swap in a reloaded policy; release held
+requests whose user's budget returned; displace one held request if every
+resident slot is taken and a user with budget waits; run stock `schedule()`,
+during which the hooks charge each sampling dispatch (`_reserve_prefill_lookahead`)
+and defer admissions (`_handle_blocked_waiting_request`); then settle the step
+(`_after_schedule`): refunds, requeue, holds, wake-ups, metrics and trace.
 
-- `_reserve_prefill_lookahead`: called by stock `schedule()` for every running
-  and waiting request right before its `num_new_tokens == 0` check. A dispatch
-  that will sample (`num_computed + n >= num_tokens`) is charged one token here;
-  out of budget we return 0 (skip) or cap a prefill one short of sampling.
-- `_handle_blocked_waiting_request`: called for every waiting request peeked
-  by the admission loop. Returning False makes stock *skip* (defer) the
-  request instead of stopping admission, so a throttled user never stalls the
-  queue. Also enforces `max_streams`.
-- `add_request` / `_free_request` / `_preempt_request`: per-request bookkeeping.
-- `get_request_counts` / `reset_prefix_cache`: account for held-back requests.
-- `schedule()`: wraps stock with release, displacement, the one refund point
-  and holdback.
+The machinery lives beside it: `Holdback` (holdback.py) parks throttled
+running requests outside `running` and wakes them; `Ledger` (ledger.py)
+settles refunds, metrics and the trace; `StepScratch` (state.py) is what one
+step carries to its end. Policy decisions are the core's (`outrate.limiter`
+behind the `BudgetStore` protocol).
 
-Holdback: a running request whose user is out of budget is taken out of
-`self.running` until its user's ready time, so stock's loop never visits it
-(per-step cost does not grow with throttled requests). It keeps its KV blocks
-and its resident slot. Two stock behaviours that a naive holdback breaks are
-restored explicitly: `len(running) + held <= max_num_seqs` (the admission cap
-`max_num_active_reqs` is lowered for the step), and held requests are the
-preferred preemption victims (`kv_cache_manager.allocate_slots` is wrapped,
-only for steps that start with held requests: the wrapper costs a Python call
-per allocation).
-
-Written against vLLM 0.32.0 (pinned). When vLLM grows a public scheduler
-policy hook, this file is what goes.
+Holdback restores two stock behaviours explicitly: `len(running) + held <=
+max_num_seqs` (the admission cap `max_num_active_reqs` is lowered for the
+step), and held requests are the preferred preemption victims
+(`kv_cache_manager.allocate_slots` is wrapped, only in steps that start with
+held requests: the wrapper costs a Python call per allocation).
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
 import time
-from bisect import bisect_left
 from collections.abc import Callable
 from typing import Any
 
@@ -50,9 +40,11 @@ from outrate.compiler import CompiledPolicy
 from outrate.errors import OutrateError
 from outrate.identity import resolve_identity
 from outrate.limiter import Limiter
-from outrate.metrics import BUCKETS_NS, Metrics
+from outrate.metrics import Metrics
 from outrate.store import BudgetStore
-from vllm_integration.state import ATTR, PolicyBox, RequestState, UserState, is_held
+from vllm_integration.holdback import Holdback
+from vllm_integration.ledger import Ledger
+from vllm_integration.state import ATTR, PolicyBox, RequestState, StepScratch, UserState
 
 logger = logging.getLogger("vllm.outrate")  # under vLLM's logger: same format and level
 
@@ -61,7 +53,6 @@ IDLE_WAIT_MAX_NS = 50_000_000
 
 DISPLACE_SCAN = 32
 """Waiting requests examined per step for fair-admission displacement."""
-
 
 _CONNECTORS = (
     ("connector", "a KV connector"),
@@ -73,16 +64,19 @@ _CONNECTORS = (
 class OutrateMixin:
     """The rate-limiting behaviour, mixed into vLLM's Scheduler classes."""
 
-    # Attributes provided by vLLM's Scheduler (declared for readers/type checkers).
+    # Provided by vLLM's Scheduler (declared for readers and type checkers).
     running: list[Request]
     requests: dict[str, Request]
     max_num_running_reqs: int
     max_num_active_reqs: int
+    waiting: Any
+    kv_cache_manager: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         from vllm_integration.config import policy_from_vllm_config
         from vllm_integration.engine import install_idle_wait
+        from vllm_integration.threads import start_engine_threads
 
         for attr, what in _CONNECTORS:
             if getattr(self, attr, None) is not None:
@@ -96,37 +90,14 @@ class OutrateMixin:
         if policy.shadow_rules:
             shadow = ", ".join(policy.shadow_rules)
             logger.info("outrate: shadow (counted, not enforced): %s", shadow)
-        self._reloader = None
-        if settings.get("reload", "watch") != "off" and "policy" in settings:
-            from outrate.reload import Reloader
-
-            box = self.policy_box
-
-            def publish(new: CompiledPolicy) -> None:
-                box.current = new  # read by schedule() at the next step boundary
-
-            self._reloader = Reloader(
-                settings["policy"],
-                publish,
-                initial=policy,
-                logger=logging.getLogger("vllm.outrate.reload"),
-            )
-            self._reloader.start()
-        from vllm_integration.telemetry import start_telemetry
-
-        self._telemetry = start_telemetry(self, settings)
+        self._threads = start_engine_threads(self, settings)
         install_idle_wait()
 
     def shutdown(self) -> None:
-        reloader = getattr(self, "_reloader", None)
-        if reloader is not None:
-            reloader.stop()
-        telemetry = getattr(self, "_telemetry", None)
-        if telemetry is not None:
-            telemetry.stop()
+        threads = getattr(self, "_threads", None)
+        if threads is not None:
+            threads.stop()
         super().shutdown()  # type: ignore[misc]
-
-    # -- wiring -----------------------------------------------------------
 
     def outrate_configure(
         self, policy: CompiledPolicy | PolicyBox, clock: Callable[[], int] = time.monotonic_ns
@@ -136,55 +107,43 @@ class OutrateMixin:
         self.limiter: BudgetStore = Limiter(self.policy_box.current, clock=clock)
         self._take = self.limiter.take  # bound once: called for every sampling dispatch
         self._clock = clock
+        self.stats = {"charged": 0, "refunded": 0, "held": 0, "released": 0, "displaced": 0}
         self.metrics = Metrics()
-        self._trace: Any = None  # a TraceWriter when --outrate-trace is given
-        self._step_users: list[UserState] = []  # users charged this step
-        self._prev_now = 0
-        self._tr_held: dict[str, int] = {}
-        self._tr_released: dict[str, int] = {}
+        sc = self.scheduler_config  # type: ignore[attr-defined]
+        self._priority = self.policy == SchedulingPolicy.PRIORITY  # type: ignore[attr-defined]
+        self.holdback = Holdback(self.limiter, self._priority, self.stats)
+        self.ledger = Ledger(self.limiter, self.metrics, self.stats)
+        self._st = StepScratch()
         self._users: dict[str, UserState] = {}
-        self._held: dict[Request, None] = {}  # insertion-ordered: newest held last
-        self._wake: list[tuple[int, int, UserState]] = []
-        self._seq = 0
         self._step = 0
         self._now = 0
-        # Refund candidates: a charged request can miss the step only if its KV
-        # allocation failed (then it is the last one charged in its loop: both
-        # of stock's loops stop there) or if it was preempted afterwards.
-        self._last_charge_running: Request | None = None
-        self._last_charge_waiting: Request | None = None
-        self._preempted_charged: list[Request] = []
-        self._n_charged = 0
-        self._refused: list[Request] = []
-        self._touched: list[UserState] = []
-        self._admits: list[Request] = []
-        self._stash: list[Request] = []
-        self._blocked_ready = 0
         self._cfg_active = self.max_num_active_reqs
-        sc = self.scheduler_config  # type: ignore[attr-defined]
         self._chunked = bool(sc.enable_chunked_prefill)
-        self._priority = self.policy == SchedulingPolicy.PRIORITY  # type: ignore[attr-defined]
         self._lookahead = getattr(self, "num_prefill_lookahead", 0) > 1
         self._block_size = self.block_size  # type: ignore[attr-defined]
         self._caching = bool(self.cache_config.enable_prefix_caching)  # type: ignore[attr-defined]
-        kvm = self.kv_cache_manager  # type: ignore[attr-defined]
+        kvm = self.kv_cache_manager
         kvm.__dict__.pop("allocate_slots", None)  # re-wiring: back to the class method
         self._stock_allocate = kvm.allocate_slots
-        self.stats = {"charged": 0, "refunded": 0, "held": 0, "released": 0, "displaced": 0}
-        # Requests already in the scheduler (only in tests that re-wire) join now.
-        for req in self.requests.values():
+        for req in self.requests.values():  # only tests re-wire a scheduler with requests
             self._register(req)
+
+    def outrate_trace(self, trace: Any) -> None:
+        """Write a trace line per step to `trace` (a TraceWriter)."""
+        self.ledger.trace = trace
+        self.holdback.trace_held, self.holdback.trace_released = {}, {}
 
     @property
     def n_held(self) -> int:
-        return len(self._held)
+        return len(self.holdback)
+
+    # -- users and request lifecycle ------------------------------------------
 
     def _user(self, key: str) -> UserState:
         u = self._users.get(key)
         if u is None:
-            metrics = self.metrics
-            label = metrics.label_of(key, self.limiter.policy)
-            u = UserState(key, self.limiter.pin(key), metrics.record(label))
+            label = self.metrics.label_of(key, self.limiter.policy)
+            u = UserState(key, self.limiter.pin(key), self.metrics.record(label))
             self._users[key] = u
         return u
 
@@ -198,8 +157,6 @@ class OutrateMixin:
             u.resident += 1
         request.__dict__[ATTR] = rs
 
-    # -- request lifecycle --------------------------------------------------
-
     def add_request(self, request: Request) -> None:
         if request.request_id not in self.requests:
             self._register(request)
@@ -207,10 +164,7 @@ class OutrateMixin:
 
     def _leave_slot(self, rs: RequestState, request: Request) -> None:
         if rs.held:
-            rs.held = False
-            del self._held[request]
-            rs.user.n_held -= 1  # its heap entry is skipped lazily
-            rs.user.m.unhold(rs.held_since, self._clock())
+            self.holdback.leave(rs, request, self._clock())
         if rs.resident:
             rs.resident = False
             rs.user.resident -= 1
@@ -235,18 +189,18 @@ class OutrateMixin:
             self._leave_slot(rs, request)
             rs.preempted_step = self._step
             if rs.charged_step == self._step:
-                self._preempted_charged.append(request)  # refunded after the step
+                self._st.preempted_charged.append(request)  # refunded after the step
         super()._preempt_request(request, timestamp, drop_stale_output)  # type: ignore[misc]
 
     def get_request_counts(self) -> tuple[int, int]:
         running, waiting = super().get_request_counts()  # type: ignore[misc]
-        return running + len(self._held), waiting
+        return running + len(self.holdback), waiting
 
     def reset_prefix_cache(
         self, reset_running_requests: bool = False, reset_connector: bool = False
     ) -> bool:
         if reset_running_requests:
-            self._release_all()
+            self.holdback.release_all(self._users.values(), self._clock(), self.running)
         return super().reset_prefix_cache(reset_running_requests, reset_connector)  # type: ignore[misc]
 
     # -- the hooks inside stock schedule() ----------------------------------
@@ -271,15 +225,16 @@ class OutrateMixin:
             if self._take(bucket, self._now) or self._shadow_over(bucket, rs, u):
                 last = rs.charged_step
                 rs.charged_step = step
-                self._n_charged += 1
+                st = self._st
+                st.n_charged += 1
                 if request.status == RequestStatus.RUNNING:
-                    self._last_charge_running = request
+                    st.last_charge_running = request
                 else:
-                    self._last_charge_waiting = request
-                # Metrics: counted on the user, folded per step (_fold_step).
+                    st.last_charge_waiting = request
+                # Metrics: counted on the user, folded once per step (Ledger.fold).
                 if u.step != step:
                     u.step = step
-                    self._step_users.append(u)
+                    st.users.append(u)
                 now = self._now
                 prev = rs.prev_ns = rs.last_ns
                 if last == step - 1:
@@ -291,12 +246,12 @@ class OutrateMixin:
                 rs.last_ns = now
                 return num_new_tokens
             u.refused_step = step
-            self._touched.append(u)
+            self._st.touched.append(u)
         # Out of budget: prefill up to the last prompt position, sample later.
         if self._chunked and num_computed_tokens < num_tokens - 1:
             return num_tokens - 1 - num_computed_tokens
         if rs.resident:
-            self._refused.append(request)
+            self._st.refused.append(request)
         return 0
 
     def _shadow_over(self, bucket: Any, rs: RequestState, u: UserState) -> bool:
@@ -306,13 +261,6 @@ class OutrateMixin:
         rs.over_step = self._step
         u.st_over += 1
         return True
-
-    def _defer(self, rs: RequestState, reason: str) -> bool:
-        """Admission deferred; counted once per deferral, not per step."""
-        if rs.deferred != reason:
-            rs.deferred = reason
-            self.metrics.deferred[reason] += 1
-        return False
 
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
         if not super()._handle_blocked_waiting_request(request):  # type: ignore[misc]
@@ -333,16 +281,24 @@ class OutrateMixin:
                 or len(self.running) + 1 >= self.max_num_active_reqs
             ):
                 ready = self.limiter.ready_at(u.bucket, now)
-                if self._blocked_ready == 0 or ready < self._blocked_ready:
-                    self._blocked_ready = ready
+                st = self._st
+                if st.blocked_ready == 0 or ready < st.blocked_ready:
+                    st.blocked_ready = ready
                 return self._defer(rs, "budget")
         rs.deferred = ""
         # Counted as resident now (so max_streams holds within one step);
         # undone after the step if stock did not admit it after all.
         rs.resident = True
         u.resident += 1
-        self._admits.append(request)
+        self._st.admits.append(request)
         return True
+
+    def _defer(self, rs: RequestState, reason: str) -> bool:
+        """Admission deferred; counted once per deferral, not per step."""
+        if rs.deferred != reason:
+            rs.deferred = reason
+            self.metrics.deferred[reason] += 1
+        return False
 
     def _can_prefill_ahead(self, request: Request) -> bool:
         """Whether a throttled request can be admitted to prefill without
@@ -363,34 +319,23 @@ class OutrateMixin:
     ) -> Any:
         """KV allocation that preempts held (throttled) requests first."""
         alloc = self._stock_allocate
-        if self._held and kwargs.get("has_scheduled_reqs") is False:
+        holdback = self.holdback
+        if holdback and kwargs.get("has_scheduled_reqs") is False:
             kwargs["has_scheduled_reqs"] = True  # held requests are scheduled work too
         while True:
             blocks = alloc(request, num_new_tokens, *args, **kwargs)
-            if blocks is not None or not self._held:
+            if blocks is not None or not holdback:
                 return blocks
-            victim = self._held_victim()
+            victim = holdback.kv_victim(self.running)
             if victim is None:
-                return None
-            self._preempt_out_of_band(victim)
+                return None  # a visible lower-priority request goes first (stock's choice)
+            # Stock's admission loop peeks the head of `waiting` and pops it
+            # later: keep the victim aside, requeue it at the front after the step.
+            self._preempt_request(victim, time.monotonic())
+            self.waiting.remove_request(victim)
+            self._st.stash.append(victim)
 
-    def _held_victim(self) -> Request | None:
-        if not self._priority:
-            return next(reversed(self._held))  # most recently throttled
-        victim = max(self._held, key=lambda r: (r.priority, r.arrival_time))
-        if self.running and victim.priority < max(r.priority for r in self.running):
-            return None  # a visible lower-priority request goes first (stock's choice)
-        return victim
-
-    def _preempt_out_of_band(self, victim: Request) -> None:
-        """Preempt a held request while stock's loop runs. Stock's admission
-        loop peeks the head of `waiting` and pops it later, so the victim is
-        kept aside and requeued at the front after `schedule()`."""
-        self._preempt_request(victim, time.monotonic())
-        self.waiting.remove_request(victim)  # type: ignore[attr-defined]
-        self._stash.append(victim)
-
-    # -- schedule() -----------------------------------------------------------
+    # -- one step ---------------------------------------------------------------
 
     def schedule(self, throttle_prefills: bool = False) -> Any:
         self._step += 1
@@ -398,21 +343,21 @@ class OutrateMixin:
         policy = self.policy_box.current
         if policy is not self.limiter.policy:
             self._swap_policy(policy, now)
-        self._blocked_ready = 0
-        if self._wake:
-            self._release(now)
-        if self._held and len(self.running) + len(self._held) >= self.max_num_running_reqs:
+        self._st.blocked_ready = 0
+        holdback = self.holdback
+        if holdback.wake:
+            room = self._cfg_active - len(self.running)
+            self._st.touched += holdback.release_ready(now, room, self.running)
+        if holdback and len(self.running) + len(holdback) >= self.max_num_running_reqs:
             self._displace(now)
-        kvm = self.kv_cache_manager  # type: ignore[attr-defined]
-        if self._held:
+        kvm = self.kv_cache_manager
+        if holdback:
             kvm.allocate_slots = self._allocate_slots
         elif "allocate_slots" in kvm.__dict__:
             del kvm.allocate_slots
         # Held requests keep resident slots: admission needs
         # running + held < max_num_seqs and running < max_num_active_seqs.
-        self.max_num_active_reqs = min(
-            self._cfg_active, self.max_num_running_reqs - len(self._held)
-        )
+        self.max_num_active_reqs = min(self._cfg_active, self.max_num_running_reqs - len(holdback))
         try:
             out = super().schedule(throttle_prefills)  # type: ignore[misc]
         finally:
@@ -421,174 +366,53 @@ class OutrateMixin:
         return out
 
     def _after_schedule(self, scheduled: dict[str, int], now: int) -> None:
-        limiter = self.limiter
-        # The one refund point: charged but not scheduled (KV allocation
-        # failed, or preempted later in the same step). O(1): see the
-        # candidates' comment in outrate_configure.
-        if self._n_charged:
-            refunded = 0
-            candidates = self._preempted_charged
-            for r in (self._last_charge_running, self._last_charge_waiting, *candidates):
-                if r is not None and r.request_id not in scheduled:
-                    rs = r.__dict__.get(ATTR)
-                    if rs is not None and rs.charged_step == self._step:
-                        u = rs.user
-                        if rs.over_step == self._step:
-                            u.st_over -= 1  # a shadow over-limit token: nothing was taken
-                        elif u.bucket.limit.scale:
-                            limiter.give_back(u.bucket, now)
-                        u.st_refunded += 1
-                        self._unobserve(rs, u, now)
-                        rs.charged_step = -1  # never refunded twice
-                        refunded += 1
-            self.stats["charged"] += self._n_charged - refunded
-            self.stats["refunded"] += refunded
-            self._n_charged = 0
-            self._last_charge_running = self._last_charge_waiting = None
-            candidates.clear()
-        if self._stash:
-            for r in reversed(self._stash):
-                self.waiting.prepend_request(r)  # type: ignore[attr-defined]
-            self._stash.clear()
-        if self._admits:
-            for r in self._admits:
-                rs = r.__dict__.get(ATTR)
-                if rs is not None and rs.resident and r.status != RequestStatus.RUNNING:
-                    rs.resident = False
-                    rs.user.resident -= 1
-            self._admits.clear()
-        refused = self._refused
-        if refused:
-            hold = {
-                r
-                for r in refused
-                if r.status == RequestStatus.RUNNING and r.request_id not in scheduled
-            }
-            refused.clear()
-            if hold:
-                self.running = remove_all(self.running, hold)
-                for r in hold:
-                    self._hold(r)
-        touched = self._touched
-        if touched:
-            for u in touched:
-                if u.n_held and not u.armed:
-                    self._arm(u, now)
-            touched.clear()
-        if self._step_users or self._trace is not None:
-            self._fold_step(now)
-        self._prev_now = now
-        limiter.cleanup(now, 4)
+        st = self._st
+        if st.n_charged:
+            self.ledger.refund_missed(st, scheduled, self._step, now)
+        if st.stash:
+            self._requeue_stashed(st)
+        if st.admits:
+            self._undo_unadmitted(st)
+        if st.refused:
+            self._hold_refused(st, scheduled, now)
+        if st.touched:
+            self._arm_touched(st, now)
+        if st.users or self.ledger.trace is not None:
+            self.ledger.fold(st, self._step, now, self.holdback)
+        else:
+            self.ledger.prev_now = now
+        self.limiter.cleanup(now, 4)
 
-    def _unobserve(self, rs: RequestState, u: UserState, now: int) -> None:
-        """A refunded token was never sampled: take back its interval."""
-        prev = rs.last_ns = rs.prev_ns
-        if prev and prev == self._prev_now:
-            u.st_consec -= 1
-            return
-        u.st_gap -= 1
-        if prev:
-            h = u.m.interval
-            h.buckets[bisect_left(BUCKETS_NS, now - prev)] -= 1
-            h.sum_ns -= now - prev
+    def _requeue_stashed(self, st: StepScratch) -> None:
+        for r in reversed(st.stash):
+            self.waiting.prepend_request(r)
+        st.stash.clear()
 
-    def _fold_step(self, now: int) -> None:
-        """Once per step: this step's charges into each label's metrics (and
-        one trace line). Requests charged in the previous step too get this
-        step's period as their token interval, observed once per user."""
-        period = now - self._prev_now
-        trace = self._trace
-        charged: dict[str, int] = {}
-        refunded: dict[str, int] = {}
-        over: dict[str, int] = {}
-        for u in self._step_users:
-            m = u.m
-            m.tokens += u.st_consec + u.st_gap  # net: refunds took theirs back
-            if u.st_consec:
-                m.interval.observe(period, u.st_consec)
-            if u.st_over:
-                m.shadow_over += u.st_over
-            if trace is not None:
-                gross = u.st_consec + u.st_gap + u.st_refunded
-                if gross:
-                    charged[u.key] = gross
-                if u.st_refunded:
-                    refunded[u.key] = u.st_refunded
-                if u.st_over:
-                    over[u.key] = u.st_over
-            u.st_consec = u.st_gap = u.st_refunded = u.st_over = 0
-        self._step_users.clear()
-        if trace is not None and (charged or self._tr_held or self._tr_released):
-            trace.step((now, self._step, charged, refunded, self._tr_held, self._tr_released, over))
-            self._tr_held = {}
-            self._tr_released = {}
+    def _undo_unadmitted(self, st: StepScratch) -> None:
+        for r in st.admits:
+            rs = r.__dict__.get(ATTR)
+            if rs is not None and rs.resident and r.status != RequestStatus.RUNNING:
+                rs.resident = False
+                rs.user.resident -= 1
+        st.admits.clear()
 
-    def _hold(self, r: Request) -> None:
-        rs: RequestState = r.__dict__[ATTR]
-        rs.held = True
-        self._held[r] = None
-        self._seq += 1
-        u = rs.user
-        rs.held_since = self._now
-        u.m.hold(self._now)
-        if self._trace is not None:
-            self._tr_held[u.key] = self._tr_held.get(u.key, 0) + 1
-        heapq.heappush(u.held, (r.priority if self._priority else 0, self._seq, r))
-        u.n_held += 1
-        self.stats["held"] += 1
+    def _hold_refused(self, st: StepScratch, scheduled: dict[str, int], now: int) -> None:
+        hold = {
+            r
+            for r in st.refused
+            if r.status == RequestStatus.RUNNING and r.request_id not in scheduled
+        }
+        st.refused.clear()
+        if hold:
+            self.running = remove_all(self.running, hold)
+            for r in hold:
+                self.holdback.hold(r, now)
 
-    def _arm(self, u: UserState, now: int) -> None:
-        u.ready_at = self.limiter.ready_at(u.bucket, now)
-        u.armed = True
-        self._seq += 1
-        heapq.heappush(self._wake, (u.ready_at, self._seq, u))
-
-    def _release(self, now: int) -> None:
-        """Put back users whose budget returned, as many streams as they can
-        use now, oldest-held first (streams of a user rotate)."""
-        wake = self._wake
-        room = self._cfg_active - len(self.running)
-        while wake and wake[0][0] <= now and room > 0:
-            ready, _, u = heapq.heappop(wake)
-            if not u.wakes_at(ready):
-                continue  # stale entry
-            u.armed = False
-            if not u.n_held:
-                continue
-            k = min(self.limiter.available(u.bucket, now), room)
-            if k == 0:  # policy changed under it: arm again
-                self._arm(u, now)
-                continue
-            room -= self._release_user(u, k, now)
-            if u.n_held:
-                self._touched.append(u)  # re-armed after this step
-
-    def _release_user(self, u: UserState, k: int, now: int) -> int:
-        released = 0
-        held = u.held
-        while held and released < k:
-            r = heapq.heappop(held)[2]
-            if not is_held(r):
-                continue  # finished or preempted while held
-            rs = r.__dict__[ATTR]
-            rs.held = False
-            u.m.unhold(rs.held_since, now)
-            del self._held[r]
-            u.n_held -= 1
-            self.running.append(r)
-            released += 1
-        self.stats["released"] += released
-        if released and self._trace is not None:
-            self._tr_released[u.key] = self._tr_released.get(u.key, 0) + released
-        return released
-
-    def _release_all(self) -> None:
-        now = self._clock()
-        for u in self._users.values():
-            if u.n_held:
-                self._release_user(u, u.n_held, now)
-            u.armed = False
-        self._wake.clear()
+    def _arm_touched(self, st: StepScratch, now: int) -> None:
+        for u in st.touched:
+            if u.n_held and not u.armed:
+                self.holdback.arm(u, now)
+        st.touched.clear()
 
     def _displace(self, now: int) -> None:
         """Fair admission: when every resident slot is taken, a waiting request
@@ -596,7 +420,7 @@ class OutrateMixin:
         most slots (preempted and requeued; prefix cache keeps what it can).
         At most one per step, after a bounded scan of the queue head."""
         limiter = self.limiter
-        for i, r in enumerate(self.waiting):  # type: ignore[attr-defined]
+        for i, r in enumerate(self.waiting):
             if i >= DISPLACE_SCAN:
                 return
             rs = r.__dict__.get(ATTR)
@@ -608,51 +432,21 @@ class OutrateMixin:
             ms = limiter.limit_of(u.bucket, now).max_streams
             if ms is not None and u.resident >= ms:
                 continue
-            victim_user = max(
-                (v for v in self._users.values() if v.n_held),
-                key=lambda v: v.resident,
-                default=None,
-            )
-            if victim_user is None or victim_user.resident <= u.resident + 1:
-                return  # slots are already shared fairly
-            self._preempt_request(self._youngest_held(victim_user), time.monotonic())
-            self.stats["displaced"] += 1
-            self.metrics.displaced += 1
-            return
-
-    def _youngest_held(self, u: UserState) -> Request:
-        return max(
-            (e for e in u.held if is_held(e[2])),
-            key=lambda e: (e[0], e[1]),
-        )[2]
+            victim = self.holdback.displacement_victim(u, self._users.values())
+            if victim is not None:
+                self._preempt_request(victim, time.monotonic())
+                self.stats["displaced"] += 1
+                self.metrics.displaced += 1
+            return  # one per step; none when slots are already shared fairly
 
     def _swap_policy(self, policy: CompiledPolicy, now: int) -> None:
         self.limiter.set_policy(policy)
         logger.debug("outrate: scheduler switched to %s", policy.summary())
-        self._wake.clear()
+        self.holdback.rearm(self._users.values(), now)
         for u in self._users.values():
-            u.armed = False
-            if u.n_held:
-                self._arm(u, now)
-            self._relabel(u, policy)
-        if self._trace is not None:
-            self._trace.event(now, policy=policy.sha256, source=policy.source)
-
-    def _relabel(self, u: UserState, policy: CompiledPolicy) -> None:
-        """A reload can move a user to another `limit` label: its live and
-        held requests move with it (counters already counted stay)."""
-        new = self.metrics.record(self.metrics.label_of(u.key, policy))
-        old = u.m
-        if new is old:
-            return
-        old.live -= u.live
-        new.live += u.live
-        for r in {e[2] for e in u.held if is_held(e[2])}:  # a request may have stale twins
-            since = r.__dict__[ATTR].held_since
-            old.held -= 1
-            old.held_since_sum -= since
-            new.hold(since)
-        u.m = new
+            self.ledger.relabel(u, policy)
+        if self.ledger.trace is not None:
+            self.ledger.trace.event(now, policy=policy.sha256, source=policy.source)
 
     # -- engine loop --------------------------------------------------------
 
@@ -662,15 +456,10 @@ class OutrateMixin:
         0 when no throttling explains the idle step (stock behaviour)."""
         if getattr(self, "_pause_state", PauseState.UNPAUSED) != PauseState.UNPAUSED:
             return 0
-        earliest = 0
-        while self._wake:
-            ready, _, u = self._wake[0]
-            if u.wakes_at(ready):
-                earliest = ready
-                break
-            heapq.heappop(self._wake)
-        if self._blocked_ready and (earliest == 0 or self._blocked_ready < earliest):
-            earliest = self._blocked_ready
+        earliest = self.holdback.earliest_ready()
+        blocked = self._st.blocked_ready
+        if blocked and (earliest == 0 or blocked < earliest):
+            earliest = blocked
         if earliest == 0:
             return 0
         wait = earliest - self._clock()

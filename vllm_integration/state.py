@@ -104,3 +104,36 @@ def is_held(request: Request) -> bool:
     (entries of finished, preempted or released requests are skipped lazily)."""
     rs = request.__dict__.get(ATTR)
     return rs is not None and rs.held
+
+
+class StepScratch:
+    """Everything one `schedule()` call collects for its end (`_after_schedule`);
+    emptied there. One record, so what a step carries is in one place."""
+
+    __slots__ = (
+        "n_charged",
+        "last_charge_running",
+        "last_charge_waiting",
+        "preempted_charged",
+        "refused",
+        "touched",
+        "admits",
+        "stash",
+        "blocked_ready",
+        "users",
+    )
+
+    def __init__(self) -> None:
+        self.n_charged = 0
+        # Refund candidates: a charged request can miss the step only if its KV
+        # allocation failed (then it is the last one charged in its loop: both
+        # of stock's loops stop there) or if it was preempted afterwards.
+        self.last_charge_running: Request | None = None
+        self.last_charge_waiting: Request | None = None
+        self.preempted_charged: list[Request] = []
+        self.refused: list[Request] = []  # resident requests refused a token
+        self.touched: list[UserState] = []  # users refused: (re)armed after the step
+        self.admits: list[Request] = []  # counted resident before stock admitted them
+        self.stash: list[Request] = []  # held victims preempted mid-loop, requeued after
+        self.blocked_ready = 0  # earliest ready time of a user blocking admission
+        self.users: list[UserState] = []  # users charged this step (metrics fold)

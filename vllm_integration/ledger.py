@@ -1,0 +1,119 @@
+"""The end of a step's books: refunds, metrics and the trace.
+
+The scheduler's hook counts each charge on the user (`UserState.st_*`) and
+notes refund candidates in the step's `StepScratch`; after stock's
+`schedule()` the `Ledger` refunds what was charged but not scheduled (the one
+refund point), then folds the step into each label's metrics and writes one
+trace line. Plain Python: no vLLM import.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from typing import Any
+
+from outrate.compiler import CompiledPolicy
+from outrate.metrics import BUCKETS_NS, Metrics
+from outrate.store import BudgetStore
+from vllm_integration.holdback import Holdback
+from vllm_integration.state import ATTR, RequestState, StepScratch, UserState, is_held
+
+
+class Ledger:
+    def __init__(self, limiter: BudgetStore, metrics: Metrics, stats: dict[str, int]) -> None:
+        self.limiter = limiter
+        self.metrics = metrics
+        self.stats = stats
+        self.trace: Any = None  # a TraceWriter with --outrate-trace
+        self.prev_now = 0  # the previous step's time: consecutive tokens' interval
+
+    def refund_missed(
+        self, st: StepScratch, scheduled: dict[str, int], step: int, now: int
+    ) -> None:
+        """Charged but not scheduled (KV allocation failed, or preempted later in
+        the same step): give the token back. O(1): see StepScratch."""
+        refunded = 0
+        candidates = st.preempted_charged
+        for r in (st.last_charge_running, st.last_charge_waiting, *candidates):
+            if r is None or r.request_id in scheduled:
+                continue
+            rs = r.__dict__.get(ATTR)
+            if rs is None or rs.charged_step != step:
+                continue
+            u = rs.user
+            if rs.over_step == step:
+                u.st_over -= 1  # a shadow over-limit token: nothing was taken
+            elif u.bucket.limit.scale:
+                self.limiter.give_back(u.bucket, now)
+            u.st_refunded += 1
+            self._unobserve(rs, u, now)
+            rs.charged_step = -1  # never refunded twice
+            refunded += 1
+        self.stats["charged"] += st.n_charged - refunded
+        self.stats["refunded"] += refunded
+        st.n_charged = 0
+        st.last_charge_running = st.last_charge_waiting = None
+        candidates.clear()
+
+    def _unobserve(self, rs: RequestState, u: UserState, now: int) -> None:
+        """A refunded token was never sampled: take back its interval."""
+        prev = rs.last_ns = rs.prev_ns
+        if prev and prev == self.prev_now:
+            u.st_consec -= 1
+            return
+        u.st_gap -= 1
+        if prev:
+            h = u.m.interval
+            h.buckets[bisect_left(BUCKETS_NS, now - prev)] -= 1
+            h.sum_ns -= now - prev
+
+    def fold(self, st: StepScratch, step: int, now: int, holdback: Holdback) -> None:
+        """This step's charges into each label's metrics, and one trace line.
+        Requests charged in the previous step too get this step's period as
+        their token interval, observed once per user."""
+        period = now - self.prev_now
+        self.prev_now = now
+        trace = self.trace
+        charged: dict[str, int] = {}
+        refunded: dict[str, int] = {}
+        over: dict[str, int] = {}
+        for u in st.users:
+            m = u.m
+            m.tokens += u.st_consec + u.st_gap  # net: refunds took theirs back
+            if u.st_consec:
+                m.interval.observe(period, u.st_consec)
+            if u.st_over:
+                m.shadow_over += u.st_over
+            if trace is not None:
+                gross = u.st_consec + u.st_gap + u.st_refunded
+                if gross:
+                    charged[u.key] = gross
+                if u.st_refunded:
+                    refunded[u.key] = u.st_refunded
+                if u.st_over:
+                    over[u.key] = u.st_over
+            u.st_consec = u.st_gap = u.st_refunded = u.st_over = 0
+        st.users.clear()
+        if trace is None:
+            return
+        held, released = holdback.trace_held or {}, holdback.trace_released or {}
+        if charged or held or released:
+            trace.step((now, step, charged, refunded, held, released, over))
+            holdback.trace_held = {}
+            holdback.trace_released = {}
+
+    def relabel(self, u: UserState, policy: CompiledPolicy) -> None:
+        """A reload can move a user to another `limit` label: its live and
+        held requests move with it (counters already counted stay)."""
+        new = self.metrics.record(self.metrics.label_of(u.key, policy))
+        old = u.m
+        if new is old:
+            return
+        old.live -= u.live
+        new.live += u.live
+        for r in {e[2] for e in u.held if is_held(e[2])}:  # a request may have stale twins
+            since = r.__dict__[ATTR].held_since
+            old.held -= 1
+            old.held_since_sum -= since
+            new.hold(since)
+        u.m = new

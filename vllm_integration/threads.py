@@ -1,0 +1,77 @@
+"""The engine core's background threads, started with the scheduler.
+
+From the settings the plugin put in `additional_config["outrate"]`:
+- the policy `Reloader` (`--outrate-reload`, default watch): publishes each
+  new policy into the scheduler's `PolicyBox`, read at the next step;
+- the metrics `Publisher` (`metrics_dir`, set by the plugin in the API
+  server, which serves the snapshots on /metrics);
+- the `TraceWriter` (`--outrate-trace`).
+Each writes from its own daemon thread; the scheduler thread only counts.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from outrate.compiler import CompiledPolicy
+from outrate.metrics import Publisher, snapshot
+from outrate.reload import Reloader
+from outrate.trace import DEFAULT_MAX_BYTES, TraceWriter
+
+logger = logging.getLogger("vllm.outrate")
+
+
+class EngineThreads:
+    def __init__(self) -> None:
+        self.reloader: Reloader | None = None
+        self.publisher: Publisher | None = None
+        self.trace: TraceWriter | None = None
+
+    def stop(self) -> None:
+        for thread in (self.reloader, self.trace, self.publisher):
+            if thread is not None:
+                thread.stop()
+
+
+def start_engine_threads(scheduler: Any, settings: dict[str, Any]) -> EngineThreads:
+    threads = EngineThreads()
+    box = scheduler.policy_box
+    if settings.get("reload", "watch") != "off" and "policy" in settings:
+
+        def publish(new: CompiledPolicy) -> None:
+            box.current = new  # read by schedule() at the next step boundary
+
+        threads.reloader = Reloader(
+            settings["policy"],
+            publish,
+            initial=box.current,
+            logger=logging.getLogger("vllm.outrate.reload"),
+        )
+        threads.reloader.start()
+    if settings.get("trace"):
+        policy = box.current
+        threads.trace = TraceWriter(
+            settings["trace"],
+            header={"policy": policy.sha256, "source": policy.source, "burst_ns": policy.burst_ns},
+            max_bytes=int(settings.get("trace_max_bytes") or DEFAULT_MAX_BYTES),
+            logger=logger,
+        )
+        scheduler.outrate_trace(threads.trace)
+        threads.trace.start()
+        logger.info("outrate: writing the token trace to %s", settings["trace"])
+    if settings.get("metrics_dir"):
+
+        def take() -> dict[str, Any]:
+            reloader = threads.reloader
+            if reloader is not None:
+                scheduler.metrics.reloads = {
+                    "applied": reloader.applied,
+                    "rejected": reloader.rejected,
+                }
+            return snapshot(scheduler.metrics, box.current)
+
+        threads.publisher = Publisher(settings["metrics_dir"], take, logger=logger)
+        threads.publisher.publish()  # /metrics shows the policy before the first request
+        threads.publisher.start()
+    return threads
