@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from outrate.compiler import CompiledPolicy
 
 NS_PER_S = 1_000_000_000
+SWAP_HISTORY = 32
+"""Policy swaps remembered so an idle bucket converts its debt at each swap instant."""
 ANONYMOUS = "__anonymous__"
 """The user id of requests that carry no identity; they share one budget."""
 
@@ -188,6 +190,7 @@ class Limiter:
     ) -> None:
         self._policy = policy
         self._gen = 0
+        self._swaps: deque[tuple[int, int | None, CompiledPolicy]] = deque(maxlen=SWAP_HISTORY)
         self._buckets: dict[str, Bucket] = {}
         self._sweep: deque[str] = deque()
         self.clock = clock
@@ -198,26 +201,43 @@ class Limiter:
     def policy(self) -> CompiledPolicy:
         return self._policy
 
-    def set_policy(self, policy: CompiledPolicy) -> None:
-        """Swap the policy in O(1). Each bucket carries its debt over lazily.
+    def set_policy(self, policy: CompiledPolicy, now: int | None = None) -> None:
+        """Swap the policy in O(1); each bucket converts its debt when next touched,
+        as it stood at `now`, the swap instant (None: at that touch).
 
         Debt is carried in tokens, not time: raising a rate pays the debt off
         faster at once; lowering a rate never grants a token the old rate would
-        not have (nor one a fresh user under the new rate would not have).
+        not have (nor one a fresh user under the new rate would not have). An
+        idle user's debt is converted at the swap instant too, however late it
+        is touched: the last `SWAP_HISTORY` swaps are remembered with their
+        times, and a bucket older than all of them converts at its touch (its
+        debt, at most a burst and a token, was long paid by then unless more
+        than SWAP_HISTORY reloads came within one burst).
         """
-        self._policy = policy
         self._gen += 1
+        self._swaps.append((self._gen, now, policy))
+        self._policy = policy
 
     def _refresh(self, b: Bucket, now: int) -> None:
-        new = self._policy.limit_for(b.key)
-        old = b.limit
+        swaps = self._swaps
+        if swaps and swaps[0][0] <= b.gen + 1:
+            for gen, at, policy in swaps:  # every swap since the bucket's generation
+                if gen > b.gen:
+                    self._convert(b, policy.limit_for(b.key), now if at is None else min(at, now))
+        else:
+            self._convert(b, self._policy.limit_for(b.key), now)
         b.gen = self._gen
+
+    @staticmethod
+    def _convert(b: Bucket, new: Limit, at: int) -> None:
+        """Carry `b`'s debt as it stood at `at` over to `new`, in tokens."""
+        old = b.limit
         if new.scale == old.scale and new.interval == old.interval:
             b.limit = new  # same units: the TAT stands as it is
             return
-        debt = b.tat - now * old.scale if old.scale else 0
+        debt = b.tat - at * old.scale if old.scale else 0
         if debt > 0 and new.scale:
-            b.tat = now * new.scale + _ceil_div(debt * new.interval, old.interval)
+            b.tat = at * new.scale + _ceil_div(debt * new.interval, old.interval)
         else:
             b.tat = 0
         b.limit = new
@@ -327,12 +347,6 @@ class Limiter:
         remaining = self.available(b, now)
         ready = self.ready_at(b, now)
         return Stats(lim, remaining, ready - now, ready)
-
-    def clear(self, user: str) -> None:
-        """Forget a user's debt (operator action). Keeps any pins valid."""
-        b = self._buckets.get(user)
-        if b is not None:
-            b.tat = 0
 
     # -- housekeeping ------------------------------------------------------
 

@@ -24,8 +24,8 @@ class BudgetStore(Protocol):
     @property
     def policy(self) -> CompiledPolicy: ...
 
-    def set_policy(self, policy: CompiledPolicy) -> None:
-        """Swap the policy; each user's debt carries over in tokens."""
+    def set_policy(self, policy: CompiledPolicy, now: int | None = None) -> None:
+        """Swap the policy at `now`; each user's debt carries over in tokens."""
 
     def pin(self, user: str) -> Bucket:
         """The user's bucket, kept alive until every pin is `unpin`ned."""

@@ -502,6 +502,27 @@ def test_policy_swap_converts_debt_exactly() -> None:
         assert limiter.ready_at_ns("a", 400_000_000) == max(ready, 400_000_000)
 
 
+def test_an_idle_users_debt_is_converted_at_the_swap_instant() -> None:
+    """Debt 1.2 tokens at 400ms (2 tok/s); the rate drops to 1 tok/s at 400ms:
+    1.2s of debt from the swap, next token one burst before it is paid, at
+    1.5s, however late the user is touched. (Converting at the touch instead,
+    300ms later, would have charged the old rate for those 300ms.)"""
+    limiter = Limiter(policy_from_flags(None, {"a": 2}), clock=_no_clock)
+    assert limiter.try_take("a", 0) and limiter.try_take("a", 400_000_000)
+    limiter.set_policy(FLAG_POLICIES[1], now=400_000_000)
+    assert limiter.ready_at_ns("a", 700_000_000) == 1_500_000_000
+
+
+def test_debt_is_converted_at_each_swap_it_missed() -> None:
+    """2 tok/s -> 1 at 400ms -> 1/3 at 600ms, touched only at 1s: 1.2 tokens
+    at 400ms, 1.0 token left at 600ms, 3s at 1/3 tok/s, ready at 3.5s."""
+    limiter = Limiter(policy_from_flags(None, {"a": 2}), clock=_no_clock)
+    assert limiter.try_take("a", 0) and limiter.try_take("a", 400_000_000)
+    limiter.set_policy(FLAG_POLICIES[1], now=400_000_000)
+    limiter.set_policy(FLAG_POLICIES[Fraction(1, 3)], now=600_000_000)
+    assert limiter.ready_at_ns("a", 1_000_000_000) == 3_500_000_000
+
+
 def test_policy_swap_rounds_debt_against_the_user() -> None:
     """1000/7 tok/s -> 1/3 tok/s one ns after a take: the debt is 1 - 1/7e6 tokens
     = 3s - 428.57ns at the new rate; the next token is due one burst (100ms)

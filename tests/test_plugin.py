@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -185,3 +187,22 @@ def test_the_engine_builds_stock_or_outrate_scheduler_from_the_flags(parser):
     ).create_engine_config()
     assert ours.scheduler_config.get_scheduler_cls() is outrate_scheduler
     assert ours.additional_config[CONFIG_KEY]["reload"] == "off"
+
+
+def test_reload_mode_trace_and_metrics_travel_to_the_engine(parser, tmp_path):
+    trace = tmp_path / "t.jsonl"
+    ea = engine_args(
+        parser,
+        "--outrate-policy",
+        "policies/demo.yaml",
+        "--outrate-reload",
+        "poll",
+        "--outrate-trace",
+        str(trace),
+        "--outrate-trace-max-bytes",
+        "1000",
+    )
+    settings = ea.additional_config[CONFIG_KEY]
+    assert settings["reload"] == "poll"
+    assert settings["trace"] == str(trace) and settings["trace_max_bytes"] == 1000
+    assert Path(settings["metrics_dir"]).is_dir()

@@ -66,9 +66,10 @@ def add_outrate_args(parser: Any) -> None:
     )
     group.add_argument(
         "--outrate-reload",
-        choices=["watch", "off"],
+        choices=["watch", "poll", "off"],
         default="watch",
-        help="Apply edits of the policy file to the running engine (default: watch).",
+        help="Apply edits of the policy file to the running engine: watch (inotify, "
+        "default), poll (stat every 0.5 s: network filesystems) or off.",
     )
     group.add_argument(
         "--outrate-trace",

@@ -440,7 +440,7 @@ class OutrateMixin:
             return  # one per step; none when slots are already shared fairly
 
     def _swap_policy(self, policy: CompiledPolicy, now: int) -> None:
-        self.limiter.set_policy(policy)
+        self.limiter.set_policy(policy, now)
         logger.debug("outrate: scheduler switched to %s", policy.summary())
         self.holdback.rearm(self._users.values(), now)
         for u in self._users.values():

@@ -46,6 +46,7 @@ def start_engine_threads(scheduler: Any, settings: dict[str, Any]) -> EngineThre
             settings["policy"],
             publish,
             initial=box.current,
+            mode=settings["reload"],
             logger=logging.getLogger("vllm.outrate.reload"),
         )
         threads.reloader.start()
