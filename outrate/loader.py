@@ -25,6 +25,9 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from outrate.errors import PolicyError, Problem
 from outrate.policy import Policy, _shown, unknown_tier
+from outrate.policy_file import decode_policy_bytes, read_policy_file
+
+__all__ = ["field_path", "load_policy", "parse_policy", "parse_policy_bytes", "read_policy_file"]
 
 Path = tuple[Any, ...]
 Pos = tuple[int, int]
@@ -405,35 +408,9 @@ def parse_policy(text: str, source: str) -> Policy:
     return validate(data, source, doc)
 
 
-def read_policy_file(path: str | os.PathLike[str]) -> bytes:
-    """The bytes of a policy file: the one place a policy file is read (lint,
-    startup and the reloader alike). Every failure is a PolicyError."""
-    source = os.fspath(path)
-    try:
-        with open(source, "rb") as f:
-            return f.read()
-    except OSError as e:
-        reason = e.strerror or str(e)
-        raise PolicyError([Problem(source, 1, 1, "<file>", f"cannot read: {reason}")]) from e
-
-
 def parse_policy_bytes(raw: bytes, source: str) -> Policy:
     """Decode (UTF-8, optional BOM), parse and validate a policy file's bytes."""
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise PolicyError(
-            [
-                Problem(
-                    source,
-                    1,
-                    1,
-                    "<file>",
-                    f"cannot read: not UTF-8 text ({e.reason} at byte {e.start})",
-                )
-            ]
-        ) from e
-    return parse_policy(text, source)
+    return parse_policy(decode_policy_bytes(raw, source), source)
 
 
 def load_policy(path: str | os.PathLike[str]) -> Policy:
