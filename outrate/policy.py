@@ -44,7 +44,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from outrate.identity import MAX_IDENTITY_LEN
+from outrate.identity import MAX_IDENTITY_LEN, text_error
 from outrate.limiter import ANONYMOUS, NS_PER_S, exact_rate
 
 MAX_RATE = 1_000_000
@@ -53,6 +53,8 @@ MAX_BURST_NS = 3600 * NS_PER_S
 """A burst longer than this lets a user take hours of budget at once."""
 DEFAULT_BURST_NS = 100_000_000
 MAX_USER_ID_LEN = MAX_IDENTITY_LEN
+MAX_NAME_LEN = MAX_IDENTITY_LEN
+"""Tier names and patterns: as long as the longest id they could name."""
 UNLIMITED = "unlimited"
 
 RateValue = Fraction | Literal["unlimited"]
@@ -219,24 +221,34 @@ MaxStreams = Annotated[
 ]
 
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+def must_be_string(what: str, written: str) -> str:
+    """The hint for a name YAML read as something else (`12345`, `on`, `~`).
+
+    `written` is how the author wrote it: the loader knows the spelling and
+    re-renders this message with it (errors carry `ctx["quote"] == what`)."""
+    return f"{what} must be a string; quote it: '{written}'"
 
 
-def _has_control(text: str) -> bool:
-    """The same control characters the API refuses in an identity (identity.py)."""
-    return _CONTROL.search(text) is not None
+def _not_a_string(what: str, value: object) -> PydanticCustomError:
+    return PydanticCustomError("outrate", must_be_string(what, _shown(value)), {"quote": what})
+
+
+def _check_text(what: str, value: str, limit: int) -> None:
+    """The identity rules (outrate.identity) for any name a policy holds."""
+    if len(value) > limit:
+        raise _problem(f"{what} must be at most {limit} characters (got {len(value)})")
+    bad = text_error(value)
+    if bad is not None:
+        raise _problem(f"{what} {bad}: {_shown(value)}")
 
 
 def check_user_id(value: object) -> str:
     """User ids arrive from request bodies; reject ones no request can carry."""
     if not isinstance(value, str):
-        raise _problem(f"user id must be a string; quote it: '{_shown(value)}'")
+        raise _not_a_string("user id", value)
     if value == "":
         raise _problem("user id must not be empty")
-    if len(value) > MAX_USER_ID_LEN:
-        raise _problem(f"user id must be at most {MAX_USER_ID_LEN} characters (got {len(value)})")
-    if _has_control(value):
-        raise _problem(f"user id must not contain control characters (got {value!r})")
+    _check_text("user id", value, MAX_USER_ID_LEN)
     if value == ANONYMOUS:
         raise _problem(
             f"'{ANONYMOUS}' is reserved for requests without identity; "
@@ -252,19 +264,21 @@ UserId = Annotated[
 ]
 
 
-def _check_name(value: object) -> str:
-    if not isinstance(value, str):
-        raise _problem(f"must be a string (got {_shown(value)})")
-    if value == "":
-        raise _problem("must not be empty")
-    if _has_control(value):
-        raise _problem(f"must not contain control characters (got {value!r})")
-    return value
+def _name_checker(what: str) -> Any:
+    def check(value: object) -> str:
+        if not isinstance(value, str):
+            raise _not_a_string(what, value)
+        if value == "":
+            raise _problem("must not be empty")
+        _check_text(what, value, MAX_NAME_LEN)
+        return value
+
+    return check
 
 
-Name = Annotated[
-    str, PlainValidator(_check_name), WithJsonSchema({"type": "string", "minLength": 1})
-]
+_NAME_SCHEMA = WithJsonSchema({"type": "string", "minLength": 1, "maxLength": MAX_NAME_LEN})
+Name = Annotated[str, PlainValidator(_name_checker("tier name")), _NAME_SCHEMA]
+Pattern = Annotated[str, PlainValidator(_name_checker("pattern")), _NAME_SCHEMA]
 
 
 def _check_version(value: object) -> int:
@@ -364,7 +378,7 @@ class LimitRule(_Spec):
 class MatchRule(LimitRule):
     """One ordered pattern entry; the first pattern matching a user id wins."""
 
-    pattern: Name = Field(
+    pattern: Pattern = Field(
         description="A glob over user ids (fnmatch: *, ?, [seq]), case-sensitive."
     )
 

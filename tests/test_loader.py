@@ -164,7 +164,10 @@ EXPECTED: dict[str, list[str]] = {
         "FILE:2:17: default.tier: unknown tier 'free' (no tiers are defined)",
     ],
     "user_id_control": [
-        "FILE:4:3: users: user id must not contain control characters (got 'bad\\tid')",
+        (
+            "FILE:4:3: users: user id must not contain control characters (U+0009 at index 3): "
+            "'bad\\tid'"
+        ),
     ],
     "user_id_empty": [
         "FILE:4:3: users: user id must not be empty",
