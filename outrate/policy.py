@@ -49,6 +49,11 @@ from outrate.limiter import ANONYMOUS, NS_PER_S, exact_rate
 
 MAX_RATE = 1_000_000
 """Tokens per second above which a rate is a typo, not a limit."""
+MIN_RATE = Fraction(1, 1_000_000)
+"""Below one token in about 12 days a rate is a typo (or an underflow), not a limit."""
+MAX_RATE_DIGITS = 30
+"""Digits in a rate (or in each side of a fraction): exact arithmetic on longer
+numbers costs the scheduler on every token, and nobody means them."""
 MAX_BURST_NS = 3600 * NS_PER_S
 """A burst longer than this lets a user take hours of budget at once."""
 DEFAULT_BURST_NS = 100_000_000
@@ -88,6 +93,9 @@ def _shown(value: object) -> str:
 
 _FRACTION = re.compile(r"\s*(\d+)\s*/\s*(\d+)\s*")
 _RATE_EXPECTED = "must be a number of tokens per second or 'unlimited'"
+_TOO_FAST = f"must be at most {MAX_RATE} tokens per second (use 'unlimited' for no limit)"
+_TOO_SLOW = "must be at least 0.000001 tokens per second (one token in about 12 days)"
+_MIN_RATE_DECIMAL = Decimal(MIN_RATE.numerator) / Decimal(MIN_RATE.denominator)
 
 
 def parse_rate(value: object) -> RateValue:
@@ -97,10 +105,11 @@ def parse_rate(value: object) -> RateValue:
     elif isinstance(value, bool) or value is None:
         raise _problem(f"{_RATE_EXPECTED} (got {_shown(value)})")
     elif isinstance(value, int | Decimal | float):
-        if isinstance(value, float | Decimal) and not math.isfinite(value):
+        if not (value.is_finite() if isinstance(value, Decimal) else math.isfinite(value)):
             raise _problem(
                 f"must be a finite number; use 'unlimited' for no limit (got {_shown(value)})"
             )
+        _check_magnitude(value)  # before exact_rate: 1e-999999999 is a billion-digit Fraction
         rate = exact_rate(value)
     elif isinstance(value, str):
         if value == UNLIMITED:
@@ -108,6 +117,9 @@ def parse_rate(value: object) -> RateValue:
         m = _FRACTION.fullmatch(value)
         if m is None:
             raise _problem(f"{_RATE_EXPECTED} (got {_shown(value)})")
+        digits = max(len(m.group(1)), len(m.group(2)))
+        if digits > MAX_RATE_DIGITS:
+            raise _problem(f"must have at most {MAX_RATE_DIGITS} digits (got {digits})")
         if int(m.group(2)) == 0:
             raise _problem(f"{_RATE_EXPECTED} (got {_shown(value)}, a division by zero)")
         rate = Fraction(int(m.group(1)), int(m.group(2)))
@@ -116,10 +128,24 @@ def parse_rate(value: object) -> RateValue:
     if rate <= 0:
         raise _problem("must be > 0")
     if rate > MAX_RATE:
-        raise _problem(
-            f"must be at most {MAX_RATE} tokens per second (use 'unlimited' for no limit)"
-        )
+        raise _problem(_TOO_FAST)
+    if rate < MIN_RATE:
+        raise _problem(_TOO_SLOW)
     return rate
+
+
+def _check_magnitude(value: int | Decimal | float) -> None:
+    """Range and digits, compared without building the exact fraction."""
+    if isinstance(value, Decimal):
+        digits = len(value.as_tuple().digits)
+        if value > 0 and digits > MAX_RATE_DIGITS:
+            raise _problem(f"must have at most {MAX_RATE_DIGITS} digits (got {digits})")
+    if value <= 0:
+        raise _problem("must be > 0")
+    if value > MAX_RATE:
+        raise _problem(_TOO_FAST)
+    if value < _MIN_RATE_DECIMAL:
+        raise _problem(_TOO_SLOW)
 
 
 def _dump_rate(rate: RateValue) -> int | float | str:
