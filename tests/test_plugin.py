@@ -185,3 +185,14 @@ def test_the_engine_builds_stock_or_outrate_scheduler_from_the_flags(parser):
     ).create_engine_config()
     assert ours.scheduler_config.get_scheduler_cls() is outrate_scheduler
     assert ours.additional_config[CONFIG_KEY]["reload"] == "off"
+
+
+def test_the_vllm_flag_list_lint_reads_matches_the_installed_vllm():
+    """outrate/vllm_flags.py is generated from vLLM's parser; regenerate it with
+    `python -m vllm_integration.flags` when vLLM moves."""
+    from vllm_integration.flags import TARGET, module_text, serve_flags
+
+    flags = serve_flags()
+    assert flags["--max-num-seqs"] == "1" and flags["--no-enforce-eager"] == "0"
+    assert flags["--outrate-policy"] == "1" and flags["-tp"] == "1"
+    assert TARGET.read_text() == module_text(flags)
