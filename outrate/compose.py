@@ -90,7 +90,8 @@ class Doc:
         errors under them would only repeat the same problem."""
         self.written: dict[Path, str] = {}
         """How a key or a value that YAML did not read as text was spelled
-        (`0x10`, `on`, `~`), for hints; keys under `(*path, "[key]")`."""
+        (`0x10`, `on`, `~`; cut at 40 characters), for hints; keys under
+        `(*path, "[key]")`."""
         self.loc_keys: dict[Path, Any] = {}
         """pydantic names a non-text key in error locations by its repr
         (`"Decimal('1.5')"`): (parent, that name) -> the key itself."""
@@ -188,7 +189,7 @@ class _Walker:
                 self.doc.voided.add(path)
                 return None
             if isinstance(value, bool) or not isinstance(value, str | int | Decimal):
-                self.doc.written[path] = node.value
+                self.doc.written[path] = _shown_text(node.value)
             return value
         if id(node) in self.stack:
             self.doc.problems.append((path, mark(node), "an alias refers to itself"))
@@ -274,7 +275,7 @@ class _Walker:
             where = (*path, key)
             self.doc.keypos[where] = mark(knode)
             if not isinstance(key, str):
-                self.doc.written[(*where, "[key]")] = knode.value
+                self.doc.written[(*where, "[key]")] = _shown_text(knode.value)
             if _loc_name(key) != key:
                 self.doc.loc_keys[(*path, _loc_name(key))] = key
             out[key] = self.walk(vnode, where, repeat_at)

@@ -94,10 +94,11 @@ def _model_at(path: Path) -> type[BaseModel] | None:
     return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
 
 
-def _unknown_key(parent: Path, key: object) -> str:
+def _unknown_key(parent: Path, key: object, written: str | None = None) -> str:
+    """`written`: the author's spelling of a key YAML did not read as text."""
     if len(parent) == 2 and parent[0] == "tiers" and key == "tier":
         return "unknown key 'tier': a tier cannot refer to another tier; give it a 'rate'"
-    text = f"unknown key {_shown(key)}"
+    text = f"unknown key {written if written is not None else _shown(key)}"
     model = _model_at(parent)
     if model is not None and isinstance(key, str):
         close = difflib.get_close_matches(key, list(model.model_fields), n=1, cutoff=0.6)
@@ -146,7 +147,8 @@ def _translate(err: ValidationError, doc: Doc) -> list[tuple[Path, Pos, str, str
             out.append((where, pos, field_path(loc[:-2]), _message(e, doc, loc)))
         elif kind in ("extra_forbidden", "invalid_key"):
             pos = doc.keypos.get(loc) or doc.pos.get(doc.nearest(loc), (1, 1))
-            out.append((loc, pos, field_path(loc[:-1]), _unknown_key(loc[:-1], loc[-1])))
+            written = doc.written.get((*loc, "[key]"))
+            out.append((loc, pos, field_path(loc[:-1]), _unknown_key(loc[:-1], loc[-1], written)))
         elif kind == "missing":
             parent = loc[:-1]
             pos = doc.pos.get(parent, (1, 1)) if parent else (1, 1)

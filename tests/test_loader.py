@@ -754,3 +754,18 @@ def _problems(text: str) -> tuple[Problem, ...]:
     with pytest.raises(PolicyError) as info:
         parse_policy(text, "p.yaml")
     return info.value.problems
+
+
+def test_unknown_keys_are_shown_as_written() -> None:
+    text = "version: 1\ndefault: {rate: 1, 1.5: 2}\n~: y\non: w\n5: v\n"
+    assert [str(p) for p in _problems(text)] == [
+        "p.yaml:2:20: default: unknown key 1.5",
+        "p.yaml:3:1: <root>: unknown key ~",
+        "p.yaml:4:1: <root>: unknown key on",
+        "p.yaml:5:1: <root>: unknown key 5",
+    ]
+
+
+def test_a_long_spelling_is_cut_in_hints() -> None:
+    problem = _one("version: 1\ndefault: 1\nusers:\n  " + "1" * 900 + ".5: 1\n")
+    assert problem.message == f"user id must be a string; quote it: '{'1' * 37}...'"
