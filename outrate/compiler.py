@@ -178,9 +178,7 @@ def load_compiled(path: str | os.PathLike[str]) -> CompiledPolicy:
     """Load, validate and compile a policy file (what the engine and lint run)."""
     source = os.fspath(path)
     raw = read_policy_file(source)
-    return compile_policy(
-        parse_policy_bytes(raw, source), source, hashlib.sha256(raw).hexdigest()
-    )
+    return compile_policy(parse_policy_bytes(raw, source), source, hashlib.sha256(raw).hexdigest())
 
 
 def policy_from_flags(
