@@ -13,7 +13,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
+import click
 import typer
+from typer.core import TyperCommand
 
 from outrate.deployment import Deployment, load_deployment
 from outrate.errors import OutrateError
@@ -38,43 +40,71 @@ def _err(line: str) -> None:
     typer.echo(line, err=True)
 
 
-@app.command(context_settings={"allow_extra_args": True})
+class _SplitAtDoubleDash(TyperCommand):
+    """Everything after `--` is vllm serve's, never a policy path: click alone
+    would hand it to the POLICY... argument."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if "--" in args:
+            at = args.index("--")
+            ctx.meta["outrate.vllm_args"] = args[at + 1 :]
+            args = args[:at]
+        return super().parse_args(ctx, args)
+
+
+@app.command(cls=_SplitAtDoubleDash)
 def lint(
     ctx: typer.Context,
-    policy: Annotated[Path, typer.Argument(help="Policy YAML file.", show_default=False)],
+    policies: Annotated[
+        list[str],
+        typer.Argument(help="Policy YAML files, each checked.", metavar="POLICY"),
+    ],
     vllm_config: Annotated[
         Path | None,
-        typer.Option("--vllm-config", help="A `vllm serve --config` YAML file to check too."),
+        typer.Option(
+            "--vllm-config",
+            help="A `vllm serve --config` YAML file to check too.",
+            readable=False,  # an unreadable file is a located error (exit 1), not usage
+        ),
     ] = None,
     strict: Annotated[bool, typer.Option("--strict", help="Fail on warnings too.")] = False,
     output: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.text,
 ) -> None:
-    """Check a policy, and the vLLM deployment it will run under.
+    """Check policies, and the vLLM deployment they will run under.
 
     vLLM serve arguments go after `--`:  outrate lint p.yaml -- -tp 2 --max-num-seqs 64
     """
-    argv = list(ctx.args)
+    argv = ctx.meta.get("outrate.vllm_args", [])
     deployment: Deployment | None = None
     if vllm_config is not None or argv:
         try:
-            deployment = load_deployment(vllm_config, argv or None)
+            deployment = load_deployment(vllm_config, argv or None, strict_flags=True)
         except OutrateError as e:
             _err(str(e))
             raise typer.Exit(1) from e
-    report = lint_all(policy, deployment)
+    reports = [lint_all(path, deployment) for path in policies]
     if output is Format.json:
-        typer.echo(json.dumps(report.to_json(strict), indent=2))
+        if len(reports) == 1:
+            data = reports[0].to_json(strict)
+        else:
+            files = [{"source": r.source, **r.to_json(strict)} for r in reports]
+            data = {"ok": all(r.ok(strict) for r in reports), "files": files}
+        typer.echo(json.dumps(data, indent=2))
     else:
-        _print_text(report, strict)
-    raise typer.Exit(0 if report.ok(strict) else 1)
+        printed: set[str] = set()  # deployment findings once, not once per file
+        for report in reports:
+            _print_text(report, strict, printed)
+    raise typer.Exit(0 if all(r.ok(strict) for r in reports) else 1)
 
 
-def _print_text(report: LintReport, strict: bool) -> None:
+def _print_text(report: LintReport, strict: bool, printed: set[str]) -> None:
     for problem in report.problems:  # exactly the loader's messages
         _err(str(problem))
     for finding in report.findings:
-        if finding.code != "OR000":
-            _err(str(finding))
+        line = str(finding)
+        if finding.code != "OR000" and line not in printed:
+            printed.add(line)
+            _err(line)
     errors, warnings = len(report.errors), len(report.warnings)
     counts = f"{_count(errors, 'error')}, {_count(warnings, 'warning')}"
     if not report.ok(strict):

@@ -239,6 +239,9 @@ def policy_from_flags(
             raise PolicyError(
                 [Problem(USERS_FLAG, e.lineno, e.colno, "users", f"invalid JSON: {e.msg}")]
             ) from e
+        except RecursionError:  # json.loads recurses once per level of nesting
+            message = "invalid JSON: nested too deep"
+            raise PolicyError([Problem(USERS_FLAG, 1, 1, "users", message)]) from None
     if user_rates is not None and not isinstance(user_rates, dict):
         raise PolicyError(
             [

@@ -15,8 +15,10 @@ a `--config` file is applied first and command-line flags override it.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -328,10 +330,13 @@ def load_deployment(
     config: str | os.PathLike[str] | None = None,
     argv: list[str] | None = None,
     source: str = "command line",
+    strict_flags: bool = False,
 ) -> Deployment:
     """Merge like vLLM: config files first (`config`, then any `--config` in argv),
-    then the flags in argv on top."""
-    from_argv, argv_configs = _from_argv(list(argv or []))
+    then the flags in argv on top. `strict_flags`: refuse what vllm serve would
+    refuse (`check_serve_argv`), as `outrate lint` does."""
+    argv = check_serve_argv(list(argv or [])) if strict_flags else list(argv or [])
+    from_argv, argv_configs = _from_argv(argv)
     paths = ([os.fspath(config)] if config is not None else []) + argv_configs
     settings: Settings = {}
     for path in paths:
@@ -344,3 +349,86 @@ def load_deployment(
     else:
         name = "defaults"
     return _build(settings, name)
+
+
+# -- vllm serve's own argument rules -------------------------------------------
+
+_NUMBER = re.compile(r"-\d+(\.\d*)?([eE][-+]?\d+)?|-\.\d+")
+
+
+def _serve_flag_arity() -> dict[str, str]:
+    from outrate import vllm_flags as f
+
+    groups = ((f.NO_VALUE, "0"), (f.ONE_VALUE, "1"), (f.OPTIONAL_VALUE, "?"), (f.SOME_VALUES, "+"))
+    return {flag: arity for flags, arity in groups for flag in flags}
+
+
+def _resolve_flag(head: str, arity: dict[str, str]) -> str:
+    """The full name of `head` (`--max_num_seqs`, or a unique prefix, as
+    argparse allows), or a DeploymentError naming what was meant."""
+    name = head if not head.startswith("--") else "--" + head[2:].replace("_", "-")
+    if name in arity:
+        return name
+    if name.startswith("--"):
+        longer = sorted(f for f in arity if f.startswith(name))
+        if len(longer) == 1:
+            return longer[0]
+        if longer:
+            shown = ", ".join(longer[:5]) + (", ..." if len(longer) > 5 else "")
+            raise DeploymentError(f"{head}: ambiguous vllm serve flag (could be {shown})")
+    close = difflib.get_close_matches(name, list(arity), n=1, cutoff=0.75)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    raise DeploymentError(f"{head}: unrecognized vllm serve flag{hint}")
+
+
+def check_serve_argv(argv: list[str]) -> list[str]:
+    """`argv` with every flag spelled out in full, or a DeploymentError where
+    vllm serve would refuse it: an unknown or ambiguous flag, a missing value,
+    a second positional argument. Flags are those of vLLM 0.32.0
+    (`outrate.vllm_flags`), with vLLM's spellings: `--a_b`, `--a=v`, dotted
+    JSON keys (`--kv-transfer-config.kv_connector X`), `-O3`."""
+    arity = _serve_flag_arity()
+    out = argv[:1] if argv[:1] == ["serve"] else []
+    i, positionals = len(out), 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if arg.startswith("-O") and not arg.startswith("-O."):  # -O3, -O=3, -O 3
+            out.append(arg)
+            if arg == "-O" and i < len(argv) and argv[i] in ("0", "1", "2", "3"):
+                out.append(argv[i])
+                i += 1
+            continue
+        if not arg.startswith("-") or arg == "-" or _NUMBER.fullmatch(arg):
+            positionals += 1
+            if positionals > 1:
+                raise DeploymentError(
+                    f"{arg}: unexpected argument (vllm serve takes one positional: the model)"
+                )
+            out.append(arg)
+            continue
+        head, eq, value = arg.partition("=")
+        name, dot, sub = head.partition(".")
+        if name in ("--help", "-h"):
+            out.append(arg)
+            continue
+        flag = _resolve_flag(name, arity)
+        out.append(flag + dot + sub + eq + value)
+        kind = "1" if dot else arity[flag]
+        if eq or kind == "0":
+            continue
+        if kind == "1":
+            if i >= len(argv):
+                raise DeploymentError(f"{head}: expects a value")
+            out.append(argv[i])
+            i += 1
+            continue
+        start = i
+        while i < len(argv) and (not argv[i].startswith("-") or _NUMBER.fullmatch(argv[i])):
+            out.append(argv[i])
+            i += 1
+            if kind == "?":
+                break
+        if kind == "+" and i == start:
+            raise DeploymentError(f"{head}: expects at least one value")
+    return out

@@ -10,6 +10,7 @@ Codes are stable (tools and CI filter on them); never renumber, only add:
 - OR003 warning  a match pattern that can never match (shadowed by an earlier one)
 - OR004 warning  a match pattern without wildcards (an exact user id)
 - OR005 warning  anonymous requests unlimited while identified users are limited
+- OR006 warning  two user ids that look alike (equal after NFKC and case folding)
 - OR101 error    speculative decoding
 - OR102 error    data parallel size > 1
 - OR103 error    pipeline parallel size > 1
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import os
 import re
+import unicodedata
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any, Literal, NamedTuple
@@ -34,7 +36,7 @@ from typing import Any, Literal, NamedTuple
 from outrate.compiler import CompiledPolicy, compile_policy, load_compiled
 from outrate.deployment import Deployment
 from outrate.errors import PolicyError, Problem
-from outrate.policy import LimitRule, Policy, format_duration
+from outrate.policy import LimitRule, Policy, _shown, format_duration
 
 Severity = Literal["error", "warning"]
 
@@ -202,6 +204,28 @@ def _anonymous_finding(
     ]
 
 
+def _lookalike_findings(policy: Policy, where: _Where) -> list[Finding]:
+    """`alice` and `Alice`, or `ｂｏｂ` (fullwidth) and `bob`: a reader (and a
+    gateway that folds case) takes them for one user; outrate keeps two budgets."""
+    first: dict[str, str] = {}
+    out = []
+    for uid in policy.users:
+        folded = unicodedata.normalize("NFKC", uid).casefold()
+        seen = first.setdefault(folded, uid)
+        if seen != uid:
+            out.append(
+                Finding(
+                    "OR006",
+                    "warning",
+                    f"user id {_shown(uid)} looks like {_shown(seen)} ({where('users', seen)}): "
+                    "they are equal after Unicode NFKC normalization and case folding, "
+                    "but are two users with two budgets",
+                    where("users", uid),
+                )
+            )
+    return out
+
+
 def lint_policy(compiled_or_policy: CompiledPolicy | Policy) -> list[Finding]:
     """Warnings about a policy that loads but probably does not do what was meant."""
     if isinstance(compiled_or_policy, CompiledPolicy):
@@ -217,6 +241,7 @@ def lint_policy(compiled_or_policy: CompiledPolicy | Policy) -> list[Finding]:
     if policy is not None:
         out += _tier_findings(policy, where)
         out += _pattern_findings(policy, where)
+        out += _lookalike_findings(policy, where)
     out += _anonymous_finding(policy, compiled, where)
     return out
 

@@ -1,11 +1,10 @@
 """YAML text -> `Policy`, with every problem located at its line and column.
 
-PyYAML's `safe_load` forgets where values were and silently keeps the last of
-two equal keys, so we compose the node tree ourselves: one walk builds plain
-Python data, records the position of every value and key, and reports
-duplicate keys. Pydantic then validates the data against `outrate.policy`, and
-its error locations (tuples like `("users", "alice", "rate")`) are mapped back
-to those positions. All problems of a file are reported together, in file order.
+`outrate.compose` turns the text into plain data and the position of every
+value and key (within limits: depth, alias expansion). Pydantic then validates
+the data against `outrate.policy`, and its error locations (tuples like
+`("users", "alice", "rate")`) are mapped back to those positions. All problems
+of a file are reported together, in file order.
 """
 
 from __future__ import annotations
@@ -16,30 +15,16 @@ import os
 import re
 import typing
 from collections.abc import Callable
-from decimal import Decimal
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ValidationError
-from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from outrate.compose import Doc, Path, Pos, compose
 from outrate.errors import PolicyError, Problem
-from outrate.policy import Policy, _shown, unknown_tier
+from outrate.policy import MAX_NAME_LEN, Policy, _shown, must_be_string, unknown_tier
+from outrate.policy_file import decode_policy_bytes, read_policy_file
 
-Path = tuple[Any, ...]
-Pos = tuple[int, int]
-
-MAX_NODES = 2_000_000
-"""Aliases can expand a small file into a huge tree ("billion laughs")."""
-
-_MAP = "tag:yaml.org,2002:map"
-_SEQ = "tag:yaml.org,2002:seq"
-_STR = "tag:yaml.org,2002:str"
-_FLOAT = "tag:yaml.org,2002:float"
-_MERGE = "tag:yaml.org,2002:merge"
-# YAML 1.1 (PyYAML) reads `1e6` as a string; YAML 1.2 and humans read a number.
-_EXP_NUMBER = re.compile(r"[-+]?(\d[\d_]*\.?[\d_]*|\.\d[\d_]*)[eE][-+]?\d+")
-_DECIMAL = re.compile(r"[-+]?(\d[\d_]*\.?[\d_]*|\.\d[\d_]*)([eE][-+]?\d+)?")
+__all__ = ["field_path", "load_policy", "parse_policy", "parse_policy_bytes", "read_policy_file"]
 
 _MISSING = {
     "version": "missing; a policy file starts with 'version: 1'",
@@ -50,174 +35,26 @@ _MISSING = {
 }
 
 
-class _Doc:
-    """Plain data plus where each piece of it was written."""
-
-    def __init__(self) -> None:
-        self.pos: dict[Path, Pos] = {}
-        self.keypos: dict[Path, Pos] = {}
-        self.problems: list[tuple[Path, Pos, str]] = []
-        self.voided: set[Path] = set()
-        """Paths whose value we replaced by None after reporting it: validation
-        errors under them would only repeat the same problem."""
-
-    def nearest(self, loc: Path) -> Path:
-        """The longest prefix of `loc` that exists in the file.
-
-        `alice: 0` is validated as `{rate: 0}`; its error says `users.alice.rate`
-        but the file only has `users.alice`, and that is where we point.
-        """
-        loc = tuple(loc)
-        while loc and loc not in self.pos:
-            loc = loc[:-1]
-        return loc
-
-
-def _mark(node: Node) -> Pos:
-    return node.start_mark.line + 1, node.start_mark.column + 1
-
-
-class _Walker:
-    """Turns composed YAML nodes into data, recording positions as it goes."""
-
-    def __init__(self, loader: yaml.SafeLoader, doc: _Doc) -> None:
-        self.loader = loader
-        self.doc = doc
-        self.count = 0
-        self.stack: set[int] = set()
-
-    def walk(self, node: Node, path: Path) -> Any:
-        self.count += 1
-        if self.count > MAX_NODES:
-            raise _TooBig(node)
-        self.doc.pos[path] = _mark(node)
-        if isinstance(node, ScalarNode):
-            return self._scalar(node)
-        if id(node) in self.stack:
-            self.doc.problems.append((path, _mark(node), "an alias refers to itself"))
-            self.doc.voided.add(path)
-            return None
-        self.stack.add(id(node))
-        try:
-            if isinstance(node, SequenceNode):
-                if node.tag != _SEQ:
-                    return self._bad_tag(node, path)
-                return [self.walk(item, (*path, i)) for i, item in enumerate(node.value)]
-            if isinstance(node, MappingNode):
-                if node.tag != _MAP:
-                    return self._bad_tag(node, path)
-                return self._mapping(node, path)
-        finally:
-            self.stack.discard(id(node))
-        raise AssertionError(f"unexpected YAML node {node!r}")  # pragma: no cover
-
-    def _bad_tag(self, node: Node, path: Path) -> None:
-        self.doc.problems.append((path, _mark(node), f"unsupported YAML tag {node.tag!r}"))
-        self.doc.voided.add(path)
-
-    def _scalar(self, node: ScalarNode, key: bool = False) -> Any:
-        text = node.value
-        if node.tag == _FLOAT and _DECIMAL.fullmatch(text):
-            return Decimal(text.replace("_", ""))  # exact: 0.1 is one tenth
-        if not key and node.tag == _STR and not node.style and _EXP_NUMBER.fullmatch(text):
-            return Decimal(text.replace("_", ""))  # a value; a key `1e5` stays a name
-        return self.loader.construct_object(node, deep=True)
-
-    def _mapping(self, node: MappingNode, path: Path) -> dict[Any, Any]:
-        first: dict[Any, Pos] = {}
-        for knode, _ in node.value:  # duplicates among keys written here
-            if isinstance(knode, ScalarNode) and knode.tag != _MERGE:
-                key = self._scalar(knode, key=True)
-                if _hashable(key) and key in first:
-                    line = first[key][0]
-                    self.doc.problems.append(
-                        (path, _mark(knode), f"duplicate key {_shown(key)} (first at line {line})")
-                    )
-                elif _hashable(key):
-                    first[key] = _mark(knode)
-        if any(k.tag == _MERGE for k, _ in node.value):
-            self.loader.flatten_mapping(node)  # `<<: *base`; later keys override
-        out: dict[Any, Any] = {}
-        for knode, vnode in node.value:
-            key = self._scalar(knode, key=True) if isinstance(knode, ScalarNode) else None
-            if not isinstance(knode, ScalarNode) or not _hashable(key):
-                self.doc.problems.append((path, _mark(knode), "keys must be plain scalars"))
-                continue
-            self.doc.keypos[(*path, key)] = _mark(knode)
-            out[key] = self.walk(vnode, (*path, key))
-        return out
-
-
-class _TooBig(Exception):
-    def __init__(self, node: Node) -> None:
-        self.node = node
-
-
-def _hashable(key: object) -> bool:
-    try:
-        hash(key)
-    except TypeError:
-        return False
-    return True
-
-
-_FAST_LOADER: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-"""libyaml when PyYAML has it: 3-4x faster on big user lists. Its error
-messages differ (and say less), so a file that fails is re-read by the pure
-Python parser: the messages are then the same on every install."""
-
-
-def _yaml_problem(e: yaml.MarkedYAMLError, source: str) -> Problem:
-    mark = e.problem_mark or e.context_mark
-    line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
-    problem = e.problem or e.context or "cannot parse"
-    if e.problem and e.context and e.context_mark is not None:
-        problem += f" ({e.context} at line {e.context_mark.line + 1})"
-    return Problem(source, line, col, "<root>", f"invalid YAML: {problem}")
-
-
-def _compose(
-    text: str, source: str, loader_cls: type[yaml.SafeLoader] | None = None
-) -> tuple[Any, _Doc]:
-    """Parse YAML into (data, positions); syntax errors become a PolicyError."""
-    doc = _Doc()
-    loader_cls = loader_cls or _FAST_LOADER
-    loader = loader_cls(text)
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            expected = "empty policy; expected a mapping with 'version: 1' and 'default'"
-            raise PolicyError([Problem(source, 1, 1, "<root>", expected)])
-        data = _Walker(loader, doc).walk(node, ())
-    except yaml.MarkedYAMLError as e:
-        if loader_cls is not yaml.SafeLoader:
-            return _compose(text, source, yaml.SafeLoader)
-        raise PolicyError([_yaml_problem(e, source)]) from e
-    except yaml.YAMLError as e:  # pragma: no cover - every PyYAML error we know is marked
-        raise PolicyError([Problem(source, 1, 1, "<root>", f"invalid YAML: {e}")]) from e
-    except _TooBig as e:
-        line, col = _mark(e.node)
-        message = f"more than {MAX_NODES} values (alias bomb?)"
-        raise PolicyError([Problem(source, line, col, "<root>", message)]) from None
-    finally:
-        loader.dispose()
-    return data, doc
-
-
 # -- error translation ------------------------------------------------------
 
 _PLAIN_KEY = re.compile(r"[A-Za-z0-9_\-/@+:*?]+")
 
 
 def field_path(path: Path) -> str:
-    """`("match", 1, "pattern")` -> `match[1].pattern`; `()` -> `<root>`."""
+    """`("match", 1, "pattern")` -> `match[1].pattern`; `()` -> `<root>`.
+
+    Names longer than 40 characters are cut (`"aaa..."`): the line and column
+    say exactly where, and a 1 MB name must not make a 1 MB error line."""
     out = ""
     for part in path:
         if isinstance(part, int) and not isinstance(part, bool):
             out += f"[{part}]"
         else:
             text = str(part)
-            text = text if _PLAIN_KEY.fullmatch(text) else json.dumps(text)
+            if len(text) > 40:
+                text = json.dumps(text[:37] + "...")
+            elif not _PLAIN_KEY.fullmatch(text):
+                text = json.dumps(text)
             out += f".{text}" if out else text
     return out or "<root>"
 
@@ -257,10 +94,11 @@ def _model_at(path: Path) -> type[BaseModel] | None:
     return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
 
 
-def _unknown_key(parent: Path, key: object) -> str:
+def _unknown_key(parent: Path, key: object, written: str | None = None) -> str:
+    """`written`: the author's spelling of a key YAML did not read as text."""
     if len(parent) == 2 and parent[0] == "tiers" and key == "tier":
         return "unknown key 'tier': a tier cannot refer to another tier; give it a 'rate'"
-    text = f"unknown key {_shown(key)}"
+    text = f"unknown key {written if written is not None else _shown(key)}"
     model = _model_at(parent)
     if model is not None and isinstance(key, str):
         close = difflib.get_close_matches(key, list(model.model_fields), n=1, cutoff=0.6)
@@ -269,9 +107,13 @@ def _unknown_key(parent: Path, key: object) -> str:
     return text
 
 
-def _message(err: Any) -> str:
+def _message(err: Any, doc: Doc, where: Path) -> str:
     kind = err["type"]
     if kind == "outrate":
+        quote = (err.get("ctx") or {}).get("quote")
+        written = doc.written.get(where)
+        if quote and written is not None:  # the hint in the author's own spelling
+            return must_be_string(quote, written)
         return str(err["msg"])
     got = _shown(err.get("input"))
     if kind in ("dict_type", "model_type", "model_attributes_type"):
@@ -282,7 +124,7 @@ def _message(err: Any) -> str:
     return msg[:1].lower() + msg[1:]
 
 
-def _translate(err: ValidationError, doc: _Doc) -> list[tuple[Path, Pos, str, str]]:
+def _translate(err: ValidationError, doc: Doc) -> list[tuple[Path, Pos, str, str]]:
     """Pydantic errors -> (field path, position, field text, message)."""
     out = []
     errors = err.errors()
@@ -296,16 +138,17 @@ def _translate(err: ValidationError, doc: _Doc) -> list[tuple[Path, Pos, str, st
         and e["loc"][2] == "tier"
     }
     for e in errors:
-        loc, kind = tuple(e["loc"]), e["type"]
+        loc, kind = doc.real_path(tuple(e["loc"])), e["type"]
         if kind == "missing" and loc[:-1] in tier_in_tier:
             continue
-        if loc and loc[-1] == "[key]":  # a bad user id or tier name
+        if loc and loc[-1] == "[key]":  # a bad user id or tier name, at the key itself
             where = loc[:-1]
             pos = doc.keypos.get(where) or doc.pos.get(doc.nearest(where), (1, 1))
-            out.append((where, pos, field_path(loc[:-2]), _message(e)))
+            out.append((where, pos, field_path(loc[:-2]), _message(e, doc, loc)))
         elif kind in ("extra_forbidden", "invalid_key"):
             pos = doc.keypos.get(loc) or doc.pos.get(doc.nearest(loc), (1, 1))
-            out.append((loc, pos, field_path(loc[:-1]), _unknown_key(loc[:-1], loc[-1])))
+            written = doc.written.get((*loc, "[key]"))
+            out.append((loc, pos, field_path(loc[:-1]), _unknown_key(loc[:-1], loc[-1], written)))
         elif kind == "missing":
             parent = loc[:-1]
             pos = doc.pos.get(parent, (1, 1)) if parent else (1, 1)
@@ -313,11 +156,11 @@ def _translate(err: ValidationError, doc: _Doc) -> list[tuple[Path, Pos, str, st
         else:
             where = doc.nearest(loc)
             pos = doc.pos.get(where, (1, 1)) if where else (1, 1)
-            out.append((where, pos, field_path(where), _message(e)))
+            out.append((where, pos, field_path(where), _message(e, doc, where)))
     return out
 
 
-def _tier_references(data: dict[Any, Any], doc: _Doc) -> list[tuple[Path, Pos, str, str]]:
+def _tier_references(data: dict[Any, Any], doc: Doc) -> list[tuple[Path, Pos, str, str]]:
     """Undefined tiers, found on the raw data so they are reported together with
     every other problem (a pydantic model validator runs only on valid fields)."""
     tiers = data.get("tiers", {})
@@ -336,7 +179,7 @@ def _tier_references(data: dict[Any, Any], doc: _Doc) -> list[tuple[Path, Pos, s
         if not isinstance(spec, dict):
             continue
         name = spec.get("tier")
-        if isinstance(name, str) and name and name not in tiers:
+        if isinstance(name, str) and 0 < len(name) <= MAX_NAME_LEN and name not in tiers:
             where = (*path, "tier")
             pos = doc.pos.get(where, (1, 1))
             out.append((where, pos, field_path(where), unknown_tier(name, tiers)))
@@ -346,7 +189,7 @@ def _tier_references(data: dict[Any, Any], doc: _Doc) -> list[tuple[Path, Pos, s
 def validate(
     data: Any,
     source: str,
-    doc: _Doc | None = None,
+    doc: Doc | None = None,
     file_for: Callable[[Path], str] | None = None,
 ) -> Policy:
     """Validate plain data (from YAML or from flags) into a `Policy`.
@@ -355,7 +198,7 @@ def validate(
     `file_for(field path)`, which is how flags name themselves in errors.
     """
     if doc is None:
-        doc = _Doc()
+        doc = Doc()
         _positions_of(data, (), doc)
     name = file_for or (lambda _path: source)
     found: list[tuple[Path, Pos, str, str]] = [
@@ -388,52 +231,30 @@ def validate(
     raise PolicyError(problems) from cause
 
 
-def _positions_of(data: Any, path: Path, doc: _Doc) -> None:
-    doc.pos[path] = (1, 1)
-    if isinstance(data, dict):
-        for key, value in data.items():
-            doc.keypos[(*path, key)] = (1, 1)
-            _positions_of(value, (*path, key), doc)
-    elif isinstance(data, list):
-        for i, value in enumerate(data):
-            _positions_of(value, (*path, i), doc)
+def _positions_of(data: Any, path: Path, doc: Doc) -> None:
+    """Every path at 1:1 (data from flags has no lines). Iterative: flags JSON
+    may nest as deep as json.loads allows, near Python's recursion limit."""
+    todo = [(path, data)]
+    while todo:
+        path, data = todo.pop()
+        doc.pos[path] = (1, 1)
+        if isinstance(data, dict):
+            for key, value in data.items():
+                doc.keypos[(*path, key)] = (1, 1)
+                todo.append(((*path, key), value))
+        elif isinstance(data, list):
+            todo += [((*path, i), value) for i, value in enumerate(data)]
 
 
 def parse_policy(text: str, source: str) -> Policy:
     """Parse and validate policy text; `source` names it in error messages."""
-    data, doc = _compose(text, source)
+    data, doc = compose(text, source)
     return validate(data, source, doc)
-
-
-def read_policy_file(path: str | os.PathLike[str]) -> bytes:
-    """The bytes of a policy file: the one place a policy file is read (lint,
-    startup and the reloader alike). Every failure is a PolicyError."""
-    source = os.fspath(path)
-    try:
-        with open(source, "rb") as f:
-            return f.read()
-    except OSError as e:
-        reason = e.strerror or str(e)
-        raise PolicyError([Problem(source, 1, 1, "<file>", f"cannot read: {reason}")]) from e
 
 
 def parse_policy_bytes(raw: bytes, source: str) -> Policy:
     """Decode (UTF-8, optional BOM), parse and validate a policy file's bytes."""
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise PolicyError(
-            [
-                Problem(
-                    source,
-                    1,
-                    1,
-                    "<file>",
-                    f"cannot read: not UTF-8 text ({e.reason} at byte {e.start})",
-                )
-            ]
-        ) from e
-    return parse_policy(text, source)
+    return parse_policy(decode_policy_bytes(raw, source), source)
 
 
 def load_policy(path: str | os.PathLike[str]) -> Policy:

@@ -44,15 +44,22 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from outrate.identity import MAX_IDENTITY_LEN
+from outrate.identity import MAX_IDENTITY_LEN, text_error
 from outrate.limiter import ANONYMOUS, NS_PER_S, exact_rate
 
 MAX_RATE = 1_000_000
 """Tokens per second above which a rate is a typo, not a limit."""
+MIN_RATE = Fraction(1, 1_000_000)
+"""Below one token in about 12 days a rate is a typo (or an underflow), not a limit."""
+MAX_RATE_DIGITS = 30
+"""Digits in a rate (or in each side of a fraction): exact arithmetic on longer
+numbers costs the scheduler on every token, and nobody means them."""
 MAX_BURST_NS = 3600 * NS_PER_S
 """A burst longer than this lets a user take hours of budget at once."""
 DEFAULT_BURST_NS = 100_000_000
 MAX_USER_ID_LEN = MAX_IDENTITY_LEN
+MAX_NAME_LEN = MAX_IDENTITY_LEN
+"""Tier names and patterns: as long as the longest id they could name."""
 UNLIMITED = "unlimited"
 
 RateValue = Fraction | Literal["unlimited"]
@@ -86,6 +93,9 @@ def _shown(value: object) -> str:
 
 _FRACTION = re.compile(r"\s*(\d+)\s*/\s*(\d+)\s*")
 _RATE_EXPECTED = "must be a number of tokens per second or 'unlimited'"
+_TOO_FAST = f"must be at most {MAX_RATE} tokens per second (use 'unlimited' for no limit)"
+_TOO_SLOW = "must be at least 0.000001 tokens per second (one token in about 12 days)"
+_MIN_RATE_DECIMAL = Decimal(MIN_RATE.numerator) / Decimal(MIN_RATE.denominator)
 
 
 def parse_rate(value: object) -> RateValue:
@@ -95,10 +105,11 @@ def parse_rate(value: object) -> RateValue:
     elif isinstance(value, bool) or value is None:
         raise _problem(f"{_RATE_EXPECTED} (got {_shown(value)})")
     elif isinstance(value, int | Decimal | float):
-        if isinstance(value, float | Decimal) and not math.isfinite(value):
+        if not (value.is_finite() if isinstance(value, Decimal) else math.isfinite(value)):
             raise _problem(
                 f"must be a finite number; use 'unlimited' for no limit (got {_shown(value)})"
             )
+        _check_magnitude(value)  # before exact_rate: 1e-999999999 is a billion-digit Fraction
         rate = exact_rate(value)
     elif isinstance(value, str):
         if value == UNLIMITED:
@@ -106,6 +117,9 @@ def parse_rate(value: object) -> RateValue:
         m = _FRACTION.fullmatch(value)
         if m is None:
             raise _problem(f"{_RATE_EXPECTED} (got {_shown(value)})")
+        digits = max(len(m.group(1)), len(m.group(2)))
+        if digits > MAX_RATE_DIGITS:
+            raise _problem(f"must have at most {MAX_RATE_DIGITS} digits (got {digits})")
         if int(m.group(2)) == 0:
             raise _problem(f"{_RATE_EXPECTED} (got {_shown(value)}, a division by zero)")
         rate = Fraction(int(m.group(1)), int(m.group(2)))
@@ -114,10 +128,24 @@ def parse_rate(value: object) -> RateValue:
     if rate <= 0:
         raise _problem("must be > 0")
     if rate > MAX_RATE:
-        raise _problem(
-            f"must be at most {MAX_RATE} tokens per second (use 'unlimited' for no limit)"
-        )
+        raise _problem(_TOO_FAST)
+    if rate < MIN_RATE:
+        raise _problem(_TOO_SLOW)
     return rate
+
+
+def _check_magnitude(value: int | Decimal | float) -> None:
+    """Range and digits, compared without building the exact fraction."""
+    if isinstance(value, Decimal):
+        digits = len(value.as_tuple().digits)
+        if value > 0 and digits > MAX_RATE_DIGITS:
+            raise _problem(f"must have at most {MAX_RATE_DIGITS} digits (got {digits})")
+    if value <= 0:
+        raise _problem("must be > 0")
+    if value > MAX_RATE:
+        raise _problem(_TOO_FAST)
+    if value < _MIN_RATE_DECIMAL:
+        raise _problem(_TOO_SLOW)
 
 
 def _dump_rate(rate: RateValue) -> int | float | str:
@@ -219,24 +247,34 @@ MaxStreams = Annotated[
 ]
 
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+def must_be_string(what: str, written: str) -> str:
+    """The hint for a name YAML read as something else (`12345`, `on`, `~`).
+
+    `written` is how the author wrote it: the loader knows the spelling and
+    re-renders this message with it (errors carry `ctx["quote"] == what`)."""
+    return f"{what} must be a string; quote it: '{written}'"
 
 
-def _has_control(text: str) -> bool:
-    """The same control characters the API refuses in an identity (identity.py)."""
-    return _CONTROL.search(text) is not None
+def _not_a_string(what: str, value: object) -> PydanticCustomError:
+    return PydanticCustomError("outrate", must_be_string(what, _shown(value)), {"quote": what})
+
+
+def _check_text(what: str, value: str, limit: int) -> None:
+    """The identity rules (outrate.identity) for any name a policy holds."""
+    if len(value) > limit:
+        raise _problem(f"{what} must be at most {limit} characters (got {len(value)})")
+    bad = text_error(value)
+    if bad is not None:
+        raise _problem(f"{what} {bad}: {_shown(value)}")
 
 
 def check_user_id(value: object) -> str:
     """User ids arrive from request bodies; reject ones no request can carry."""
     if not isinstance(value, str):
-        raise _problem(f"user id must be a string; quote it: '{_shown(value)}'")
+        raise _not_a_string("user id", value)
     if value == "":
         raise _problem("user id must not be empty")
-    if len(value) > MAX_USER_ID_LEN:
-        raise _problem(f"user id must be at most {MAX_USER_ID_LEN} characters (got {len(value)})")
-    if _has_control(value):
-        raise _problem(f"user id must not contain control characters (got {value!r})")
+    _check_text("user id", value, MAX_USER_ID_LEN)
     if value == ANONYMOUS:
         raise _problem(
             f"'{ANONYMOUS}' is reserved for requests without identity; "
@@ -252,19 +290,21 @@ UserId = Annotated[
 ]
 
 
-def _check_name(value: object) -> str:
-    if not isinstance(value, str):
-        raise _problem(f"must be a string (got {_shown(value)})")
-    if value == "":
-        raise _problem("must not be empty")
-    if _has_control(value):
-        raise _problem(f"must not contain control characters (got {value!r})")
-    return value
+def _name_checker(what: str) -> Any:
+    def check(value: object) -> str:
+        if not isinstance(value, str):
+            raise _not_a_string(what, value)
+        if value == "":
+            raise _problem("must not be empty")
+        _check_text(what, value, MAX_NAME_LEN)
+        return value
+
+    return check
 
 
-Name = Annotated[
-    str, PlainValidator(_check_name), WithJsonSchema({"type": "string", "minLength": 1})
-]
+_NAME_SCHEMA = WithJsonSchema({"type": "string", "minLength": 1, "maxLength": MAX_NAME_LEN})
+Name = Annotated[str, PlainValidator(_name_checker("tier name")), _NAME_SCHEMA]
+Pattern = Annotated[str, PlainValidator(_name_checker("pattern")), _NAME_SCHEMA]
 
 
 def _check_version(value: object) -> int:
@@ -383,7 +423,7 @@ class LimitRule(_Spec):
 class MatchRule(LimitRule):
     """One ordered pattern entry; the first pattern matching a user id wins."""
 
-    pattern: Name = Field(
+    pattern: Pattern = Field(
         description="A glob over user ids (fnmatch: *, ?, [seq]), case-sensitive."
     )
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from outrate.compiler import CompiledPolicy, load_compiled
 from outrate.errors import OutrateError, PolicyError
+from outrate.policy_file import read_policy_file
 
 if TYPE_CHECKING:
     from watchdog.observers.api import BaseObserver
@@ -97,9 +98,12 @@ class Reloader:
         self.last_error: str | None = None
         self.observer_kind: str | None = None
         """`native` or `polling` once started in a watching mode."""
-        # The engine loaded `initial` from this file just now: remember its bytes
-        # so the first unrelated event does not reload the same policy again.
-        self._seen: str | None = self._digest() if initial is not None else None
+        # The engine loaded `initial` from this file: remember the digest of the
+        # bytes it compiled, so the first unrelated event does not reload the
+        # same policy, and an edit made since is caught by the first check.
+        self._seen: str | None = None
+        if initial is not None:
+            self._seen = initial.sha256 or self._digest()
         self._cond = threading.Condition()
         self._load_lock = threading.Lock()
         self._state_lock = threading.RLock()
@@ -292,16 +296,16 @@ class Reloader:
     # -- checking and applying -----------------------------------------------
 
     def _digest(self) -> str:
-        """Hash of the bytes now behind the path (symlinks followed)."""
+        """sha256 of the bytes now behind the path (symlinks followed), read by
+        the loader's own bounded read: what `CompiledPolicy.sha256` holds."""
         try:
-            with open(self.path, "rb") as f:
-                return hashlib.sha256(f.read()).hexdigest()
-        except FileNotFoundError:
-            return _MISSING
-        except OSError as err:
-            # Unreadable (permissions, a directory...): let the loader say why,
-            # once per distinct failure.
-            return f"<error {err.errno}>"
+            return hashlib.sha256(read_policy_file(self.path)).hexdigest()
+        except PolicyError as err:
+            if isinstance(err.__cause__, FileNotFoundError):
+                return _MISSING
+            # Unreadable (permissions, a FIFO, too big...): let the loader say
+            # why, once per distinct failure.
+            return f"<error {err}>"
 
     def _check(self) -> bool:
         """Apply the file if its bytes changed since last seen; True if applied."""

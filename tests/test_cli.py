@@ -4,6 +4,8 @@ what goes to stdout and stderr, and that it never imports vLLM."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -197,3 +199,138 @@ def test_lint_lists_the_rules_in_shadow(tmp_path: Path) -> None:
     )
     result = runner.invoke(app, ["lint", "--format", "json", str(policy)])
     assert json.loads(result.stdout)["shadow"] == ["tiers.pro", "users.alice"]
+
+
+# -- several files, and vllm serve's own argument rules ------------------------
+
+
+def test_lint_checks_every_file_and_fails_if_any_fails() -> None:
+    good, bad = POLICIES / "minimal.yaml", BAD / "rate_zero.yaml"
+    code, out, err = run("lint", good, bad, POLICIES / "seed.yaml")
+    assert code == 1
+    assert err == f"{bad}:4:10: users.alice: must be > 0\n"
+    lines = out.splitlines()
+    assert lines[0].startswith(f"ok: outrate policy from {good}: ")
+    assert lines[1] == f"{bad}: failed: 1 error, 0 warnings"
+    assert lines[2].startswith(f"ok: outrate policy from {POLICIES / 'seed.yaml'}: ")
+    assert len(lines) == 3
+
+
+def test_lint_every_shipped_policy_at_once() -> None:
+    paths = sorted(POLICIES.glob("*.yaml"))
+    code, out, _ = run("lint", *paths)
+    assert code == 0
+    assert [line.split(": ")[1] for line in out.splitlines()] == [
+        f"outrate policy from {p}" for p in paths
+    ]
+
+
+def test_lint_prints_deployment_findings_once_for_several_files() -> None:
+    a, b = POLICIES / "demo.yaml", POLICIES / "tiers.yaml"
+    code, out, err = run("lint", a, b, "--", "-dp", "2", "--max-num-active-seqs", "8")
+    assert code == 1
+    assert [line.split(":")[0] for line in err.splitlines()].count("-dp") == 1
+    assert out.splitlines() == [
+        f"{a}: failed: 1 error, 0 warnings",
+        f"{b}: failed: 1 error, 0 warnings",
+    ]
+
+
+def test_lint_json_with_several_files() -> None:
+    good, bad = POLICIES / "minimal.yaml", BAD / "rate_zero.yaml"
+    code, out, err = run("lint", good, bad, "--format", "json")
+    assert code == 1 and err == ""
+    data = json.loads(out)
+    assert data["ok"] is False
+    assert [(f["source"], f["ok"]) for f in data["files"]] == [(str(good), True), (str(bad), False)]
+    assert data["files"][1]["findings"][0]["message"] == "users.alice: must be > 0"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--bogus-flag", "1"], "--bogus-flag: unrecognized vllm serve flag"),
+        (
+            ["--max-num-sequences", "5"],
+            "--max-num-sequences: unrecognized vllm serve flag (did you mean '--max-num-seqs'?)",
+        ),
+        (
+            ["--max", "8"],
+            "--max: ambiguous vllm serve flag (could be --max-cpu-loras, "
+            "--max-cudagraph-capture-size, --max-log-len, --max-logprobs, "
+            "--max-lora-cls-labels, ...)",
+        ),
+        (["-x"], "-x: unrecognized vllm serve flag"),
+        (
+            ["serve", "/models/m", "extra"],
+            "extra: unexpected argument (vllm serve takes one positional: the model)",
+        ),
+        (["--max-num-seqs"], "--max-num-seqs: expects a value"),
+        (
+            ["--served-model-name", "--enforce-eager"],
+            "--served-model-name: expects at least one value",
+        ),
+    ],
+)
+def test_lint_refuses_what_vllm_serve_would_refuse(argv: list[str], message: str) -> None:
+    code, out, err = run("lint", POLICIES / "demo.yaml", "--", *argv)
+    assert (code, out, err) == (1, "", message + "\n")
+
+
+def test_lint_takes_vllm_serve_spellings() -> None:
+    """Abbreviations (argparse allows unique prefixes), underscores, `=`, dotted
+    JSON keys, -O3, flags with several values, negative numbers as values."""
+    code, out, err = run(
+        "lint", POLICIES / "demo.yaml", "--", "serve", "/models/m", "--max-num-se", "16",
+        "--max_num_active_seqs=8", "-O3", "--served-model-name", "a", "b", "-tp", "2",
+        "--kv-transfer-config.kv_role", "kv_both", "--seed", "-1", "--enable-chunked-prefill",
+    )  # fmt: skip
+    assert (code, err) == (0, "")
+    code, _, err = run("lint", POLICIES / "demo.yaml", "--", "--max-num-se", "16")
+    assert err.startswith("command line: OR111 warning: --max-num-active-seqs is not set")
+
+
+def test_vllm_args_before_the_double_dash_are_a_usage_error() -> None:
+    code, _, err = run("lint", POLICIES / "demo.yaml", "-tp", "2")
+    assert code == 2 and "No such option: -t" in err
+
+
+def _unprivileged(*argv: str) -> subprocess.CompletedProcess[str]:
+    """Run `python -m outrate ...` as a user without rights to the test's files."""
+    prefix: list[str] = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv")
+        prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    return subprocess.run(
+        [*prefix, sys.executable, "-m", "outrate", *argv],
+        capture_output=True, text=True, cwd="/", timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path[1:]])},
+    )  # fmt: skip
+
+
+def test_an_unreadable_policy_is_a_located_error_not_usage(tmp_path: Path) -> None:
+    path = tmp_path / "secret.yaml"
+    path.write_text("version: 1\ndefault: 5\n")
+    path.chmod(0)
+    tmp_path.chmod(0o755)
+    done = _unprivileged("lint", str(path))
+    assert (done.returncode, done.stdout) == (1, f"{path}: failed: 1 error, 0 warnings\n")
+    assert done.stderr == f"{path}:1:1: <file>: cannot read: Permission denied\n"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero"])
+def test_lint_refuses_a_fifo_or_a_device_at_once(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "policy.yaml"
+    if kind == "fifo":
+        os.mkfifo(path)
+        why = "a FIFO"
+    else:
+        path.symlink_to(kind)
+        why = "a character device"
+    done = subprocess.run(
+        [sys.executable, "-m", "outrate", "lint", str(path)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert (done.returncode, done.stdout) == (1, f"{path}: failed: 1 error, 0 warnings\n")
+    assert done.stderr == f"{path}:1:1: <file>: cannot read: not a regular file ({why})\n"

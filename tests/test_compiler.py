@@ -213,6 +213,17 @@ def test_flag_floats_are_exact() -> None:
             "--user-output-tokens-per-second:1:2: users: invalid JSON: Expecting property "
             "name enclosed in double quotes",
         ),
+        (
+            None,
+            "[" * 100_000 + "]" * 100_000,  # json.loads recurses once per level
+            "--user-output-tokens-per-second:1:1: users: invalid JSON: nested too deep",
+        ),
+        (
+            None,
+            '{"a": ' + "[" * 900 + "]" * 900 + "}",  # parses; nothing after it may recurse
+            "--user-output-tokens-per-second:1:1: users.a: must be a number of tokens per "
+            "second, 'unlimited', or a mapping (got a list)",
+        ),
     ],
 )
 def test_bad_flags(default: float | None, users: object, message: str) -> None:

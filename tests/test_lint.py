@@ -442,6 +442,30 @@ def test_anonymous_unlimited() -> None:
     assert codes(lint_policy(policy_from_flags(None, {"a": 5}))) == ["OR005"]
 
 
+def test_lookalike_user_ids() -> None:
+    """Equal after NFKC and case folding: `Alice`, and a fullwidth `ｂｏｂ`."""
+    text = (
+        "version: 1\ndefault: 5\nusers:\n  alice: 1\n  Alice: 2\n"
+        '  "\\uff42\\uff4f\\uff42": 3\n  bob: 4\n  carol: 5\n'
+    )
+    assert [(f.code, f.severity, f.location, f.message) for f in lint_text(text)] == [
+        (
+            "OR006",
+            "warning",
+            "p.yaml:5:10",
+            "user id 'Alice' looks like 'alice' (p.yaml:4:10): they are equal after Unicode "
+            "NFKC normalization and case folding, but are two users with two budgets",
+        ),
+        (
+            "OR006",
+            "warning",
+            "p.yaml:7:8",
+            "user id 'bob' looks like 'ｂｏｂ' (p.yaml:6:25): they are equal after Unicode "
+            "NFKC normalization and case folding, but are two users with two budgets",
+        ),
+    ]
+
+
 def test_lint_policy_takes_a_policy_too() -> None:
     policy = parse_policy("version: 1\ndefault: 5\nburst: 1ms\n", "p.yaml")
     assert lint_policy(policy) == lint_text("version: 1\ndefault: 5\nburst: 1ms\n")

@@ -4,19 +4,21 @@ tests/fixtures/bad/, each with its exact messages (file:line:col included)."""
 from __future__ import annotations
 
 import os
+import time
+import tracemalloc
 from decimal import Decimal
 from fractions import Fraction
 from pathlib import Path
 
 import pytest
-import yaml
 
-from outrate import loader
+from outrate import compose
 from outrate.errors import OutrateError, PolicyError, Problem
 from outrate.loader import field_path, load_policy, parse_policy
 from outrate.policy import UNLIMITED
 
 BAD = Path(__file__).parent / "fixtures" / "bad"
+LOADERS = [compose.FAST_LOADER, compose.PureLoader]  # libyaml first, where installed
 
 # fixture name -> the exact messages, in file order; FILE stands for its path.
 EXPECTED: dict[str, list[str]] = {
@@ -31,6 +33,12 @@ EXPECTED: dict[str, list[str]] = {
     ],
     "shadow_not_bool": [
         "FILE:4:29: users.alice.shadow: must be true or false (got 'yes')",
+    ],
+    "alias_bomb": [
+        (
+            "FILE:8:5: <root>: aliases expand to more than 10000 values beyond the file's own "
+            "(alias bomb?)"
+        ),
     ],
     "burst_negative": [
         "FILE:4:27: users.alice.burst: must be > 0",
@@ -94,6 +102,15 @@ EXPECTED: dict[str, list[str]] = {
     "max_streams_zero": [
         "FILE:2:35: default.max_streams: must be >= 1",
     ],
+    "merge_bomb": [
+        (
+            "FILE:22:3: <root>: aliases expand to more than 10000 values beyond the file's own "
+            "(alias bomb?)"
+        ),
+    ],
+    "nesting_too_deep": [
+        "FILE:4:47: <root>: nested deeper than 32 levels (the limit)",
+    ],
     "not_mapping_list": [
         "FILE:1:1: <root>: must be a mapping with 'version: 1' and 'default' (got a list)",
     ],
@@ -115,8 +132,17 @@ EXPECTED: dict[str, list[str]] = {
     "pattern_missing": [
         "FILE:4:5: match[0].pattern: missing; each match entry needs a 'pattern'",
     ],
+    "pattern_too_long": [
+        "FILE:4:15: match[0].pattern: pattern must be at most 256 characters (got 300)",
+    ],
     "rate_bool": [
         ("FILE:4:10: users.alice: must be a number of tokens per second or 'unlimited' (got true)"),
+    ],
+    "rate_hex": [
+        (
+            "FILE:2:10: default: ambiguous number 0x10: YAML 1.1 reads it as hexadecimal (16); "
+            "write it in decimal, or quote it if you meant text"
+        ),
     ],
     "rate_inf": [
         "FILE:4:8: tiers.pro: must be a finite number; use 'unlimited' for no limit (got .inf)",
@@ -130,6 +156,12 @@ EXPECTED: dict[str, list[str]] = {
     "rate_or_tier_missing": [
         "FILE:4:10: users.carol: needs a 'rate' (tokens per second or 'unlimited') or a 'tier'",
     ],
+    "rate_sexagesimal": [
+        (
+            "FILE:4:10: users.alice: ambiguous number 1:30: YAML 1.1 reads it as base 60 (90); "
+            "write it in decimal, or quote it if you meant text"
+        ),
+    ],
     "rate_string": [
         (
             "FILE:4:10: users.alice: must be a number of tokens per second or "
@@ -142,6 +174,21 @@ EXPECTED: dict[str, list[str]] = {
             "'unlimited' for no limit)"
         ),
     ],
+    "rate_too_many_digits": [
+        "FILE:2:10: default: must have at most 30 digits (got 31)",
+    ],
+    "rate_too_small": [
+        (
+            "FILE:4:10: users.alice: must be at least 0.000001 tokens per second (one token in "
+            "about 12 days)"
+        ),
+    ],
+    "rate_underflow": [
+        (
+            "FILE:4:10: users.alice: ambiguous number 1e-400: most YAML parsers read it as 0 (it "
+            "is too small for a float); quote it if you meant text"
+        ),
+    ],
     "rate_with_tier": [
         (
             "FILE:6:28: users.carol.rate: cannot be set together with 'tier'; "
@@ -150,6 +197,21 @@ EXPECTED: dict[str, list[str]] = {
     ],
     "rate_zero": [
         "FILE:4:10: users.alice: must be > 0",
+    ],
+    "scalar_unreadable": [
+        "FILE:2:10: default: cannot read '2024-99-99' as a date; quote it if you meant text",
+        (
+            "FILE:4:29: users.a.max_streams: cannot read "
+            "'9999999999999999999999999999999999999...' as an integer; quote it if you meant text"
+        ),
+        "FILE:5:6: users.b: cannot read 'abc' as an integer; quote it if you meant text",
+    ],
+    "tier_name_not_string": [
+        "FILE:2:17: default.tier: tier name must be a string; quote it: 'yes'",
+        "FILE:4:3: tiers: tier name must be a string; quote it: 'on'",
+    ],
+    "tier_name_too_long": [
+        "FILE:4:3: tiers: tier name must be at most 256 characters (got 300)",
     ],
     "tier_rate_missing": [
         (
@@ -176,10 +238,40 @@ EXPECTED: dict[str, list[str]] = {
         "FILE:2:17: default.tier: unknown tier 'free' (no tiers are defined)",
     ],
     "user_id_control": [
-        "FILE:4:3: users: user id must not contain control characters (got 'bad\\tid')",
+        (
+            "FILE:4:3: users: user id must not contain control characters (U+0009 at index 3): "
+            "'bad\\tid'"
+        ),
     ],
     "user_id_empty": [
         "FILE:4:3: users: user id must not be empty",
+    ],
+    "user_id_invisible": [
+        (
+            "FILE:5:3: users: user id must not contain control characters (U+0085 at index 1): "
+            "'a\\x85b'"
+        ),
+        (
+            "FILE:6:3: users: user id must not contain control characters (U+009B at index 1): "
+            "'a\\x9bb'"
+        ),
+        (
+            "FILE:7:3: users: user id must not contain format characters (U+202E at index 1): "
+            "'a\\u202eb'"
+        ),
+        (
+            "FILE:8:3: users: user id must not contain format characters (U+200B at index 3): "
+            "'ali\\u200bce'"
+        ),
+        (
+            "FILE:9:3: users: user id must not contain line separators (U+2028 at index 1): "
+            "'a\\u2028b'"
+        ),
+        (
+            "FILE:10:3: users: user id must not contain paragraph separators (U+2029 at index 1): "
+            "'a\\u2029b'"
+        ),
+        "FILE:11:3: users: user id must not contain surrogates (U+D800 at index 1): 'a\\ud800b'",
     ],
     "user_id_not_string": [
         "FILE:4:3: users: user id must be a string; quote it: '12345'",
@@ -192,6 +284,13 @@ EXPECTED: dict[str, list[str]] = {
     ],
     "user_id_too_long": [
         "FILE:4:3: users: user id must be at most 256 characters (got 257)",
+    ],
+    "user_id_yaml11": [
+        "FILE:6:3: users: user id must be a string; quote it: '1.5'",
+        "FILE:7:3: users: user id must be a string; quote it: '2024-01-01'",
+        "FILE:8:3: users: user id must be a string; quote it: '~'",
+        "FILE:9:3: users: user id must be a string; quote it: '0x10'",
+        "FILE:10:3: users: user id must be a string; quote it: 'on'",
     ],
     "users_not_mapping": [
         "FILE:4:3: users: must be a mapping (got a list)",
@@ -406,14 +505,39 @@ def test_recursive_alias_is_an_error_not_a_hang() -> None:
     assert "an alias refers to itself" in str(problems.value)
 
 
-def test_alias_bomb_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loader, "MAX_NODES", 10_000)  # the real cap, just sooner
-    lines = ["version: 1", "default: 1", "a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
-    for i in range(1, 8):
-        prev = f"*a{i - 1}"
-        lines.append(f"a{i}: &a{i} [{', '.join([prev] * 10)}]")
-    problem = _one("\n".join(lines) + "\n")
-    assert problem.message == "more than 10000 values (alias bomb?)"
+@pytest.mark.parametrize("loader_cls", LOADERS)
+@pytest.mark.parametrize("name", ["alias_bomb", "merge_bomb"])
+def test_alias_bombs_are_refused_within_a_few_megabytes(
+    name: str, loader_cls: type, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """9^9 values from 500 bytes: refused after MAX_ALIAS_VALUES, not after a
+    minute and gigabytes (the parse costs milliseconds; printed, not asserted)."""
+    monkeypatch.setattr(compose, "FAST_LOADER", loader_cls)
+    path = BAD / f"{name}.yaml"
+    tracemalloc.start()
+    began = time.perf_counter()
+    with pytest.raises(PolicyError) as info:
+        load_policy(path)
+    took = time.perf_counter() - began
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert [str(p) for p in info.value.problems] == [
+        line.replace("FILE", str(path)) for line in EXPECTED[name]
+    ]
+    print(
+        f"{name} ({loader_cls.__name__}): refused in {took * 1000:.0f} ms, peak {peak / 1e6:.1f} MB"
+    )
+    assert peak < 8e6
+
+
+def test_aliases_may_add_as_many_values_as_the_file_has() -> None:
+    """Legitimate reuse: 2,000 users that are an alias of one limit, or any
+    number of users that merge it (each merge copies its pairs, no more)."""
+    head = "version: 1\ndefault: &base {rate: 10, burst: 1s}\nusers:\n"
+    aliased = "".join(f"  u{i}: *base\n" for i in range(2_000))
+    assert len(parse_policy(head + aliased, "p.yaml").users) == 2_000
+    merged = "".join(f"  u{i}: {{<<: *base, max_streams: 2}}\n" for i in range(50_000))
+    assert len(parse_policy(head + merged, "p.yaml").users) == 50_000
 
 
 def test_keys_must_be_scalars() -> None:
@@ -473,5 +597,187 @@ def test_same_results_without_libyaml(monkeypatch: pytest.MonkeyPatch) -> None:
             return e.problems
 
     fast = {p: outcome(p) for p in sources}
-    monkeypatch.setattr(loader, "_FAST_LOADER", yaml.SafeLoader)
+    monkeypatch.setattr(compose, "FAST_LOADER", compose.PureLoader)
     assert {p: outcome(p) for p in sources} == fast
+
+
+# -- limits on nesting ----------------------------------------------------------
+
+TOO_DEEP = "nested deeper than 32 levels (the limit)"
+
+
+def _nested(depth: int) -> str:
+    return "version: 1\ndefault: 1\nusers: {alice: " + "[" * depth + "]" * depth + "}\n"
+
+
+@pytest.mark.parametrize("loader_cls", LOADERS)
+@pytest.mark.parametrize("depth", [30, 31, 32, 500, 999, 1000, 5000, 200_000])
+def test_deep_nesting_is_a_located_error_on_every_parser(
+    depth: int, loader_cls: type, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Flow nesting: libyaml refuses at 1000 levels itself, and PyYAML's own
+    scanner and composer would recurse or take quadratic time; the limit is
+    reported at the `[` where it was crossed (the 32nd flow level)."""
+    monkeypatch.setattr(compose, "FAST_LOADER", loader_cls)
+    text = _nested(depth)
+    if depth <= 30:  # root and `users` are two levels: 32 in all
+        assert _one(text).message.startswith("must be a number of tokens per second")
+    elif depth == 31:  # level 33 is the 31st `[` (the composer sees it first)
+        assert _one(text) == Problem("p.yaml", 3, 15 + 31, "<root>", TOO_DEEP)
+    else:  # the scanner reads a run of `[` ahead: it stops at the 33rd flow level
+        assert _one(text) == Problem("p.yaml", 3, 15 + 32, "<root>", TOO_DEEP)
+
+
+@pytest.mark.parametrize("loader_cls", LOADERS)
+def test_deep_block_nesting_is_located_at_its_first_level_too_deep(
+    loader_cls: type, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(compose, "FAST_LOADER", loader_cls)
+    text = "version: 1\ndefault: 1\nusers:\n  alice:\n" + "".join(
+        "    " + "  " * i + "- \n" for i in range(40)
+    )
+    # root, users, alice's list: depth 3 at line 5; depth 33 thirty lines on
+    assert _one(text) == Problem("p.yaml", 35, 65, "<root>", TOO_DEEP)
+    compact = "version: 1\ndefault: 1\nusers:\n  " + "- " * 2000 + "x\n"
+    assert _one(compact) == Problem("p.yaml", 4, 3 + 31 * 2, "<root>", TOO_DEEP)
+
+
+@pytest.mark.parametrize("loader_cls", LOADERS)
+def test_nesting_through_aliases_counts(loader_cls: type, monkeypatch: pytest.MonkeyPatch) -> None:
+    """20 levels written twice, one inside the other by an alias: 41 deep.
+    Level 33 is the 12th `[` of the anchored list, reached through `y`."""
+    monkeypatch.setattr(compose, "FAST_LOADER", loader_cls)
+    text = (
+        "version: 1\ndefault: 1\n"
+        "x: &a " + "[" * 20 + "1" + "]" * 20 + "\n"
+        "y: " + "[" * 20 + "*a" + "]" * 20 + "\n"
+    )
+    assert _one(text) == Problem("p.yaml", 3, 7 + 11, "<root>", TOO_DEEP)
+
+
+@pytest.mark.parametrize("loader_cls", LOADERS)
+def test_nesting_inside_a_complex_key_counts(
+    loader_cls: type, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(compose, "FAST_LOADER", loader_cls)
+    text = "version: 1\ndefault: 1\nusers:\n  ? " + "[" * 40 + "]" * 40 + "\n  : 1\n"
+    assert _one(text) == Problem("p.yaml", 4, 5 + 32, "<root>", TOO_DEEP)  # 33rd flow level
+
+
+def test_no_recursion_error_whatever_the_nesting() -> None:
+    """Mixed block and flow nesting at depths around every limit in play."""
+    for depth in (30, 33, 300, 998, 1001, 3000):
+        for opener, closer in (("[", "]"), ("{a: ", "}")):
+            text = "version: 1\ndefault: " + opener * depth + "1" + closer * depth + "\n"
+            with pytest.raises(PolicyError) as info:
+                parse_policy(text, "p.yaml")
+            assert "Recursion" not in str(info.value)
+
+
+# -- YAML 1.1 spellings --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("written", "kind"),
+    [
+        ("1:30", "base 60 (90)"),
+        ("1:30.5", "base 60 (90.5)"),
+        ("0x10", "hexadecimal (16)"),
+        ("-0x1F", "hexadecimal (-31)"),
+        ("010", "octal (8)"),
+        ("0b101", "binary (5)"),
+        ("0x" + "f" * 40, "hexadecimal"),
+    ],
+)
+def test_yaml11_only_numbers_are_ambiguous(written: str, kind: str) -> None:
+    shown = written if len(written) <= 40 else written[:37] + "..."
+    assert _one(f"version: 1\ndefault: {written}\n") == Problem(
+        "p.yaml",
+        2,
+        10,
+        "default",
+        f"ambiguous number {shown}: YAML 1.1 reads it as {kind}; "
+        "write it in decimal, or quote it if you meant text",
+    )
+
+
+@pytest.mark.parametrize("written", ["1e-400", "-1e-400", "1.0e-400", "0.5e-330", "1e-99999999999"])
+def test_numbers_that_underflow_to_zero_are_ambiguous(written: str) -> None:
+    assert _one(f"version: 1\ndefault: {written}\n").message == (
+        f"ambiguous number {written}: most YAML parsers read it as 0 (it is too small "
+        "for a float); quote it if you meant text"
+    )
+
+
+@pytest.mark.parametrize(
+    ("written", "rate"),
+    [("1_000", 1000), ("1e-6", Fraction(1, 10**6)), ("1e-323", None), ("0", None)],
+)
+def test_plain_decimal_spellings_are_not_ambiguous(written: str, rate: object) -> None:
+    text = f"version: 1\ndefault: {written}\n"
+    if rate is None:  # out of range, but not ambiguous
+        assert not _one(text).message.startswith("ambiguous")
+    else:
+        assert parse_policy(text, "p.yaml").default.rate == rate
+
+
+def test_huge_exponents_and_fractions_cost_nothing() -> None:
+    """1e999999999 as an exact Fraction is a billion-digit integer."""
+    for written, message in [
+        ("1e999999999", "must be at most 1000000 tokens per second (use 'unlimited' for no limit)"),
+        ("'1/" + "3" * 5000 + "'", "must have at most 30 digits (got 5000)"),
+        ("0." + "1" * 5000, "must have at most 30 digits (got 5000)"),
+    ]:
+        assert _one(f"version: 1\ndefault: {written}\n").message == message
+
+
+# -- names: their own position, the author's spelling, a length limit -----------
+
+
+def test_every_key_error_is_at_its_own_key() -> None:
+    text = "version: 1\ndefault: 1\nusers:\n  alice: 1\n  null: 2\n  3.0: 3\n  yes: 4\n"
+    assert [(p.line, p.col, p.message) for p in _problems(text)] == [
+        (5, 3, "user id must be a string; quote it: 'null'"),
+        (6, 3, "user id must be a string; quote it: '3.0'"),
+        (7, 3, "user id must be a string; quote it: 'yes'"),
+    ]
+
+
+def test_values_under_a_bad_key_are_located_under_it() -> None:
+    problems = _problems("version: 1\ndefault: 1\nusers:\n  a: 1\n  1.5: {rate: 0}\n")
+    assert [str(p) for p in problems] == [
+        "p.yaml:5:3: users: user id must be a string; quote it: '1.5'",
+        'p.yaml:5:15: users."1.5".rate: must be > 0',
+    ]
+
+
+def test_a_megabyte_name_gives_a_short_error_line() -> None:
+    huge = "p" * 1_000_000
+    for text in (
+        f"version: 1\ndefault: 1\nmatch:\n  - {{pattern: '{huge}', rate: 0}}\n",
+        f"version: 1\ndefault: 1\nusers:\n  {huge}: 0\n",
+        f"version: 1\ndefault: {{tier: {huge}}}\n",
+    ):
+        problems = _problems(text)
+        assert problems and all(len(str(p)) < 200 for p in problems), problems
+
+
+def _problems(text: str) -> tuple[Problem, ...]:
+    with pytest.raises(PolicyError) as info:
+        parse_policy(text, "p.yaml")
+    return info.value.problems
+
+
+def test_unknown_keys_are_shown_as_written() -> None:
+    text = "version: 1\ndefault: {rate: 1, 1.5: 2}\n~: y\non: w\n5: v\n"
+    assert [str(p) for p in _problems(text)] == [
+        "p.yaml:2:20: default: unknown key 1.5",
+        "p.yaml:3:1: <root>: unknown key ~",
+        "p.yaml:4:1: <root>: unknown key on",
+        "p.yaml:5:1: <root>: unknown key 5",
+    ]
+
+
+def test_a_long_spelling_is_cut_in_hints() -> None:
+    problem = _one("version: 1\ndefault: 1\nusers:\n  " + "1" * 900 + ".5: 1\n")
+    assert problem.message == f"user id must be a string; quote it: '{'1' * 37}...'"

@@ -206,3 +206,139 @@ def test_reload_mode_trace_and_metrics_travel_to_the_engine(parser, tmp_path):
     assert settings["reload"] == "poll"
     assert settings["trace"] == str(trace) and settings["trace_max_bytes"] == 1000
     assert Path(settings["metrics_dir"]).is_dir()
+
+
+def test_the_vllm_flag_list_lint_reads_matches_the_installed_vllm():
+    """outrate/vllm_flags.py is generated from vLLM's parser; regenerate it with
+    `python -m vllm_integration.flags` when vLLM moves."""
+    from vllm_integration.flags import TARGET, module_text, serve_flags
+
+    flags = serve_flags()
+    assert flags["--max-num-seqs"] == "1" and flags["--no-enforce-eager"] == "0"
+    assert flags["--outrate-policy"] == "1" and flags["-tp"] == "1"
+    assert TARGET.read_text() == module_text(flags)
+
+
+# -- the identity guard in front of every route -------------------------------
+
+
+def _through_guard(
+    body: bytes, path: str = "/v1/completions", content_type: bytes = b"application/json",
+    method: str = "POST",
+) -> tuple[int, bytes, bytes | None]:  # fmt: skip
+    """One request through IdentityGuard, its body in two chunks: (status,
+    response body, the body the app behind it read, or None if not called)."""
+    import asyncio
+
+    from vllm_integration.api import IdentityGuard
+
+    seen: list[bytes] = []
+
+    async def app(scope: dict, receive: object, send: object) -> None:
+        chunks = []
+        while True:
+            message = await receive()  # type: ignore[operator]
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        seen.append(b"".join(chunks))
+        await send({"type": "http.response.start", "status": 200, "headers": []})  # type: ignore[operator]
+        await send({"type": "http.response.body", "body": b"ok"})  # type: ignore[operator]
+
+    half = len(body) // 2
+    incoming = [
+        {"type": "http.request", "body": body[:half], "more_body": True},
+        {"type": "http.request", "body": body[half:], "more_body": False},
+    ]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": method, "path": path,
+             "headers": [(b"content-type", content_type)]}  # fmt: skip
+    asyncio.run(IdentityGuard(app)(scope, receive, send))
+    status = sent[0]["status"]
+    response = b"".join(m.get("body", b"") for m in sent[1:])
+    return status, response, seen[0] if seen else None
+
+
+def test_the_guard_refuses_a_bad_identity_before_any_route_runs():
+    import json
+
+    body = json.dumps({"model": "m", "prompt": "hi", "vllm_xargs": {"output_rate_user": True}})
+    status, response, reached = _through_guard(body.encode())
+    assert (status, reached) == (400, None)
+    message = "vllm_xargs.output_rate_user must be a string, got boolean"
+    assert json.loads(response) == {
+        "error": {
+            "message": f"{message} (parameter=vllm_xargs.output_rate_user)",
+            "type": "BadRequestError",
+            "param": "vllm_xargs.output_rate_user",
+            "code": 400,
+        }
+    }
+
+
+def test_the_guard_reads_the_token_in_route_and_answers_anthropic_in_its_format():
+    import json
+
+    body = {"token_ids": [1], "sampling_params": {"extra_args": {"output_rate_user": "a\u202eb"}}}
+    status, response, reached = _through_guard(json.dumps(body).encode(), "/inference/v1/generate")
+    assert (status, reached) == (400, None)
+    field = "sampling_params.extra_args.output_rate_user"
+    assert json.loads(response)["error"]["message"] == (
+        f"{field} must not contain format characters (U+202E at index 1) (parameter={field})"
+    )
+    body = {"model": "m", "messages": [], "vllm_xargs": {"output_rate_user": "__anonymous__"}}
+    status, response, _ = _through_guard(json.dumps(body).encode(), "/v1/messages")
+    assert status == 400
+    assert json.loads(response) == {
+        "type": "error",
+        "error": {
+            "type": "BadRequestError",
+            "message": "vllm_xargs.output_rate_user must not be the reserved id '__anonymous__' "
+            "(parameter=vllm_xargs.output_rate_user)",
+        },
+    }
+
+
+def test_the_guard_sees_an_escaped_key():
+    body = b'{"vllm_xargs": {"output_rate_\\u0075ser": ""}}'
+    assert _through_guard(body)[0] == 400
+
+
+@pytest.mark.parametrize(
+    ("body", "kw"),
+    [
+        (b'{"prompt": "hi", "vllm_xargs": {"output_rate_user": "alice"}}', {}),
+        (b'{"prompt": "no identity at all"}', {}),
+        (b'{"vllm_xargs": {"output_rate_user": ""}', {}),  # not JSON: vLLM answers it
+        (b'{"vllm_xargs": {"output_rate_user": ""}}', {"content_type": b"text/plain"}),
+        (b'{"vllm_xargs": {"output_rate_user": ""}}', {"method": "PUT"}),
+        (b'{"output_rate_user": 1, "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", {}),
+    ],
+)
+def test_the_guard_passes_everything_else_through_with_its_body(body: bytes, kw: dict) -> None:
+    status, response, reached = _through_guard(body, **kw)
+    assert (status, response, reached) == (200, b"ok", body)
+
+
+def test_the_engine_client_refuses_a_bad_identity_whatever_the_route():
+    """The backstop: `AsyncLLM.add_request`, the one door to the engine."""
+    import asyncio
+
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from vllm_integration.api import install_engine_client_guard
+
+    install_engine_client_guard()
+    install_engine_client_guard()  # idempotent
+    bad = SamplingParams(extra_args={"output_rate_user": "a\nb"})
+    with pytest.raises(VLLMValidationError, match="must not contain control characters"):
+        asyncio.run(AsyncLLM.add_request(object(), "r1", "hi", bad))  # type: ignore[arg-type]

@@ -318,6 +318,72 @@ def test_broken_edit_is_rejected_with_lint_message(
     assert rates(h.r.current) == {"alice": 68} and h.r.rejected == 1
 
 
+HOSTILE: dict[str, Callable[[Path, Path], str]] = {
+    # name -> swap the policy for it (policy path, a scratch dir); the exact message
+    "fifo": lambda p, d: _symlink(p, _fifo(d / "fifo"), "not a regular file (a FIFO)"),
+    "/dev/zero": lambda p, d: _symlink(p, "/dev/zero", "not a regular file (a character device)"),
+    "directory": lambda p, d: _symlink(p, d, "not a regular file (a directory)"),
+}
+
+
+def _fifo(path: Path) -> Path:
+    os.mkfifo(path)
+    return path
+
+
+def _symlink(policy: Path, target: object, why: str) -> str:
+    tmp = policy.with_name(".link.tmp")
+    os.symlink(target, tmp)
+    os.replace(tmp, policy)
+    return f"{policy}:1:1: <file>: cannot read: {why}"
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE))
+def test_what_is_not_a_file_is_refused_at_once_and_later_edits_apply(
+    start: Callable[..., Harness], policy: Path, tmp_path: Path, kind: str
+) -> None:
+    """A FIFO used to block the reload thread forever: no later edit applied."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    h = start(policy)
+    good = h.r.current
+    message = HOSTILE[kind](policy, scratch)
+    h.expect_rejected(1)
+    assert h.r.last_error == message and h.r.current is good
+    write_atomic(policy, policy_text(alice=60))
+    h.expect_rates({"alice": 60})
+
+
+def test_a_file_over_the_read_limit_is_refused_unread(
+    start: Callable[..., Harness], policy: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OUTRATE_MAX_POLICY_BYTES", "200")
+    h = start(policy)
+    write_atomic(policy, policy_text(alice=20) + "#" * 200 + "\n")
+    h.expect_rejected(1)
+    assert h.r.last_error == (
+        f"{policy}:1:1: <file>: cannot read: 244 bytes is more than the limit of 200 bytes "
+        "(set OUTRATE_MAX_POLICY_BYTES to change it)"
+    )
+    write_atomic(policy, policy_text(alice=61))
+    h.expect_rates({"alice": 61})
+
+
+def test_the_digest_is_the_sha256_the_policy_was_compiled_from(policy: Path) -> None:
+    r = Reloader(policy, lambda p: None, mode="off")
+    assert r._digest() == load_compiled(policy).sha256
+
+
+def test_an_edit_between_the_engine_load_and_the_reloader_is_applied(
+    start: Callable[..., Harness], policy: Path
+) -> None:
+    """The first check compares with the bytes `initial` was compiled from."""
+    initial = load_compiled(policy)
+    write_atomic(policy, policy_text(alice=62))
+    h = start(policy, initial=initial)
+    h.expect_rates({"alice": 62})
+
+
 def test_unexpected_loader_error_is_caught_and_logged(
     start: Callable[..., Harness], policy: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -9,7 +9,8 @@ lazily. It patches two static/class methods of vLLM 0.32's `EngineArgs`:
 - `from_cli_args`: when a policy is given, validates it and the deployment
   (fail fast, with the file:line message), selects the outrate scheduler via
   `scheduler_cls`, and carries the settings to the engine-core process in
-  `additional_config["outrate"]`.
+  `additional_config["outrate"]`, and adds outrate's identity guard to
+  `--middleware` (vllm_integration/api.py).
 
 Without the flags nothing changes: no scheduler is swapped, no hook installed.
 """
@@ -122,11 +123,14 @@ def apply_outrate_args(engine_args: Any, args: argparse.Namespace) -> Any:
     except OutrateError as exc:
         raise SystemExit(f"outrate: {exc}") from exc
     engine_args.scheduler_cls = SCHEDULER_CLS
-    from vllm_integration.api import install_request_guards
+    from vllm_integration.api import GUARD_MIDDLEWARE, install_request_guards
     from vllm_integration.metrics import install_metrics
 
     settings["metrics_dir"] = install_metrics()
     engine_args.additional_config = {**(engine_args.additional_config or {}), CONFIG_KEY: settings}
     install_request_guards()
+    middleware = getattr(args, "middleware", None)  # only `vllm serve` has it
+    if isinstance(middleware, list) and GUARD_MIDDLEWARE not in middleware:
+        args.middleware = [*middleware, GUARD_MIDDLEWARE]  # a new list: argparse shares defaults
     logger.info("outrate: %s", policy.summary())
     return engine_args

@@ -1,0 +1,457 @@
+"""YAML text -> plain data plus the position of every value and key, within limits.
+
+PyYAML's `safe_load` forgets where values were and silently keeps the last of
+two equal keys, so we compose the node tree ourselves: one walk builds plain
+Python data, records the position of every value and key, and reports
+duplicate keys. The loader validates the data and maps errors back to the
+positions.
+
+A policy file comes from people and tools we do not control and is parsed by
+the engine that serves every user, so parsing has hard limits, each reported
+at the line and column where it was crossed:
+
+- nesting depth (`MAX_DEPTH`): PyYAML's composer and our walk recurse, a few
+  Python frames per level; without a limit ~500 levels of `[` overflow the
+  stack (libyaml refuses at 1000, then the pure-Python parser overflowed).
+- alias expansion (`MAX_ALIAS_VALUES`): aliases and `<<` merges may add at
+  most this many values (keys count) beyond the number the file writes out
+  itself, so work and memory stay proportional to the file's size ("billion
+  laughs" bombs are refused after a few milliseconds).
+
+YAML 1.1 spells some numbers in ways nobody means in a policy (`1:30` is 90 in
+base 60, `0x10` is 16, `010` is 8, `1e-400` is 0 to most parsers): those are
+errors with a hint to quote, as are scalars PyYAML cannot construct
+(`2024-99-99`, a 5000-digit integer).
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal
+from typing import Any
+
+import yaml
+from yaml.constructor import ConstructorError
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+
+from outrate.errors import PolicyError, Problem
+from outrate.policy import _shown
+
+Path = tuple[Any, ...]
+Pos = tuple[int, int]
+
+MAX_DEPTH = 32
+"""Nesting levels of mappings and lists (a policy needs 3)."""
+MAX_ALIAS_VALUES = 10_000
+"""Values aliases and merges may add beyond the ones the file writes out."""
+PURE_REREAD_MAX_BYTES = 1 << 20
+"""A file libyaml refuses is re-read by the pure-Python parser, so messages are
+the same on every install; above this size (seconds of pure-Python parsing in
+the engine) libyaml's own message is reported."""
+
+_MAP = "tag:yaml.org,2002:map"
+_SEQ = "tag:yaml.org,2002:seq"
+_STR = "tag:yaml.org,2002:str"
+_INT = "tag:yaml.org,2002:int"
+_FLOAT = "tag:yaml.org,2002:float"
+_MERGE = "tag:yaml.org,2002:merge"
+_VALUE = "tag:yaml.org,2002:value"
+# YAML 1.1 (PyYAML) reads `1e6` as a string; YAML 1.2 and humans read a number.
+_EXP_NUMBER = re.compile(r"[-+]?(\d[\d_]*\.?[\d_]*|\.\d[\d_]*)[eE][-+]?\d+")
+_DECIMAL = re.compile(r"[-+]?(\d[\d_]*\.?[\d_]*|\.\d[\d_]*)([eE][-+]?\d+)?")
+# Integer spellings only YAML 1.1 has; YAML 1.2, JSON and people read them otherwise.
+_YAML11_INT = (
+    (re.compile(r"[-+]?0b[01_]+"), "binary"),
+    (re.compile(r"[-+]?0x[0-9a-fA-F_]+"), "hexadecimal"),
+    (re.compile(r"[-+]?0[0-7_]+"), "octal"),
+    (re.compile(r"[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?"), "base 60"),
+)
+_SMALLEST_FLOAT_EXP = -324
+"""Decimal exponents below this underflow an IEEE double to 0."""
+_CONSTRUCTED_AS = {
+    _INT: "an integer",
+    _FLOAT: "a number",
+    "tag:yaml.org,2002:bool": "a boolean",
+    "tag:yaml.org,2002:null": "null",
+    "tag:yaml.org,2002:timestamp": "a date",
+    "tag:yaml.org,2002:binary": "binary data",
+}
+
+
+class Doc:
+    """Plain data plus where each piece of it was written."""
+
+    def __init__(self) -> None:
+        self.pos: dict[Path, Pos] = {}
+        self.keypos: dict[Path, Pos] = {}
+        self.problems: list[tuple[Path, Pos, str]] = []
+        self.voided: set[Path] = set()
+        """Paths whose value we replaced by None after reporting it: validation
+        errors under them would only repeat the same problem."""
+        self.written: dict[Path, str] = {}
+        """How a key or a value that YAML did not read as text was spelled
+        (`0x10`, `on`, `~`; cut at 40 characters), for hints; keys under
+        `(*path, "[key]")`."""
+        self.loc_keys: dict[Path, Any] = {}
+        """pydantic names a non-text key in error locations by its repr
+        (`"Decimal('1.5')"`): (parent, that name) -> the key itself."""
+
+    def nearest(self, loc: Path) -> Path:
+        """The longest prefix of `loc` that exists in the file.
+
+        `alice: 0` is validated as `{rate: 0}`; its error says `users.alice.rate`
+        but the file only has `users.alice`, and that is where we point.
+        """
+        loc = tuple(loc)
+        while loc and loc not in self.pos:
+            loc = loc[:-1]
+        return loc
+
+    def real_path(self, loc: Path) -> Path:
+        """A pydantic error location with its keys as the file has them."""
+        out: Path = ()
+        for part in loc:
+            path = (*out, part)
+            out = path if path in self.pos else (*out, self.loc_keys.get(path, part))
+        return out
+
+
+def _loc_name(key: Any) -> Any:
+    """How pydantic names a dict key in an error location: non-text keys by
+    their repr, and text as UTF-8 (a lone surrogate becomes U+FFFD)."""
+    if isinstance(key, bool):
+        return int(key)
+    if isinstance(key, str):
+        try:
+            key.encode()
+        except UnicodeEncodeError:
+            return key.encode(errors="surrogatepass").decode(errors="replace")
+        return key
+    if isinstance(key, int):
+        return key
+    return repr(key)
+
+
+def mark(node: Node) -> Pos:
+    return node.start_mark.line + 1, node.start_mark.column + 1
+
+
+class _TooBig(Exception):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        """Where the alias (or merge) that crossed the limit was used."""
+
+
+class _TooDeep(Exception):
+    def __init__(self, where: yaml.Mark) -> None:
+        self.where = where
+
+
+class _BadScalar(Exception):
+    """A scalar we refuse to turn into a value; the message says why."""
+
+
+class _Walker:
+    """Turns composed YAML nodes into data, recording positions as it goes.
+
+    Work is bounded: collections deeper than `MAX_DEPTH` (aliases included)
+    and more than `MAX_ALIAS_VALUES` values beyond the file's own are refused.
+    A collection walked a second time (through an alias or a merge) is a
+    repeat, and so is everything inside it and every pair a merge copies.
+    """
+
+    def __init__(self, loader: yaml.SafeLoader, doc: Doc) -> None:
+        self.loader = loader
+        self.doc = doc
+        self.own = 0
+        self.repeats = 0
+        self.seen: set[int] = set()
+        self.stack: set[int] = set()
+        self.flat: dict[int, list[tuple[Node, Node, bool]]] = {}
+
+    def _count(self, repeat_at: Path | None) -> None:
+        if repeat_at is None:
+            self.own += 1
+            return
+        self.repeats += 1
+        if self.repeats > MAX_ALIAS_VALUES + self.own:
+            raise _TooBig(repeat_at)
+
+    def walk(self, node: Node, path: Path, repeat_at: Path | None = None) -> Any:
+        """`repeat_at`: where the repeated collection we are inside was used."""
+        self.doc.pos[path] = mark(node)
+        if isinstance(node, ScalarNode):
+            self._count(repeat_at)
+            try:
+                value = self._scalar(node)
+            except _BadScalar as e:
+                self.doc.problems.append((path, mark(node), str(e)))
+                self.doc.voided.add(path)
+                return None
+            if isinstance(value, bool) or not isinstance(value, str | int | Decimal):
+                self.doc.written[path] = _shown_text(node.value)
+            return value
+        if id(node) in self.stack:
+            self.doc.problems.append((path, mark(node), "an alias refers to itself"))
+            self.doc.voided.add(path)
+            return None
+        if len(path) >= MAX_DEPTH:
+            raise _TooDeep(node.start_mark)
+        if repeat_at is None and id(node) in self.seen:
+            repeat_at = path
+        self.seen.add(id(node))
+        self._count(repeat_at)
+        self.stack.add(id(node))
+        try:
+            if isinstance(node, SequenceNode):
+                if node.tag != _SEQ:
+                    return self._bad_tag(node, path)
+                return [self.walk(item, (*path, i), repeat_at) for i, item in enumerate(node.value)]
+            if isinstance(node, MappingNode):
+                if node.tag != _MAP:
+                    return self._bad_tag(node, path)
+                return self._mapping(node, path, repeat_at)
+        finally:
+            self.stack.discard(id(node))
+        raise AssertionError(f"unexpected YAML node {node!r}")  # pragma: no cover
+
+    def _bad_tag(self, node: Node, path: Path) -> None:
+        self.doc.problems.append((path, mark(node), f"unsupported YAML tag {node.tag!r}"))
+        self.doc.voided.add(path)
+
+    def _scalar(self, node: ScalarNode, key: bool = False) -> Any:
+        text = node.value
+        plain = not node.style
+        if node.tag == _FLOAT and _DECIMAL.fullmatch(text):
+            return _decimal(text, plain and not key)  # exact: 0.1 is one tenth
+        if not key and node.tag == _STR and plain and _EXP_NUMBER.fullmatch(text):
+            return _decimal(text, True)  # a value; a key `1e5` stays a name
+        if plain and not key and node.tag in (_INT, _FLOAT):
+            for pattern, kind in _YAML11_INT:
+                if pattern.fullmatch(text):
+                    raise _BadScalar(_ambiguous(text, kind, self._construct(node)))
+        return self._construct(node)
+
+    def _construct(self, node: ScalarNode) -> Any:
+        try:
+            return self.loader.construct_object(node, deep=True)
+        except (ValueError, OverflowError, TypeError) as e:
+            # `!!int abc`, `2024-99-99`, an integer of more than 4300 digits
+            what = _CONSTRUCTED_AS.get(node.tag, repr(node.tag))
+            raise _BadScalar(
+                f"cannot read {_shown(node.value)} as {what}; quote it if you meant text"
+            ) from e
+
+    def _key(self, knode: Node) -> tuple[bool, Any]:
+        """(usable, key) of a mapping key node."""
+        if not isinstance(knode, ScalarNode):
+            return False, None
+        try:
+            key = self._scalar(knode, key=True)
+        except _BadScalar:
+            return False, None
+        return _hashable(key), key
+
+    def _mapping(self, node: MappingNode, path: Path, repeat_at: Path | None) -> dict[Any, Any]:
+        first: dict[Any, Pos] = {}
+        for knode, _ in node.value:  # duplicates among keys written here
+            if isinstance(knode, ScalarNode) and knode.tag != _MERGE:
+                usable, key = self._key(knode)
+                if usable and key in first:
+                    line = first[key][0]
+                    self.doc.problems.append(
+                        (path, mark(knode), f"duplicate key {_shown(key)} (first at line {line})")
+                    )
+                elif usable:
+                    first[key] = mark(knode)
+        out: dict[Any, Any] = {}
+        for knode, vnode in self._flatten(node, path, 0):
+            usable, key = self._key(knode)
+            if not usable:
+                _check_depth(knode, len(path) + 2)
+                self.doc.problems.append((path, mark(knode), "keys must be plain scalars"))
+                continue
+            self._count(repeat_at)  # a key is a value written (or repeated) too
+            where = (*path, key)
+            self.doc.keypos[where] = mark(knode)
+            if not isinstance(key, str):
+                self.doc.written[(*where, "[key]")] = _shown_text(knode.value)
+            if _loc_name(key) != key:
+                self.doc.loc_keys[(*path, _loc_name(key))] = key
+            out[key] = self.walk(vnode, where, repeat_at)
+        return out
+
+    def _flatten(self, node: MappingNode, path: Path, depth: int) -> list[tuple[Node, Node]]:
+        """`node.value` with `<<` merges applied.
+
+        What PyYAML's `flatten_mapping` does, minus its cost: merged keys are
+        deduplicated (the first merge source that has a key wins, a key
+        written here wins over all), every pair copied counts as a repeat
+        (used at `path`), merge chains count as nesting, and each mapping is
+        flattened once. Done here rather than by PyYAML so the result is the
+        same on every PyYAML 6.x.
+        """
+        if not any(k.tag in (_MERGE, _VALUE) for k, _ in node.value):
+            return list(node.value)
+        done = self.flat.get(id(node))
+        if done is not None:
+            return done
+        if depth >= MAX_DEPTH:
+            raise _TooDeep(node.start_mark)
+        merged: dict[Any, tuple[Node, Node]] = {}
+        own: list[tuple[Node, Node]] = []
+        for knode, vnode in node.value:
+            if knode.tag == _VALUE:
+                knode.tag = _STR
+            if knode.tag != _MERGE:
+                own.append((knode, vnode))
+                continue
+            sources = vnode.value if isinstance(vnode, SequenceNode) else [vnode]
+            for source in sources:
+                if not isinstance(source, MappingNode):
+                    expected = "a mapping" if isinstance(vnode, SequenceNode) else _MERGE_EXPECTED
+                    raise ConstructorError(
+                        "while constructing a mapping",
+                        node.start_mark,
+                        f"expected {expected} for merging, but found {source.id}",
+                        source.start_mark,
+                    )
+                for k, v in self._flatten(source, path, depth + 1):
+                    self._count(path)
+                    usable, key = self._key(k)
+                    if usable and key not in merged:
+                        merged[key] = (k, v)
+        self.flat[id(node)] = out = [*merged.values(), *own]
+        return out
+
+
+def _check_depth(node: Node, depth: int) -> None:
+    """The nesting limit inside a complex key, which the walk does not enter
+    (the pure-Python composer counts it, and results must not depend on libyaml)."""
+    todo = [(node, depth)]
+    while todo:
+        item, level = todo.pop()
+        if isinstance(item, ScalarNode):
+            continue
+        if level > MAX_DEPTH:
+            raise _TooDeep(item.start_mark)
+        if isinstance(item, MappingNode):
+            children = [n for pair in item.value for n in pair]
+        else:
+            children = list(item.value)
+        todo += [(child, level + 1) for child in reversed(children)]
+
+
+_MERGE_EXPECTED = "a mapping or list of mappings"
+
+
+def _decimal(text: str, value: bool) -> Decimal:
+    number = Decimal(text.replace("_", ""))
+    if value and number and number.adjusted() < _SMALLEST_FLOAT_EXP:
+        raise _BadScalar(
+            f"ambiguous number {_shown_text(text)}: most YAML parsers read it as 0 "
+            "(it is too small for a float); quote it if you meant text"
+        )
+    return number
+
+
+def _ambiguous(text: str, kind: str, value: Any) -> str:
+    shown = f" ({value})" if len(text) <= 20 else ""
+    return (
+        f"ambiguous number {_shown_text(text)}: YAML 1.1 reads it as {kind}{shown}; "
+        "write it in decimal, or quote it if you meant text"
+    )
+
+
+def _shown_text(text: str) -> str:
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _hashable(key: object) -> bool:
+    try:
+        hash(key)
+    except TypeError:
+        return False
+    return True
+
+
+class PureLoader(yaml.SafeLoader):
+    """PyYAML's pure-Python loader with the nesting limit: its composer recurses
+    (two frames a level, overflowing near 500 levels) and its scanner reads a
+    run of `[` or `{` to the end before emitting a token, with quadratic cost
+    in the flow level (5000 levels took seconds). Flow nesting is refused by
+    the scanner, which sees it first; block nesting by the composer."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def fetch_flow_collection_start(self, TokenClass: Any) -> None:  # noqa: N803 - PyYAML's name
+        if self.flow_level >= MAX_DEPTH:
+            raise _TooDeep(self.get_mark())
+        super().fetch_flow_collection_start(TokenClass)
+
+    def compose_node(self, parent: Node | None, index: Any) -> Node:
+        if not self.check_event(yaml.SequenceStartEvent, yaml.MappingStartEvent):
+            return super().compose_node(parent, index)  # type: ignore[no-any-return]
+        if self._depth >= MAX_DEPTH:
+            raise _TooDeep(self.peek_event().start_mark)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)  # type: ignore[no-any-return]
+        finally:
+            self._depth -= 1
+
+
+FAST_LOADER: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", PureLoader)
+"""libyaml when PyYAML has it: 3-4x faster on big user lists. Its error
+messages differ (and say less), so a file that fails is re-read by the pure
+Python parser: the messages are then the same on every install."""
+
+
+def _yaml_problem(e: yaml.MarkedYAMLError, source: str) -> Problem:
+    where = e.problem_mark or e.context_mark
+    line, col = (where.line + 1, where.column + 1) if where else (1, 1)
+    problem = e.problem or e.context or "cannot parse"
+    if e.problem and e.context and e.context_mark is not None:
+        problem += f" ({e.context} at line {e.context_mark.line + 1})"
+    return Problem(source, line, col, "<root>", f"invalid YAML: {problem}")
+
+
+def compose(
+    text: str, source: str, loader_cls: type[yaml.SafeLoader] | None = None
+) -> tuple[Any, Doc]:
+    """Parse YAML into (data, positions); syntax errors and crossed limits
+    become a PolicyError."""
+    doc = Doc()
+    loader_cls = loader_cls or FAST_LOADER
+    pure = loader_cls is PureLoader
+    loader = loader_cls(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            expected = "empty policy; expected a mapping with 'version: 1' and 'default'"
+            raise PolicyError([Problem(source, 1, 1, "<root>", expected)])
+        data = _Walker(loader, doc).walk(node, ())
+    except yaml.MarkedYAMLError as e:
+        if not pure and len(text) <= PURE_REREAD_MAX_BYTES:
+            return compose(text, source, PureLoader)
+        raise PolicyError([_yaml_problem(e, source)]) from e
+    except yaml.YAMLError as e:  # pragma: no cover - every PyYAML error we know is marked
+        raise PolicyError([Problem(source, 1, 1, "<root>", f"invalid YAML: {e}")]) from e
+    except _TooDeep as e:
+        if not pure and len(text) <= PURE_REREAD_MAX_BYTES:
+            return compose(text, source, PureLoader)  # the pure composer finds it first
+        message = f"nested deeper than {MAX_DEPTH} levels (the limit)"
+        line, col = e.where.line + 1, e.where.column + 1
+        raise PolicyError([Problem(source, line, col, "<root>", message)]) from None
+    except _TooBig as e:
+        line, col = doc.keypos.get(e.path) or doc.pos.get(e.path[:-1], (1, 1))
+        message = (
+            f"aliases expand to more than {MAX_ALIAS_VALUES} values beyond the file's own"
+            " (alias bomb?)"
+        )
+        raise PolicyError([Problem(source, line, col, "<root>", message)]) from None
+    finally:
+        loader.dispose()
+    return data, doc
