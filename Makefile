@@ -24,7 +24,7 @@ install: $(STAMP)
 model: $(STAMP)
 	$(BIN)/python examples/build_tiny_model.py
 
-test: $(STAMP)
+test: lint
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)
@@ -42,6 +42,7 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check outrate vllm_integration tests examples benchmarks
 	$(BIN)/ruff format --check outrate vllm_integration tests examples benchmarks
+	$(BIN)/mypy outrate vllm_integration
 
 clean:
 	rm -rf $(VENV) models out

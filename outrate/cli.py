@@ -8,12 +8,10 @@ and runs where vLLM is not installed; `outrate serve` imports it when run.
 from __future__ import annotations
 
 import json
-import sys
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
-import click
 import typer
 from typer.core import TyperCommand
 
@@ -44,7 +42,7 @@ class _SplitAtDoubleDash(TyperCommand):
     """Everything after `--` is vllm serve's, never a policy path: click alone
     would hand it to the POLICY... argument."""
 
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         if "--" in args:
             at = args.index("--")
             ctx.meta["outrate.vllm_args"] = args[at + 1 :]
@@ -196,4 +194,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover - `python -m outrate.cli`
-    sys.exit(main())
+    main()

@@ -20,7 +20,8 @@ from types import MappingProxyType
 from typing import Any
 
 from outrate.errors import PolicyError, Problem
-from outrate.limiter import ANONYMOUS, Limit
+from outrate.identity import ANONYMOUS
+from outrate.limiter import Limit
 from outrate.loader import parse_policy_bytes, read_policy_file, validate
 from outrate.policy import UNLIMITED, LimitRule, Policy, TierRule
 
@@ -142,7 +143,7 @@ def _count(n: int, word: str) -> str:
 
 
 def _limit(
-    rule: TierRule,
+    rule: TierRule | LimitRule,
     name: str,
     label: str,
     policy: Policy,
@@ -180,7 +181,7 @@ def compile_policy(policy: Policy, source: str, sha256: str = "") -> CompiledPol
         for name, rule in policy.tiers.items()
     }
 
-    def resolve(rule: TierRule, name: str, label: str) -> Limit:
+    def resolve(rule: TierRule | LimitRule, name: str, label: str) -> Limit:
         return _limit(rule, name, label, policy, tier_limits)
 
     default = resolve(policy.default, "default", "default")

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import re
 from decimal import Decimal
-from typing import Any
+from typing import Any, cast
 
 import yaml
 from yaml.constructor import ConstructorError
@@ -167,7 +167,7 @@ class _Walker:
         self.repeats = 0
         self.seen: set[int] = set()
         self.stack: set[int] = set()
-        self.flat: dict[int, list[tuple[Node, Node, bool]]] = {}
+        self.flat: dict[int, list[tuple[Node, Node]]] = {}
 
     def _count(self, repeat_at: Path | None) -> None:
         if repeat_at is None:
@@ -292,7 +292,7 @@ class _Walker:
         same on every PyYAML 6.x.
         """
         if not any(k.tag in (_MERGE, _VALUE) for k, _ in node.value):
-            return list(node.value)
+            return cast("list[tuple[Node, Node]]", list(node.value))
         done = self.flat.get(id(node))
         if done is not None:
             return done
@@ -321,7 +321,8 @@ class _Walker:
                     usable, key = self._key(k)
                     if usable and key not in merged:
                         merged[key] = (k, v)
-        self.flat[id(node)] = out = [*merged.values(), *own]
+        out = [*merged.values(), *own]
+        self.flat[id(node)] = out
         return out
 
 
@@ -393,12 +394,12 @@ class PureLoader(yaml.SafeLoader):
 
     def compose_node(self, parent: Node | None, index: Any) -> Node:
         if not self.check_event(yaml.SequenceStartEvent, yaml.MappingStartEvent):
-            return super().compose_node(parent, index)  # type: ignore[no-any-return]
+            return super().compose_node(parent, index)  # type: ignore[return-value]
         if self._depth >= MAX_DEPTH:
-            raise _TooDeep(self.peek_event().start_mark)
+            raise _TooDeep(self.peek_event().start_mark)  # type: ignore[no-untyped-call]
         self._depth += 1
         try:
-            return super().compose_node(parent, index)  # type: ignore[no-any-return]
+            return super().compose_node(parent, index)  # type: ignore[return-value]
         finally:
             self._depth -= 1
 

@@ -200,9 +200,11 @@ def _set(out: Settings, name: str, flag: _Flag, raw: Any, where: str) -> None:
 
 def _nest(sub: str, raw: Any) -> dict[str, Any]:
     """`kv_connector`, X -> {"kv_connector": X}; `a.b`, X -> {"a": {"b": X}}."""
-    value: Any = raw
+    value: dict[str, Any] = {}
+    inner: Any = raw
     for key in reversed(sub.split(".")):
-        value = {key: value}
+        value = {key: inner}
+        inner = value
     return value
 
 

@@ -19,10 +19,11 @@ import logging
 import unicodedata
 from typing import Any
 
-from outrate.limiter import ANONYMOUS
-
 IDENTITY_KEY = "output_rate_user"
 """The `vllm_xargs` key (and `SamplingParams.extra_args` key) that names the user."""
+
+ANONYMOUS = "__anonymous__"
+"""The user id of requests that carry no identity; they share one budget."""
 
 IDENTITY_FIELD = f"vllm_xargs.{IDENTITY_KEY}"
 
@@ -102,7 +103,7 @@ def resolve_identity(sampling_params: Any, logger: logging.Logger | None = None)
         return ANONYMOUS
     error = identity_error(value)
     if error is None:
-        return value
+        return str(value)
     if logger is not None:
         logger.warning("outrate: %s; request counted in the anonymous budget", error)
     return ANONYMOUS

@@ -18,16 +18,11 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from decimal import Decimal
 from fractions import Fraction
-from typing import TYPE_CHECKING, NamedTuple
-
-if TYPE_CHECKING:
-    from outrate.compiler import CompiledPolicy
+from typing import NamedTuple, Protocol
 
 NS_PER_S = 1_000_000_000
 SWAP_HISTORY = 32
 """Policy swaps remembered so an idle bucket converts its debt at each swap instant."""
-ANONYMOUS = "__anonymous__"
-"""The user id of requests that carry no identity; they share one budget."""
 
 
 def exact_rate(value: int | float | str | Decimal | Fraction) -> Fraction:
@@ -182,15 +177,20 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+class LimitSource(Protocol):
+    """What the limiter needs of a policy (outrate.compiler.CompiledPolicy is one):
+    the limiter sits below the compiler and never imports it."""
+
+    def limit_for(self, user_id: str) -> Limit: ...
+
+
 class Limiter:
     """The per-user table. One per engine; only the scheduler thread mutates it."""
 
-    def __init__(
-        self, policy: CompiledPolicy, clock: Callable[[], int] = time.monotonic_ns
-    ) -> None:
+    def __init__(self, policy: LimitSource, clock: Callable[[], int] = time.monotonic_ns) -> None:
         self._policy = policy
         self._gen = 0
-        self._swaps: deque[tuple[int, int | None, CompiledPolicy]] = deque(maxlen=SWAP_HISTORY)
+        self._swaps: deque[tuple[int, int | None, LimitSource]] = deque(maxlen=SWAP_HISTORY)
         self._buckets: dict[str, Bucket] = {}
         self._sweep: deque[str] = deque()
         self.clock = clock
@@ -198,10 +198,10 @@ class Limiter:
     # -- policy ------------------------------------------------------------
 
     @property
-    def policy(self) -> CompiledPolicy:
+    def policy(self) -> LimitSource:
         return self._policy
 
-    def set_policy(self, policy: CompiledPolicy, now: int | None = None) -> None:
+    def set_policy(self, policy: LimitSource, now: int | None = None) -> None:
         """Swap the policy in O(1); each bucket converts its debt when next touched,
         as it stood at `now`, the swap instant (None: at that touch).
 

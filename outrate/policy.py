@@ -44,8 +44,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from outrate.identity import MAX_IDENTITY_LEN, text_error
-from outrate.limiter import ANONYMOUS, NS_PER_S, exact_rate
+from outrate.identity import ANONYMOUS, MAX_IDENTITY_LEN, text_error
+from outrate.limiter import NS_PER_S, exact_rate
 
 MAX_RATE = 1_000_000
 """Tokens per second above which a rate is a typo, not a limit."""
@@ -60,7 +60,7 @@ DEFAULT_BURST_NS = 100_000_000
 MAX_USER_ID_LEN = MAX_IDENTITY_LEN
 MAX_NAME_LEN = MAX_IDENTITY_LEN
 """Tier names and patterns: as long as the longest id they could name."""
-UNLIMITED = "unlimited"
+UNLIMITED: Literal["unlimited"] = "unlimited"
 
 RateValue = Fraction | Literal["unlimited"]
 
@@ -438,6 +438,7 @@ class MatchRule(LimitRule):
 
 
 LimitSpec = Annotated[LimitRule, _ScalarOrMapping()]
+FieldPath = tuple[str | int, ...]
 TierSpec = Annotated[TierRule, _ScalarOrMapping()]
 
 MODES = ("enforce", "shadow")
@@ -546,9 +547,9 @@ class Policy(_Strict):
 
     __hash__ = _Strict.__hash__
 
-    def rules(self) -> list[tuple[tuple[str | int, ...], TierRule]]:
+    def rules(self) -> list[tuple[FieldPath, TierRule | LimitRule]]:
         """Every limit spec with its field path, e.g. `("users", "alice")`."""
-        out: list[tuple[tuple[str | int, ...], TierRule]] = [(("default",), self.default)]
+        out: list[tuple[FieldPath, TierRule | LimitRule]] = [(("default",), self.default)]
         if self.anonymous is not None:
             out.append((("anonymous",), self.anonymous))
         out += [(("tiers", name), rule) for name, rule in self.tiers.items()]

@@ -13,18 +13,16 @@ A `Bucket` is the handle a live request keeps for its user (`pin`/`unpin`);
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from outrate.compiler import CompiledPolicy
-    from outrate.limiter import Bucket, Limit
+from outrate.limiter import Bucket, Limit, LimitSource
 
 
 class BudgetStore(Protocol):
     @property
-    def policy(self) -> CompiledPolicy: ...
+    def policy(self) -> LimitSource: ...
 
-    def set_policy(self, policy: CompiledPolicy, now: int | None = None) -> None:
+    def set_policy(self, policy: LimitSource, now: int | None = None) -> None:
         """Swap the policy at `now`; each user's debt carries over in tokens."""
 
     def pin(self, user: str) -> Bucket:

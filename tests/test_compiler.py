@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from outrate import compiler
 from outrate.compiler import compile_policy, load_compiled, policy_from_flags
 from outrate.errors import PolicyError
-from outrate.limiter import ANONYMOUS, Limit, Limiter
+from outrate.identity import ANONYMOUS
+from outrate.limiter import Limit, Limiter
 from outrate.loader import parse_policy
 from outrate.policy import Policy
 

@@ -7,8 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from outrate.identity import identity_error, resolve_identity, text_error
-from outrate.limiter import ANONYMOUS
+from outrate.identity import ANONYMOUS, identity_error, resolve_identity, text_error
 
 F = "vllm_xargs.output_rate_user"
 

@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from outrate.compiler import CompiledPolicy, compile_policy, policy_from_flags
-from outrate.limiter import ANONYMOUS, NS_PER_S, Bucket, Limit, Limiter, gcra
+from outrate.identity import ANONYMOUS
+from outrate.limiter import NS_PER_S, Bucket, Limit, Limiter, gcra
 from outrate.loader import parse_policy
 
 SETTINGS = settings(max_examples=200, deadline=None)

@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from outrate.cli import schema_text
-from outrate.identity import text_error
-from outrate.limiter import ANONYMOUS
+from outrate.identity import ANONYMOUS, text_error
 from outrate.loader import parse_policy
 from outrate.policy import (
     DEFAULT_BURST_NS,

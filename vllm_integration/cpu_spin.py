@@ -44,6 +44,6 @@ def install_spin_sleep() -> bool:
     def sched_yield() -> None:
         time.sleep(seconds)
 
-    shm_broadcast.sched_yield = sched_yield
-    shm_broadcast._outrate_spin_sleep = seconds  # type: ignore[attr-defined]
+    setattr(shm_broadcast, "sched_yield", sched_yield)  # noqa: B010 - not re-exported
+    setattr(shm_broadcast, "_outrate_spin_sleep", seconds)  # noqa: B010
     return True

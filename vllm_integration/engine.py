@@ -36,7 +36,7 @@ def install_idle_wait() -> None:
                     pass
                 else:
                     self._handle_client_request(*req)
-        return executed
+        return bool(executed)
 
     EngineCoreProc._process_engine_step = _process_engine_step
     EngineCoreProc._outrate_idle_wait = True

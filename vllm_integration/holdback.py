@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from outrate.store import BudgetStore
 from vllm_integration.state import ATTR, RequestState, UserState, is_held
@@ -168,5 +168,5 @@ class Holdback:
         return self.youngest_held(victim_user)
 
     @staticmethod
-    def youngest_held(u: UserState) -> Any:
+    def youngest_held(u: UserState) -> Request:
         return max((e for e in u.held if is_held(e[2])), key=lambda e: (e[0], e[1]))[2]

@@ -42,5 +42,5 @@ def main(argv: list[str]) -> int:
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", "serve", *argv]
-    vllm_main()
+    vllm_main()  # type: ignore[no-untyped-call]
     return 0

@@ -41,7 +41,7 @@ def install_metrics() -> str:
         from vllm.entrypoints.serve.instrumentator import metrics as instrumentator
     except ImportError:  # another vLLM layout: the global registry is all we have
         return directory
-    stock = instrumentator.get_prometheus_registry
+    stock = getattr(instrumentator, "get_prometheus_registry")  # noqa: B009 - not re-exported
 
     def get_prometheus_registry() -> Any:
         registry = stock()
@@ -49,5 +49,5 @@ def install_metrics() -> str:
             registry.register(_collector)
         return registry
 
-    instrumentator.get_prometheus_registry = get_prometheus_registry
+    setattr(instrumentator, "get_prometheus_registry", get_prometheus_registry)  # noqa: B010
     return directory

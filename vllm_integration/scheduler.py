@@ -73,7 +73,7 @@ class OutrateMixin:
     kv_cache_manager: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        super().__init__(*args, **kwargs)
         from vllm_integration.config import policy_from_vllm_config
         from vllm_integration.engine import install_idle_wait
         from vllm_integration.threads import start_engine_threads
@@ -104,7 +104,8 @@ class OutrateMixin:
     ) -> None:
         """(Re)wire the limiter. The engine calls this once; tests pass a fake clock."""
         self.policy_box = policy if isinstance(policy, PolicyBox) else PolicyBox(policy)
-        self.limiter: BudgetStore = Limiter(self.policy_box.current, clock=clock)
+        self._policy = self.policy_box.current  # the one the limiter enforces
+        self.limiter: BudgetStore = Limiter(self._policy, clock=clock)
         self._take = self.limiter.take  # bound once: called for every sampling dispatch
         self._clock = clock
         self.stats = {"charged": 0, "refunded": 0, "held": 0, "released": 0, "displaced": 0}
@@ -142,7 +143,7 @@ class OutrateMixin:
     def _user(self, key: str) -> UserState:
         u = self._users.get(key)
         if u is None:
-            label = self.metrics.label_of(key, self.limiter.policy)
+            label = self.metrics.label_of(key, self._policy)
             u = UserState(key, self.limiter.pin(key), self.metrics.record(label))
             self._users[key] = u
         return u
@@ -201,7 +202,10 @@ class OutrateMixin:
     ) -> bool:
         if reset_running_requests:
             self.holdback.release_all(self._users.values(), self._clock(), self.running)
-        return super().reset_prefix_cache(reset_running_requests, reset_connector)  # type: ignore[misc]
+        reset: bool = super().reset_prefix_cache(  # type: ignore[misc]
+            reset_running_requests, reset_connector
+        )
+        return reset
 
     # -- the hooks inside stock schedule() ----------------------------------
 
@@ -341,7 +345,7 @@ class OutrateMixin:
         self._step += 1
         now = self._now = self._clock()
         policy = self.policy_box.current
-        if policy is not self.limiter.policy:
+        if policy is not self._policy:
             self._swap_policy(policy, now)
         self._st.blocked_ready = 0
         holdback = self.holdback
@@ -440,6 +444,7 @@ class OutrateMixin:
             return  # one per step; none when slots are already shared fairly
 
     def _swap_policy(self, policy: CompiledPolicy, now: int) -> None:
+        self._policy = policy
         self.limiter.set_policy(policy, now)
         logger.debug("outrate: scheduler switched to %s", policy.summary())
         self.holdback.rearm(self._users.values(), now)
@@ -476,7 +481,7 @@ class OutrateAsyncScheduler(OutrateMixin, AsyncScheduler):
 
 def outrate_scheduler(*args: Any, **kwargs: Any) -> Scheduler:
     """`--scheduler-cls` target: picks the variant vLLM itself would pick."""
-    vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+    vllm_config: Any = kwargs.get("vllm_config", args[0] if args else None)
     cls = (
         OutrateAsyncScheduler if vllm_config.scheduler_config.async_scheduling else OutrateScheduler
     )
