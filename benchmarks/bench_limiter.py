@@ -28,8 +28,8 @@ import time
 import tracemalloc
 from collections.abc import Callable, Sequence
 
-from outrate.compiler import policy_from_flags
 from outrate.limiter import Limiter
+from outrate.pipeline import policy_from_flags
 
 RATE = 100  # tokens/s for every user; burst: the policy default (100ms)
 START_NS = 10**12

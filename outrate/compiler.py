@@ -8,28 +8,19 @@ policy the loader accepted cannot fail: every value was checked there.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from decimal import Decimal
 from fnmatch import translate
 from types import MappingProxyType
 from typing import Any
 
-from outrate.errors import PolicyError, Problem
 from outrate.identity import ANONYMOUS
 from outrate.limiter import Limit
-from outrate.loader import parse_policy_bytes, read_policy_file, validate
 from outrate.policy import UNLIMITED, LimitRule, Policy, TierRule
 
 PATTERN_CACHE_SIZE = 65_536
 """Pattern results remembered per policy; bounded so hostile ids cannot grow it."""
-
-DEFAULT_FLAG = "--default-user-output-tokens-per-second"
-USERS_FLAG = "--user-output-tokens-per-second"
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -215,62 +206,4 @@ def compile_policy(policy: Policy, source: str, sha256: str = "") -> CompiledPol
     )
 
 
-def load_compiled(path: str | os.PathLike[str]) -> CompiledPolicy:
-    """Load, validate and compile a policy file (what the engine and lint run)."""
-    source = os.fspath(path)
-    raw = read_policy_file(source)
-    return compile_policy(parse_policy_bytes(raw, source), source, hashlib.sha256(raw).hexdigest())
-
-
-def policy_from_flags(
-    default_rate: float | None,
-    user_rates: dict[str, float] | str | None,
-    source: str = "flags",
-) -> CompiledPolicy:
-    """The seed's flags as a policy, validated exactly like a file.
-
-    `user_rates` is the JSON of `--user-output-tokens-per-second` (or the parsed
-    dict). Without a default flag identified users are unlimited. Errors name the
-    flag: `--user-output-tokens-per-second:1:1: users.user-a: must be > 0`.
-    """
-    if isinstance(user_rates, str):
-        try:
-            user_rates = json.loads(user_rates, parse_float=Decimal)
-        except json.JSONDecodeError as e:
-            raise PolicyError(
-                [Problem(USERS_FLAG, e.lineno, e.colno, "users", f"invalid JSON: {e.msg}")]
-            ) from e
-        except RecursionError:  # json.loads recurses once per level of nesting
-            message = "invalid JSON: nested too deep"
-            raise PolicyError([Problem(USERS_FLAG, 1, 1, "users", message)]) from None
-    if user_rates is not None and not isinstance(user_rates, dict):
-        raise PolicyError(
-            [
-                Problem(
-                    USERS_FLAG,
-                    1,
-                    1,
-                    "users",
-                    "must be a JSON object of user id -> tokens per second",
-                )
-            ]
-        )
-    data: dict[str, Any] = {"version": 1}
-    data["default"] = UNLIMITED if default_rate is None else default_rate
-    if user_rates is not None:
-        data["users"] = user_rates
-
-    def flag_for(path: tuple[Any, ...]) -> str:
-        return USERS_FLAG if path[:1] == ("users",) else DEFAULT_FLAG
-
-    policy = validate(data, source, file_for=flag_for)
-    digest = hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
-    return compile_policy(policy, source, digest)
-
-
-__all__ = [
-    "CompiledPolicy",
-    "compile_policy",
-    "load_compiled",
-    "policy_from_flags",
-]
+__all__ = ["CompiledPolicy", "compile_policy"]

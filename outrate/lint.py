@@ -33,9 +33,10 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any, Literal, NamedTuple
 
-from outrate.compiler import CompiledPolicy, compile_policy, load_compiled
+from outrate.compiler import CompiledPolicy, compile_policy
 from outrate.deployment import Deployment
 from outrate.errors import PolicyError, Problem
+from outrate.pipeline import load_compiled
 from outrate.policy import LimitRule, Policy, _shown, format_duration
 
 Severity = Literal["error", "warning"]

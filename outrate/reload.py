@@ -28,8 +28,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
-from outrate.compiler import CompiledPolicy, load_compiled
+from outrate.compiler import CompiledPolicy
 from outrate.errors import OutrateError, PolicyError
+from outrate.pipeline import load_compiled
 from outrate.policy_file import read_policy_file
 
 if TYPE_CHECKING:

@@ -12,11 +12,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from outrate import compiler
-from outrate.compiler import compile_policy, load_compiled, policy_from_flags
+from outrate.compiler import compile_policy
 from outrate.errors import PolicyError
 from outrate.identity import ANONYMOUS
 from outrate.limiter import Limit, Limiter
 from outrate.loader import parse_policy
+from outrate.pipeline import load_compiled, policy_from_flags
 from outrate.policy import Policy
 
 POLICIES = Path(__file__).parent.parent / "policies"

@@ -3,9 +3,9 @@ scheduler's plain records, with a real Limiter and a fake clock."""
 
 from __future__ import annotations
 
-from outrate.compiler import policy_from_flags
 from outrate.limiter import Limiter
 from outrate.metrics import Metrics
+from outrate.pipeline import policy_from_flags
 from vllm_integration.holdback import Holdback
 from vllm_integration.state import ATTR, RequestState, UserState
 

@@ -18,10 +18,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from outrate.compiler import CompiledPolicy, compile_policy, policy_from_flags
+from outrate.compiler import CompiledPolicy, compile_policy
 from outrate.identity import ANONYMOUS
 from outrate.limiter import NS_PER_S, Bucket, Limit, Limiter, gcra
 from outrate.loader import parse_policy
+from outrate.pipeline import policy_from_flags
 
 SETTINGS = settings(max_examples=200, deadline=None)
 

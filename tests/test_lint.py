@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from outrate.compiler import CompiledPolicy, compile_policy, load_compiled, policy_from_flags
+from outrate.compiler import CompiledPolicy, compile_policy
 from outrate.deployment import (
     Deployment,
     DeploymentError,
@@ -28,6 +28,7 @@ from outrate.lint import (
     lint_policy,
 )
 from outrate.loader import parse_policy
+from outrate.pipeline import load_compiled, policy_from_flags
 
 DEPLOY = Path(__file__).parent / "fixtures" / "deploy"
 POLICIES = Path(__file__).parent.parent / "policies"

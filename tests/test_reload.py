@@ -22,9 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from outrate.compiler import CompiledPolicy, compile_policy, load_compiled
+from outrate.compiler import CompiledPolicy, compile_policy
 from outrate.errors import PolicyError
 from outrate.loader import parse_policy
+from outrate.pipeline import load_compiled
 from outrate.reload import Reloader, describe_changes
 
 T = 5.0

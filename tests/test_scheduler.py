@@ -23,9 +23,10 @@ from vllm_harness import (  # noqa: E402
     user_times,
 )
 
-from outrate.compiler import compile_policy, policy_from_flags  # noqa: E402
+from outrate.compiler import compile_policy  # noqa: E402
 from outrate.identity import ANONYMOUS  # noqa: E402
 from outrate.loader import parse_policy  # noqa: E402
+from outrate.pipeline import policy_from_flags  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 KINDS = ["sync", "async"]

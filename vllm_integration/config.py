@@ -11,10 +11,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from outrate.compiler import CompiledPolicy, load_compiled, policy_from_flags
+from outrate.compiler import CompiledPolicy
 from outrate.deployment import Deployment
 from outrate.errors import OutrateError
 from outrate.lint import Finding, lint_deployment
+from outrate.pipeline import load_compiled, policy_from_flags
 
 CONFIG_KEY = "outrate"
 SCHEDULER_CLS = "vllm_integration.scheduler.outrate_scheduler"
