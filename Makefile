@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_limiter.py
 	$(BIN)/python benchmarks/bench_scheduler.py
 	$(BIN)/python benchmarks/bench_metrics.py
+	$(BIN)/python benchmarks/bench_reload.py
 	$(BIN)/python benchmarks/bench_e2e.py
 
 lint: $(STAMP)

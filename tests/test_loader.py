@@ -11,6 +11,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+import yaml
 
 from outrate import compose
 from outrate.errors import OutrateError, PolicyError, Problem
@@ -586,13 +587,17 @@ def test_bom_is_accepted(tmp_path: Path) -> None:
     assert load_policy(path).default.rate == 3
 
 
+@pytest.mark.skipif(not yaml.__with_libyaml__, reason="PyYAML built without libyaml here")
 def test_same_results_without_libyaml(monkeypatch: pytest.MonkeyPatch) -> None:
-    """libyaml is used when present; the pure-Python parser must agree exactly."""
+    """libyaml is used when present; the pure-Python parser must agree exactly,
+    positions included (Policy equality ignores them)."""
+    assert compose.FAST_LOADER is not compose.PureLoader  # the comparison means something
     sources = [*BAD.glob("*.yaml"), *(BAD.parent.parent.parent / "policies").glob("*.yaml")]
 
     def outcome(path: Path) -> object:
         try:
-            return load_policy(path)
+            policy = load_policy(path)
+            return policy, dict(policy._positions)
         except PolicyError as e:
             return e.problems
 
