@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import re
 import unicodedata
+from collections.abc import Callable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any, Literal, NamedTuple
@@ -255,98 +256,149 @@ def is_outrate_scheduler(name: str | None) -> bool:
     return name is None or "vllm_integration" in name or "outrate" in name
 
 
-def lint_deployment(dep: Deployment) -> list[Finding]:
-    """Errors: configurations where the per-user limit cannot hold. Warnings:
-    configurations where it holds but serves users worse than it could."""
-    out: list[Finding] = []
+class DeploymentRule(NamedTuple):
+    """One row of the deployment rules: a new rule is a new row."""
 
-    def error(code: str, field: str, message: str) -> None:
-        out.append(Finding(code, "error", message, dep.where(field)))
+    code: str
+    severity: Literal["error", "warning"]
+    field: str
+    applies: Callable[[Deployment], bool]
+    message: Callable[[Deployment], str]
 
-    if dep.speculative:
-        error(
-            "OR101",
-            "speculative",
-            "speculative decoding is not supported: draft tokens are sampled without "
-            "passing the per-user limiter",
-        )
-    if dep.data_parallel_size > 1:
-        error(
-            "OR102",
-            "data_parallel_size",
-            f"data parallel size {dep.data_parallel_size} is not supported: each "
-            "data-parallel engine keeps its own budgets, so a user would get up to "
-            f"{dep.data_parallel_size} times its rate",
-        )
-    if dep.pipeline_parallel_size > 1:
-        error(
-            "OR103",
-            "pipeline_parallel_size",
-            f"pipeline parallel size {dep.pipeline_parallel_size} is not supported: "
-            "several batches are in flight at once through vLLM's batch queue, which "
-            "outrate's charge-at-dispatch and refund points do not cover",
-        )
-    if dep.kv_connector is not None and not (
+
+def _kv_connector_rejected(dep: Deployment) -> bool:
+    return dep.kv_connector is not None and not (
         dep.kv_offload and dep.kv_connector in OFFLOAD_CONNECTORS
-    ):
-        error(
-            "OR104",
-            "kv_connector",
-            f"KV connector '{dep.kv_connector}' is not supported: requests waiting for "
+    )
+
+
+DEPLOYMENT_RULES: tuple[DeploymentRule, ...] = (
+    DeploymentRule(
+        "OR101",
+        "error",
+        "speculative",
+        lambda d: d.speculative,
+        lambda d: (
+            "speculative decoding is not supported: draft tokens are sampled without "
+            "passing the per-user limiter"
+        ),
+    ),
+    DeploymentRule(
+        "OR102",
+        "error",
+        "data_parallel_size",
+        lambda d: d.data_parallel_size > 1,
+        lambda d: (
+            f"data parallel size {d.data_parallel_size} is not supported: each "
+            "data-parallel engine keeps its own budgets, so a user would get up to "
+            f"{d.data_parallel_size} times its rate"
+        ),
+    ),
+    DeploymentRule(
+        "OR103",
+        "error",
+        "pipeline_parallel_size",
+        lambda d: d.pipeline_parallel_size > 1,
+        lambda d: (
+            f"pipeline parallel size {d.pipeline_parallel_size} is not supported: "
+            "several batches are in flight at once through vLLM's batch queue, which "
+            "outrate's charge-at-dispatch and refund points do not cover"
+        ),
+    ),
+    DeploymentRule(
+        "OR104",
+        "error",
+        "kv_connector",
+        _kv_connector_rejected,
+        lambda d: (
+            f"KV connector '{d.kv_connector}' is not supported: requests waiting for "
             "remote or loaded KV are scheduled through connector states outrate's "
             "scheduler does not charge, and disaggregated engines would each enforce "
-            "their own budget",
-        )
-    if dep.ec_connector is not None:
-        error(
-            "OR105",
-            "ec_connector",
-            f"EC connector '{dep.ec_connector}' is not supported: it moves encoder "
+            "their own budget"
+        ),
+    ),
+    DeploymentRule(
+        "OR105",
+        "error",
+        "ec_connector",
+        lambda d: d.ec_connector is not None,
+        lambda d: (
+            f"EC connector '{d.ec_connector}' is not supported: it moves encoder "
             "(multimodal) outputs between engines, and multimodal models are not "
-            "supported",
-        )
-    if dep.kv_offload:
-        error(
-            "OR106",
-            "kv_offload",
+            "supported"
+        ),
+    ),
+    DeploymentRule(
+        "OR106",
+        "error",
+        "kv_offload",
+        lambda d: d.kv_offload,
+        lambda d: (
             "KV offloading is not supported: vLLM implements it as a KV connector "
             "(OffloadingConnector), and throttled requests keep their KV on the GPU "
-            "by design, which offloading would undo behind the limiter's back",
-        )
-    if dep.aux_output:
-        error(
-            "OR107",
-            "aux_output",
+            "by design, which offloading would undo behind the limiter's back"
+        ),
+    ),
+    DeploymentRule(
+        "OR107",
+        "error",
+        "aux_output",
+        lambda d: d.aux_output,
+        lambda d: (
             "auxiliary outputs (routed experts) are not supported: they travel through "
             "a scheduler-side aux-output connector that outrate's scheduler does not "
-            "drive for throttled, skipped requests",
-        )
-    if not is_outrate_scheduler(dep.scheduler_cls):
-        error(
-            "OR108",
-            "scheduler_cls",
-            f"scheduler class '{dep.scheduler_cls}' is not outrate's: limits are "
+            "drive for throttled, skipped requests"
+        ),
+    ),
+    DeploymentRule(
+        "OR108",
+        "error",
+        "scheduler_cls",
+        lambda d: not is_outrate_scheduler(d.scheduler_cls),
+        lambda d: (
+            f"scheduler class '{d.scheduler_cls}' is not outrate's: limits are "
             "enforced inside outrate's scheduler, so with another one nothing would "
-            "be limited; remove --scheduler-cls and let the outrate plugin choose",
-        )
-    if dep.model_kind in REJECTED_MODEL_KINDS:
-        error(
-            "OR109",
-            "model_kind",
-            f"{dep.model_kind} models are not supported: {REJECTED_MODEL_KINDS[dep.model_kind]}",
-        )
+            "be limited; remove --scheduler-cls and let the outrate plugin choose"
+        ),
+    ),
+    DeploymentRule(
+        "OR109",
+        "error",
+        "model_kind",
+        lambda d: d.model_kind in REJECTED_MODEL_KINDS,
+        lambda d: (
+            f"{d.model_kind} models are not supported: {REJECTED_MODEL_KINDS[d.model_kind or '']}"
+        ),
+    ),
+    DeploymentRule(
+        "OR112",
+        "warning",
+        "chunked_prefill",
+        lambda d: d.chunked_prefill is False,
+        lambda d: (
+            "chunked prefill is disabled: a throttled user's prompt cannot prefill "
+            "ahead while it waits for budget, so its whole prefill runs after the "
+            "wait and adds to its time to first token"
+        ),
+    ),
+)
+
+
+def lint_deployment(dep: Deployment) -> list[Finding]:
+    """Errors: configurations where the per-user limit cannot hold. Warnings:
+    configurations where it holds but serves users worse than it could. The
+    rules are rows of DEPLOYMENT_RULES, plus the OR111 slot check."""
+    out = [
+        Finding(rule.code, rule.severity, rule.message(dep), dep.where(rule.field))
+        for rule in DEPLOYMENT_RULES
+        if rule.code < "OR110" and rule.applies(dep)
+    ]
     out += _active_seqs(dep)
-    if dep.chunked_prefill is False:
-        out.append(
-            Finding(
-                "OR112",
-                "warning",
-                "chunked prefill is disabled: a throttled user's prompt cannot prefill "
-                "ahead while it waits for budget, so its whole prefill runs after the "
-                "wait and adds to its time to first token",
-                dep.where("chunked_prefill"),
-            )
-        )
+    out += [
+        Finding(rule.code, rule.severity, rule.message(dep), dep.where(rule.field))
+        for rule in DEPLOYMENT_RULES
+        if rule.code > "OR111" and rule.applies(dep)
+    ]
     return out
 
 
