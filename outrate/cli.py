@@ -11,9 +11,8 @@ import json
 import sys
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
-import click
 import typer
 from typer.core import TyperCommand
 
@@ -44,7 +43,7 @@ class _SplitAtDoubleDash(TyperCommand):
     """Everything after `--` is vllm serve's, never a policy path: click alone
     would hand it to the POLICY... argument."""
 
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:  # click's Context
         if "--" in args:
             at = args.index("--")
             ctx.meta["outrate.vllm_args"] = args[at + 1 :]

@@ -167,7 +167,7 @@ class _Walker:
         self.repeats = 0
         self.seen: set[int] = set()
         self.stack: set[int] = set()
-        self.flat: dict[int, list[tuple[Node, Node, bool]]] = {}
+        self.flat: dict[int, list[tuple[Node, Node]]] = {}
 
     def _count(self, repeat_at: Path | None) -> None:
         if repeat_at is None:
@@ -391,14 +391,14 @@ class PureLoader(yaml.SafeLoader):
             raise _TooDeep(self.get_mark())
         super().fetch_flow_collection_start(TokenClass)
 
-    def compose_node(self, parent: Node | None, index: Any) -> Node:
+    def compose_node(self, parent: Node | None, index: Any) -> Node | None:
         if not self.check_event(yaml.SequenceStartEvent, yaml.MappingStartEvent):
-            return super().compose_node(parent, index)  # type: ignore[no-any-return]
+            return super().compose_node(parent, index)
         if self._depth >= MAX_DEPTH:
-            raise _TooDeep(self.peek_event().start_mark)
+            raise _TooDeep(self.peek_event().start_mark)  # type: ignore[no-untyped-call]
         self._depth += 1
         try:
-            return super().compose_node(parent, index)  # type: ignore[no-any-return]
+            return super().compose_node(parent, index)
         finally:
             self._depth -= 1
 

@@ -101,7 +101,7 @@ def resolve_identity(sampling_params: Any, logger: logging.Logger | None = None)
     if value is None:
         return ANONYMOUS
     error = identity_error(value)
-    if error is None:
+    if error is None and isinstance(value, str):  # (identity_error said so; for mypy)
         return value
     if logger is not None:
         logger.warning("outrate: %s; request counted in the anonymous budget", error)

@@ -31,8 +31,9 @@ def serve_parser() -> argparse.ArgumentParser:
     from vllm_integration.plugin import register
 
     register()
-    parser = FlexibleArgumentParser()
-    return ServeSubcommand().subparser_init(parser.add_subparsers())  # type: ignore[no-any-return]
+    parser = FlexibleArgumentParser()  # type: ignore[no-untyped-call]
+    serve: argparse.ArgumentParser = ServeSubcommand().subparser_init(parser.add_subparsers())
+    return serve
 
 
 def _arity(action: argparse.Action) -> str:
