@@ -235,8 +235,11 @@ class _Walker:
     def _construct(self, node: ScalarNode) -> Any:
         try:
             return self.loader.construct_object(node, deep=True)
-        except (ValueError, OverflowError, TypeError) as e:
-            # `!!int abc`, `2024-99-99`, an integer of more than 4300 digits
+        except yaml.YAMLError:
+            raise  # an unknown tag: invalid YAML, reported as such
+        except Exception as e:
+            # `!!int abc` (ValueError), `!!bool abc` (KeyError), `!!timestamp x`
+            # (AttributeError), `2024-99-99`, an integer of more than 4300 digits
             what = _CONSTRUCTED_AS.get(node.tag, repr(node.tag))
             raise _BadScalar(
                 f"cannot read {_shown(node.value)} as {what}; quote it if you meant text"
