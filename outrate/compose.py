@@ -235,8 +235,11 @@ class _Walker:
     def _construct(self, node: ScalarNode) -> Any:
         try:
             return self.loader.construct_object(node, deep=True)
-        except (ValueError, OverflowError, TypeError) as e:
-            # `!!int abc`, `2024-99-99`, an integer of more than 4300 digits
+        except yaml.YAMLError:
+            raise  # an unknown tag: invalid YAML, reported as such
+        except Exception as e:
+            # `!!int abc` (ValueError), `!!bool abc` (KeyError), `!!timestamp x`
+            # (AttributeError), `2024-99-99`, an integer of more than 4300 digits
             what = _CONSTRUCTED_AS.get(node.tag, repr(node.tag))
             raise _BadScalar(
                 f"cannot read {_shown(node.value)} as {what}; quote it if you meant text"
@@ -392,14 +395,14 @@ class PureLoader(yaml.SafeLoader):
             raise _TooDeep(self.get_mark())
         super().fetch_flow_collection_start(TokenClass)
 
-    def compose_node(self, parent: Node | None, index: Any) -> Node:
+    def compose_node(self, parent: Node | None, index: Any) -> Node | None:
         if not self.check_event(yaml.SequenceStartEvent, yaml.MappingStartEvent):
-            return super().compose_node(parent, index)  # type: ignore[return-value]
+            return super().compose_node(parent, index)
         if self._depth >= MAX_DEPTH:
             raise _TooDeep(self.peek_event().start_mark)  # type: ignore[no-untyped-call]
         self._depth += 1
         try:
-            return super().compose_node(parent, index)  # type: ignore[return-value]
+            return super().compose_node(parent, index)
         finally:
             self._depth -= 1
 

@@ -786,3 +786,45 @@ def test_unknown_keys_are_shown_as_written() -> None:
 def test_a_long_spelling_is_cut_in_hints() -> None:
     problem = _one("version: 1\ndefault: 1\nusers:\n  " + "1" * 900 + ".5: 1\n")
     assert problem.message == f"user id must be a string; quote it: '{'1' * 37}...'"
+
+
+@pytest.mark.parametrize(
+    ("written", "what"),
+    [
+        ("!!int abc", "an integer"),
+        ("!!float abc", "a number"),
+        ("!!bool abc", "a boolean"),
+        ("!!timestamp abc", "a date"),
+        ("2024-02-30", "a date"),
+    ],
+)
+def test_scalars_pyyaml_cannot_construct_are_located_errors(written: str, what: str) -> None:
+    text = written.split()[-1]
+    assert _one(f"version: 1\ndefault: {written}\n") == Problem(
+        "p.yaml", 2, 10, "default", f"cannot read '{text}' as {what}; quote it if you meant text"
+    )
+
+
+@pytest.mark.parametrize(
+    ("written", "found"),
+    [
+        ("{<<: 5}", "expected a mapping or list of mappings for merging, but found scalar"),
+        ("{<<: [5]}", "expected a mapping for merging, but found scalar"),
+    ],
+)
+def test_bad_merges_are_invalid_yaml(written: str, found: str) -> None:
+    problem = _one(f"version: 1\ndefault: {written}\n")
+    assert problem.message == f"invalid YAML: {found} (while constructing a mapping at line 2)"
+
+
+def test_names_follow_the_identity_rules() -> None:
+    text = (
+        'version: 1\ndefault: 1\ntiers:\n  "p\\u200bro": 5\n'
+        'match:\n  - {pattern: "a\\u202e*", rate: 1}\n'
+    )
+    assert [str(p) for p in _problems(text)] == [
+        "p.yaml:4:3: tiers: tier name must not contain format characters (U+200B at index 1): "
+        "'p\\u200bro'",
+        "p.yaml:6:15: match[0].pattern: pattern must not contain format characters "
+        "(U+202E at index 1): 'a\\u202e*'",
+    ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 import threading
 from pathlib import Path
 
@@ -89,3 +90,15 @@ def test_the_default_limit_fits_a_million_users(monkeypatch: pytest.MonkeyPatch)
     assert max_policy_bytes() == DEFAULT_MAX_POLICY_BYTES == 64 * 1024 * 1024
     line = "  user-0123456: {rate: 100, max_streams: 4}\n"
     assert len("version: 1\ndefault: 100\nusers:\n") + 1_000_000 * len(line) < max_policy_bytes()
+
+
+@pytest.mark.parametrize(
+    ("mode", "kind"), [(stat.S_IFBLK, "a block device"), (0o170000, "not a file")]
+)
+def test_every_other_kind_of_file_is_named(mode: int, kind: str) -> None:
+    from outrate.policy_file import _check_kind
+
+    st = os.stat_result((mode | 0o600, 0, 0, 1, 0, 0, 0, 0, 0, 0))
+    with pytest.raises(PolicyError) as info:
+        _check_kind("p.yaml", st)
+    assert str(info.value) == f"p.yaml:1:1: <file>: cannot read: not a regular file ({kind})"
