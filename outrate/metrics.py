@@ -58,6 +58,10 @@ class Histogram:
         self.buckets[bisect_left(BUCKETS_NS, ns)] += n
         self.sum_ns += ns * n
 
+    def unobserve(self, ns: int) -> None:
+        """Take back one `observe(ns)` (a refunded token's interval)."""
+        self.observe(ns, -1)
+
 
 class LabelMetrics:
     """Everything counted for one `limit` label. Mutated by the scheduler thread
@@ -115,7 +119,6 @@ class Metrics:
         self._series: set[str] = set()  # opted-in (metrics.per_user) users with a series
         self.displaced = 0
         self.deferred = dict.fromkeys(DEFERRED_REASONS, 0)
-        self.reloads = {"applied": 0, "rejected": 0}
 
     def record(self, label: str) -> LabelMetrics:
         m = self.labels.get(label)
@@ -163,8 +166,14 @@ def limit_of_label(label: str, policy: CompiledPolicy) -> Limit | None:
     return None
 
 
-def snapshot(metrics: Metrics, policy: CompiledPolicy, now: int | None = None) -> dict[str, Any]:
-    """A JSON-able picture of `metrics`. Safe to call from another thread."""
+def snapshot(
+    metrics: Metrics,
+    policy: CompiledPolicy,
+    now: int | None = None,
+    reloads: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """A JSON-able picture of `metrics` (and of the reloader's counts, which
+    live on the reloader). Safe to call from another thread."""
     now = time.monotonic_ns() if now is None else now
     labels = {}
     for m in list(metrics.labels.values()):
@@ -182,7 +191,7 @@ def snapshot(metrics: Metrics, policy: CompiledPolicy, now: int | None = None) -
         "policy": {"sha256": policy.sha256, "source": policy.source},
         "displaced": metrics.displaced,
         "deferred": dict(metrics.deferred),
-        "reloads": dict(metrics.reloads),
+        "reloads": reloads or {"applied": 0, "rejected": 0},
         "series": metrics.n_series,
         "labels": labels,
     }

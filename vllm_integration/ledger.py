@@ -9,11 +9,10 @@ trace line. Plain Python: no vLLM import.
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from typing import Any
 
 from outrate.compiler import CompiledPolicy
-from outrate.metrics import BUCKETS_NS, Metrics
+from outrate.metrics import Metrics
 from outrate.store import BudgetStore
 from vllm_integration.holdback import Holdback
 from vllm_integration.state import ATTR, RequestState, StepScratch, UserState, is_held
@@ -63,9 +62,7 @@ class Ledger:
             return
         u.st_gap -= 1
         if prev:
-            h = u.m.interval
-            h.buckets[bisect_left(BUCKETS_NS, now - prev)] -= 1
-            h.sum_ns -= now - prev
+            u.m.interval.unobserve(now - prev)
 
     def fold(self, st: StepScratch, step: int, now: int, holdback: Holdback) -> None:
         """This step's charges into each label's metrics, and one trace line.

@@ -381,10 +381,7 @@ class OutrateMixin:
             self._hold_refused(st, scheduled, now)
         if st.touched:
             self._arm_touched(st, now)
-        if st.users or self.ledger.trace is not None:
-            self.ledger.fold(st, self._step, now, self.holdback)
-        else:
-            self.ledger.prev_now = now
+        self.ledger.fold(st, self._step, now, self.holdback)
         self.limiter.cleanup(now, 4)
 
     def _requeue_stashed(self, st: StepScratch) -> None:

@@ -65,12 +65,10 @@ def start_engine_threads(scheduler: Any, settings: dict[str, Any]) -> EngineThre
 
         def take() -> dict[str, Any]:
             reloader = threads.reloader
+            reloads = None
             if reloader is not None:
-                scheduler.metrics.reloads = {
-                    "applied": reloader.applied,
-                    "rejected": reloader.rejected,
-                }
-            return snapshot(scheduler.metrics, box.current)
+                reloads = {"applied": reloader.applied, "rejected": reloader.rejected}
+            return snapshot(scheduler.metrics, box.current, reloads=reloads)
 
         threads.publisher = Publisher(settings["metrics_dir"], take, logger=logger)
         threads.publisher.publish()  # /metrics shows the policy before the first request
