@@ -78,6 +78,39 @@ def engine_steps(server, user: str | None, since_ns: int = 0, until_ns: int | No
     return user_tokens(read_trace(server.trace_path), key, since_ns, until_ns)
 
 
+def step_intervals(server, user: str, since_ns: int, beside: str | None = None, margin: int = 2):
+    """`user`'s steps from the engine's trace: (intervals in ms between its
+    consecutive steps, how many scheduler steps between its first and last
+    token did not serve it). With `beside`, only the intervals while `beside`
+    had a request held and did nothing (no charge, hold or release) within
+    `margin` steps: what held requests cost a step."""
+    time.sleep(0.3)
+    lines = [r for r in read_trace(server.trace_path) if "step" in r and r["t"] >= since_ns]
+    mine = [r for r in lines if user in r.get("charged", {})]
+    skipped = mine[-1]["step"] - mine[0]["step"] + 1 - len(mine) if mine else 0
+    held_at: dict[int, int] = {}
+    busy: set[int] = set()
+    held = 0
+    for r in lines:
+        held += r.get("held", {}).get(beside, 0) - r.get("released", {}).get(beside, 0)
+        held_at[r["step"]] = held
+        if (
+            beside in r.get("charged", {})
+            or beside in r.get("held", {})
+            or beside in r.get("released", {})
+        ):
+            busy.update(range(r["step"] - margin, r["step"] + margin + 1))
+    intervals = []
+    for a, b in zip(mine, mine[1:], strict=False):
+        if b["step"] != a["step"] + 1:
+            continue
+        quiet = held_at[a["step"]] > 0 and a["step"] not in busy and b["step"] not in busy
+        if beside is not None and not quiet:
+            continue
+        intervals.append((b["t"] - a["t"]) / 1e6)
+    return intervals, skipped
+
+
 def check_pacing(server, streams, user, limit, since_ns, report):
     """The contract, on the engine's record: the GCRA bound in every window,
     at least 0.95 x limit first to last; the client's view is only reported."""

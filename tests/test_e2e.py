@@ -25,6 +25,7 @@ from e2e_support import (  # noqa: E402
     assert_complete,
     check_pacing,
     engine_steps,
+    step_intervals,
 )
 from loadgen import (  # noqa: E402
     Stream,
@@ -67,36 +68,51 @@ def test_limits_hold_with_one_and_four_streams(server):
 
 
 def test_an_unlimited_user_is_not_slowed_by_throttled_ones(server):
-    alone, beside, client_alone, client_beside = [], [], [], []
+    """On the engine's record: every scheduler step from the unlimited user's
+    first token to its last served it, and a step costs the same while
+    throttled streams sit held beside it. Its end-to-end rate is also
+    compared, loosely: the throttled user's own (permitted) tokens and
+    prefills share two cores with it, and single rounds swing by a third on
+    this machine (a CI run: alone 213-320 tok/s)."""
+    alone_ms: list[float] = []
+    held_ms: list[float] = []
+    rates: dict[str, list[float]] = {"alone": [], "beside": []}
+    client_rates: dict[str, list[float]] = {"alone": [], "beside": []}
+    skipped = 0
 
-    def engine_throughput(since: int) -> float:
-        return engine_rate(engine_steps(server, "free", since))
-
-    def solo() -> None:
+    def measure(side: str) -> None:
+        nonlocal skipped
+        plan = [("free", 1, 300)] + ([("slow", 4, 8)] if side == "beside" else [])
         since = time.monotonic_ns()
-        streams = run_concurrently(server.base_url, [("free", 1, 300)])
-        alone.append(engine_throughput(since))
-        client_alone.append(throughput(streams, "free"))
-
-    def mixed() -> None:
-        since = time.monotonic_ns()
-        streams = run_concurrently(server.base_url, [("free", 1, 300), ("slow", 4, 5)])
+        streams = run_concurrently(server.base_url, plan)
         assert_complete(streams)
-        beside.append(engine_throughput(since))
-        client_beside.append(throughput(streams, "free"))
+        intervals, missed = step_intervals(
+            server, "free", since, beside="slow" if side == "beside" else None
+        )
+        (held_ms if side == "beside" else alone_ms).extend(intervals)
+        skipped += missed
+        rates[side].append(engine_rate(engine_steps(server, "free", since)))
+        client_rates[side].append(throughput(streams, "free"))
 
     # Interleaved, alternating order: the machine's own drift hits both sides.
     for i in range(5):
-        for measure in (solo, mixed) if i % 2 == 0 else (mixed, solo):
-            measure()
-    ratio = statistics.median(beside) / statistics.median(alone)
-    client = statistics.median(client_beside) / statistics.median(client_alone)
+        for side in ("alone", "beside") if i % 2 == 0 else ("beside", "alone"):
+            measure(side)
+    step_ratio = statistics.median(held_ms) / statistics.median(alone_ms)
+    ratio = statistics.median(rates["beside"]) / statistics.median(rates["alone"])
+    client = statistics.median(client_rates["beside"]) / statistics.median(client_rates["alone"])
     print(
-        f"unlimited user (engine) alone {[round(x) for x in alone]} tok/s, beside 4 "
-        f"throttled streams {[round(x) for x in beside]} tok/s: median ratio {ratio:.2f} "
-        f"(client-side ratio {client:.2f})"
+        f"unlimited user: {skipped} engine steps without it; median step "
+        f"{statistics.median(alone_ms):.2f} ms alone, {statistics.median(held_ms):.2f} ms "
+        f"beside held streams ({len(held_ms)} steps): ratio {step_ratio:.2f}. Engine rate "
+        f"alone {[round(x) for x in rates['alone']]} tok/s, beside 4 throttled streams "
+        f"{[round(x) for x in rates['beside']]}: median ratio {ratio:.2f} "
+        f"(client-side {client:.2f})"
     )
-    assert ratio >= 0.9
+    assert skipped == 0  # held requests never cost it a step
+    assert len(held_ms) >= 100
+    assert step_ratio <= 1.1  # nor make a step slower
+    assert ratio >= 0.7
 
 
 def test_throttled_answers_complete_untruncated(server):
