@@ -19,6 +19,7 @@ from outrate.deployment import Deployment, load_deployment
 from outrate.errors import OutrateError
 from outrate.lint import LintReport, lint_all
 from outrate.policy import policy_json_schema
+from outrate.units import format_count
 
 app = typer.Typer(
     name="outrate",
@@ -104,19 +105,15 @@ def _print_text(report: LintReport, strict: bool, printed: set[str]) -> None:
             printed.add(line)
             _err(line)
     errors, warnings = len(report.errors), len(report.warnings)
-    counts = f"{_count(errors, 'error')}, {_count(warnings, 'warning')}"
+    counts = f"{format_count(errors, 'error')}, {format_count(warnings, 'warning')}"
     if not report.ok(strict):
         why = " (--strict)" if strict and not errors else ""
         typer.echo(f"{report.source}: failed{why}: {counts}")
     elif report.policy is not None:
-        noted = f", {_count(warnings, 'warning')}" if warnings else ""
+        noted = f", {format_count(warnings, 'warning')}" if warnings else ""
         typer.echo(f"ok{noted}: {report.policy.summary()}")
     if report.shadow:
         typer.echo(f"shadow (counted, not enforced): {', '.join(report.shadow)}")
-
-
-def _count(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 @app.command()

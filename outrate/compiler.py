@@ -18,6 +18,7 @@ from typing import Any
 from outrate.identity import ANONYMOUS
 from outrate.limiter import Limit
 from outrate.policy import UNLIMITED, LimitRule, Policy, TierRule
+from outrate.units import format_count
 
 PATTERN_CACHE_SIZE = 65_536
 """Pattern results remembered per policy; bounded so hostile ids cannot grow it."""
@@ -116,7 +117,7 @@ class CompiledPolicy:
     def summary(self) -> str:
         """One line for logs and `outrate lint`."""
         counts = ", ".join(
-            _count(n, word)
+            format_count(n, word)
             for n, word in (
                 (len(self.users), "user"),
                 (len(self.tiers), "tier"),
@@ -127,10 +128,6 @@ class CompiledPolicy:
             f"outrate policy from {self.source}: {counts}; "
             f"default {self.default.describe()}; anonymous {self.anonymous.describe()}"
         )
-
-
-def _count(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 def _limit(

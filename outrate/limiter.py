@@ -20,6 +20,8 @@ from decimal import Decimal
 from fractions import Fraction
 from typing import NamedTuple, Protocol
 
+from outrate.units import format_duration, format_rate
+
 NS_PER_S = 1_000_000_000
 SWAP_HISTORY = 32
 """Policy swaps remembered so an idle bucket converts its debt at each swap instant."""
@@ -111,9 +113,7 @@ class Limit:
         if self.rate is None:
             text = "unlimited"
         else:
-            r = self.rate
-            rate = str(r.numerator) if r.denominator == 1 else f"{float(r):g}"
-            text = f"{rate} tok/s burst {_fmt_ns(self.burst_ns)}"
+            text = f"{format_rate(self.rate)} tok/s burst {format_duration(self.burst_ns)}"
         if self.max_streams is not None:
             text += f" max_streams {self.max_streams}"
         if self.shadow:
@@ -122,12 +122,6 @@ class Limit:
 
     def __repr__(self) -> str:
         return f"Limit({self.describe()!r}, rule={self.rule!r})"
-
-
-def _fmt_ns(ns: int) -> str:
-    if ns % 1_000_000 == 0:
-        return f"{ns // 1_000_000}ms"
-    return f"{ns / 1e6:g}ms"
 
 
 def gcra(tat: int, now: int, interval: int, tolerance: int) -> int | None:

@@ -38,7 +38,8 @@ from outrate.compiler import CompiledPolicy, compile_policy
 from outrate.deployment import Deployment
 from outrate.errors import PolicyError, Problem
 from outrate.pipeline import load_compiled
-from outrate.policy import LimitRule, Policy, _shown, format_duration
+from outrate.policy import LimitRule, Policy, _shown
+from outrate.units import format_duration
 
 Severity = Literal["error", "warning"]
 

@@ -46,6 +46,7 @@ from pydantic_core import PydanticCustomError
 
 from outrate.identity import ANONYMOUS, MAX_IDENTITY_LEN, text_error
 from outrate.limiter import NS_PER_S, exact_rate
+from outrate.units import format_duration
 
 MAX_RATE = 1_000_000
 """Tokens per second above which a rate is a typo, not a limit."""
@@ -100,7 +101,10 @@ _MIN_RATE_DECIMAL = Decimal(MIN_RATE.numerator) / Decimal(MIN_RATE.denominator)
 
 def parse_rate(value: object) -> RateValue:
     """A rate exactly as written: 0.1 stays 1/10 so pacing never drifts."""
-    if isinstance(value, Fraction):
+    if isinstance(value, Fraction):  # from code, not YAML: the same digit cap as 'n/d'
+        digits = max(len(str(value.numerator)), len(str(value.denominator)))
+        if digits > MAX_RATE_DIGITS:
+            raise _problem(f"must have at most {MAX_RATE_DIGITS} digits (got {digits})")
         rate = value
     elif isinstance(value, bool) or value is None:
         raise _problem(f"{_RATE_EXPECTED} (got {_shown(value)})")
@@ -202,14 +206,6 @@ def parse_duration(value: object) -> int:
     if ns > MAX_BURST_NS:
         raise _problem("must be at most 3600s")
     return int(ns)
-
-
-def format_duration(ns: int) -> str:
-    """The shortest exact spelling, so a dumped policy reads like a written one."""
-    for unit in ("s", "ms", "us"):
-        if ns % _UNIT_NS[unit] == 0:
-            return f"{ns // _UNIT_NS[unit]}{unit}"
-    return f"{ns}ns"
 
 
 Duration = Annotated[

@@ -32,6 +32,7 @@ from outrate.compiler import CompiledPolicy
 from outrate.errors import OutrateError, PolicyError
 from outrate.pipeline import load_compiled
 from outrate.policy_file import read_policy_file
+from outrate.units import format_duration, format_rate
 
 if TYPE_CHECKING:
     from watchdog.observers.api import BaseObserver
@@ -404,7 +405,7 @@ def describe_changes(old: CompiledPolicy | None, new: CompiledPolicy) -> str:
     if not tracks and not _same(old.anonymous, new.anonymous, old, new):
         parts.append(f"anonymous {_change(old.anonymous, new.anonymous, old, new)}")
     if old.burst_ns != new.burst_ns:
-        parts.append(f"burst {_fmt_ns(old.burst_ns)} -> {_fmt_ns(new.burst_ns)}")
+        parts.append(f"burst {format_duration(old.burst_ns)} -> {format_duration(new.burst_ns)}")
     parts += _diff("tier ", old.tiers, new.tiers, old, new)
     if [p for p, _ in old.patterns] != [p for p, _ in new.patterns] or not all(
         _same(a, b, old, new) for (_, a), (_, b) in zip(old.patterns, new.patterns, strict=True)
@@ -459,25 +460,18 @@ def _cap(items: list[str]) -> list[str]:
     return items[:_MAX_ITEMS] + [f"... and {len(items) - _MAX_ITEMS} more"]
 
 
-def _rate(limit: Limit) -> str:
-    r = limit.rate
-    if r is None:
-        return "unlimited"
-    return str(r.numerator) if r.denominator == 1 else f"{float(r):g}"
-
-
 def _tail(limit: Limit, policy: CompiledPolicy) -> str:
     """Burst (only where it is not the policy's) and stream cap."""
     text = ""
     if limit.rate is not None and limit.burst_ns != policy.burst_ns:
-        text += f" burst {_fmt_ns(limit.burst_ns)}"
+        text += f" burst {format_duration(limit.burst_ns)}"
     if limit.max_streams is not None:
         text += f" max_streams {limit.max_streams}"
     return text
 
 
 def _short(limit: Limit, policy: CompiledPolicy) -> str:
-    rate = "unlimited" if limit.rate is None else f"{_rate(limit)} tok/s"
+    rate = "unlimited" if limit.rate is None else f"{format_rate(limit.rate)} tok/s"
     return rate + _tail(limit, policy)
 
 
@@ -485,7 +479,7 @@ def _change(a: Limit, b: Limit, old: CompiledPolicy, new: CompiledPolicy) -> str
     """`20 -> 60 tok/s` when only the rate moved, else both sides in full."""
     tail = _tail(b, new)
     if a.rate is not None and b.rate is not None and _tail(a, old) == tail:
-        return f"{_rate(a)} -> {_rate(b)} tok/s{tail}"
+        return f"{format_rate(a.rate)} -> {format_rate(b.rate)} tok/s{tail}"
     return f"{_short(a, old)} -> {_short(b, new)}"
 
 
@@ -499,9 +493,3 @@ def _brief(policy: CompiledPolicy | None) -> str:
         if n or word == "user"
     ]  # fmt: skip
     return f"{', '.join(counts)}, default {_short(policy.default, policy)}"
-
-
-def _fmt_ns(ns: int) -> str:
-    if ns % 1_000_000 == 0:
-        return f"{ns // 1_000_000}ms"
-    return f"{ns / 1e6:g}ms"

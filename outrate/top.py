@@ -285,15 +285,15 @@ def header(snapshot: Snapshot) -> str:
         reload_text = "-"
     else:
         applied, rejected = reloads.get("applied"), reloads.get("rejected")
-        reload_text = f"{_count(applied)} applied, {_count(rejected)} rejected"
+        reload_text = f"{_whole(applied)} applied, {_whole(rejected)} rejected"
     deferred = snapshot.deferred
     deferred_text = (
         "-"
         if deferred is None
-        else ", ".join(f"{reason} {_count(n)}" for reason, n in sorted(deferred.items()))
+        else ", ".join(f"{reason} {_whole(n)}" for reason, n in sorted(deferred.items()))
     )
     return (
-        f"{policy}; reloads: {reload_text}; displaced: {_count(snapshot.displaced)}; "
+        f"{policy}; reloads: {reload_text}; displaced: {_whole(snapshot.displaced)}; "
         f"deferred: {deferred_text}"
     )
 
@@ -343,8 +343,8 @@ def _cells(row: Row) -> tuple[str, ...]:
         _fixed(row.rate),
         _configured(row.rate_limit),
         row.mode or "-",
-        _count(row.held),
-        _count(row.live),
+        _whole(row.held),
+        _whole(row.live),
         "-" if row.throttled is None else f"{row.throttled:.0%}",
         _fixed(row.shadow_over),
     )
@@ -368,7 +368,7 @@ def _configured(value: float | None) -> str:
     return f"{value:.0f}" if value == int(value) else f"{value:.3f}".rstrip("0")
 
 
-def _count(value: float | None) -> str:
+def _whole(value: float | None) -> str:
     return "-" if value is None or math.isnan(value) else f"{value:.0f}"
 
 
