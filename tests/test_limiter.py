@@ -1,5 +1,11 @@
 """Limiter: the GCRA decision, its bounds, refunds, cleanup, policy swaps, stats.
 
+The property tests marked `@every_store` (agreement with GCRA, the window
+bound, the greedy rate, refunds, policy swaps, available/ready_at) talk only
+to the `BudgetStore` protocol and run against every store in `STORES`: a new
+store (a shared one) adds its factory there and must pass them. The rest test
+the in-memory `Limiter`'s own API (keyed verbs, stats, cleanup, export).
+
 No test sleeps: every call passes `now` (ns) explicitly or reads a fake clock.
 Bounds are checked in exact arithmetic (Fractions over the rate as written),
 independently of the limiter's scaled units.
@@ -10,6 +16,7 @@ from __future__ import annotations
 import bisect
 import importlib.util
 import math
+from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -23,6 +30,7 @@ from outrate.identity import ANONYMOUS
 from outrate.limiter import NS_PER_S, Bucket, Limit, Limiter, gcra
 from outrate.loader import parse_policy
 from outrate.pipeline import policy_from_flags
+from outrate.store import BudgetStore
 
 SETTINGS = settings(max_examples=200, deadline=None)
 
@@ -88,6 +96,20 @@ def _no_clock() -> int:
     raise AssertionError("the test passes `now` explicitly; the clock must not be read")
 
 
+def memory_store(policy: CompiledPolicy) -> BudgetStore:
+    return Limiter(policy, clock=_no_clock)
+
+
+STORES: dict[str, Callable[[CompiledPolicy], BudgetStore]] = {"memory": memory_store}
+"""Every BudgetStore the scheduler can run on, by name."""
+
+every_store = pytest.mark.parametrize("make_store", list(STORES.values()), ids=list(STORES))
+
+
+def store_for(make_store: Callable[[CompiledPolicy], BudgetStore], limit: Limit) -> BudgetStore:
+    return make_store(policy_of(limit))
+
+
 class RefGCRA:
     """GCRA written the textbook way, in Fraction nanoseconds: the oracle the
     limiter's scaled integers must agree with."""
@@ -151,36 +173,51 @@ def test_limit_rejects_bad_rate_strings_with_value_error(bad: str) -> None:
         Limit(bad, 10**8)
 
 
+@every_store
 @SETTINGS
 @given(
     limits=st.lists(st.tuples(rates, bursts), min_size=1, max_size=3),
-    ops=st.lists(st.tuples(st.integers(0, 2), steps, st.booleans()), max_size=150),
+    ops=st.lists(st.tuples(st.integers(0, 2), steps), max_size=150),
 )
 def test_take_agrees_with_gcra_and_the_textbook(
-    limits: list[tuple[str | int | Fraction, int]], ops: list[tuple[int, int | str, bool]]
+    make_store: Callable[[CompiledPolicy], BudgetStore],
+    limits: list[tuple[str | int | Fraction, int]],
+    ops: list[tuple[int, int | str]],
 ) -> None:
-    """Each user has its own limit; the limiter, `gcra()` over the limit's
+    """Each user has its own limit; the store, `gcra()` over the limit's
     integers and a Fraction-ns textbook GCRA decide the same, every time."""
     lims = [Limit(r, b) for r, b in limits]
     users = {f"u{i}": lim for i, lim in enumerate(lims)}
-    limiter = Limiter(policy_of(lims[0], **users), clock=_no_clock)
+    store = make_store(policy_of(lims[0], **users))
+    buckets = {u: store.pin(u) for u in users}
     tats = dict.fromkeys(users, 0)
     refs = {u: RefGCRA(lim) for u, lim in users.items()}
     now = 0
-    for i, step, keyed in ops:
+    for i, step in ops:
         user, lim = f"u{i % len(lims)}", lims[i % len(lims)]
         now = next_time(now, step, refs[user].ready())
         new = gcra(tats[user], now * lim.scale, lim.interval, lim.tolerance)
         if new is not None:
             tats[user] = new
-        # the keyed and the bucket API go through the same inlined decision
-        got = limiter.try_take(user, now) if keyed else limiter.take(limiter.bucket(user), now)
-        assert got == (new is not None) == refs[user].take(now)
+        assert store.take(buckets[user], now) == (new is not None) == refs[user].take(now)
+
+
+@SETTINGS
+@given(ops=st.lists(st.tuples(steps, st.booleans()), max_size=100))
+def test_the_keyed_api_makes_the_bucket_apis_decision(ops: list[tuple[int | str, bool]]) -> None:
+    lim = Limit(Fraction(5, 2), 300_000_000)
+    keyed, direct = limiter_for(lim), limiter_for(lim)
+    b = direct.bucket("u")
+    now = 0
+    for step, _ in ops:
+        now = next_time(now, step, direct.ready_at(b, now))
+        assert keyed.try_take("u", now) == direct.take(b, now)
 
 
 # -- 2. the bound over any window -------------------------------------------
 
 
+@every_store
 @SETTINGS
 @given(
     rate=rates,
@@ -189,13 +226,17 @@ def test_take_agrees_with_gcra_and_the_textbook(
     window=st.integers(0, 10 * NS_PER_S),
 )
 def test_no_window_grants_more_than_rate_times_window_plus_burst_plus_one(
-    rate: str | int | Fraction, burst: int, plan: list[int | str], window: int
+    make_store: Callable[[CompiledPolicy], BudgetStore],
+    rate: str | int | Fraction,
+    burst: int,
+    plan: list[int | str],
+    window: int,
 ) -> None:
     lim = Limit(rate, burst)
     r = lim.rate
     assert r is not None
-    limiter = limiter_for(lim)
-    b = limiter.bucket("u")
+    limiter = store_for(make_store, lim)
+    b = limiter.pin("u")
     granted, now = [], 10**12
     for step in plan:
         now = next_time(now, step, limiter.ready_at(b, now))
@@ -218,6 +259,7 @@ def test_no_window_grants_more_than_rate_times_window_plus_burst_plus_one(
 # -- 3. a greedy user gets the rate -----------------------------------------
 
 
+@every_store
 @SETTINGS
 @given(
     rate=rates,
@@ -227,7 +269,12 @@ def test_no_window_grants_more_than_rate_times_window_plus_burst_plus_one(
     data=st.data(),
 )
 def test_greedy_user_gets_the_rate_over_every_window(
-    rate: str | int | Fraction, burst: int, n_steps: int, drain: bool, data: st.DataObject
+    make_store: Callable[[CompiledPolicy], BudgetStore],
+    rate: str | int | Fraction,
+    burst: int,
+    n_steps: int,
+    drain: bool,
+    data: st.DataObject,
 ) -> None:
     """A user that tries every dt ns (dt <= burst, so it never falls idle) gets
     at least rate*W - 1 and at most (W + burst)*rate + 1 tokens in any window
@@ -239,8 +286,8 @@ def test_greedy_user_gets_the_rate_over_every_window(
     cap = burst if drain else min(burst, int(NS_PER_S / r))
     cap = min(cap, int(5_000 * NS_PER_S / (r * n_steps)) + 1)  # keep the test fast
     dt = data.draw(st.integers(1, cap), label="dt")
-    limiter = limiter_for(lim)
-    b = limiter.bucket("u")
+    limiter = store_for(make_store, lim)
+    b = limiter.pin("u")
     grants = []
     for k in range(n_steps):
         now = 10**12 + k * dt
@@ -269,48 +316,53 @@ def test_greedy_user_gets_the_rate_over_every_window(
 # -- 4. refunds -------------------------------------------------------------
 
 
+@every_store
 @SETTINGS
 @given(
     rate=rates,
     burst=bursts,
     deltas=st.lists(gaps, min_size=1, max_size=80),
     inserts=st.lists(
-        st.tuples(
-            st.integers(0, 79),
-            st.integers(0, 2),
-            st.integers(0, 2),
-            st.sampled_from(["keyed", "bucket"]),
-        ),
+        st.tuples(st.integers(0, 79), st.integers(0, 2), st.integers(0, 2)),
         max_size=10,
     ),
 )
 def test_refund_exactly_undoes_a_take(
+    make_store: Callable[[CompiledPolicy], BudgetStore],
     rate: str | int | Fraction,
     burst: int,
     deltas: list[int],
-    inserts: list[tuple[int, int, int, str]],
+    inserts: list[tuple[int, int, int]],
 ) -> None:
     """Take + refund inserted anywhere (refund at the same instant or later, with
     no other take of that user in between) leaves every later decision as is."""
     lim = Limit(rate, burst)
     times = times_from(10**12, deltas)
-    plain, refunded = limiter_for(lim), limiter_for(lim)
+    plain, refunded = store_for(make_store, lim), store_for(make_store, lim)
     where = {pos % len(times): rest for pos, *rest in inserts}
-    pb, rb = plain.bucket("u"), refunded.bucket("u")
+    pb, rb = plain.pin("u"), refunded.pin("u")
     prev = times[0]
     for k, t in enumerate(times):
         if k in where:
-            take_at, refund_at, api = where[k]  # thirds of the way to the next request
+            take_at, refund_at = where[k]  # thirds of the way to the next request
             t_take = prev + (t - prev) * take_at // 3
             t_refund = t_take + (t - t_take) * refund_at // 2
-            if api == "keyed":
-                if refunded.try_take("u", t_take):
-                    refunded.refund("u", t_refund)
-            elif refunded.take(rb, t_take):
+            if refunded.take(rb, t_take):
                 refunded.give_back(rb, t_refund)
         assert plain.take(pb, t) == refunded.take(rb, t)
-        assert plain.stats("u", t) == refunded.stats("u", t)
+        assert plain.available(pb, t) == refunded.available(rb, t)
+        assert plain.ready_at(pb, t) == refunded.ready_at(rb, t)
         prev = t
+
+
+def test_the_keyed_refund_is_give_back() -> None:
+    keyed, direct = limiter_for(Limit(2, NS_PER_S)), limiter_for(Limit(2, NS_PER_S))
+    b = direct.bucket("u")
+    for t in (0, 0, 0, 10**8):
+        assert keyed.try_take("u", t) == direct.take(b, t)
+    keyed.refund("u", 10**8)
+    direct.give_back(b, 10**8)
+    assert keyed.stats("u", 10**8) == direct.stats("u", 10**8)
 
 
 def test_refund_gives_back_one_token() -> None:
@@ -431,13 +483,17 @@ SWAP_RATES = [Fraction(1, 3), Fraction(1, 2), 1, Fraction(5, 2), 10, Fraction(10
 FLAG_POLICIES = {r: policy_from_flags(None, {"a": r}) for r in SWAP_RATES}
 
 
-def _replay(policy: CompiledPolicy, times: list[int]) -> Limiter:
-    limiter = Limiter(policy, clock=_no_clock)
+def _replay(
+    make_store: Callable[[CompiledPolicy], BudgetStore], policy: CompiledPolicy, times: list[int]
+) -> tuple[BudgetStore, Bucket]:
+    store = make_store(policy)
+    b = store.pin("a")
     for t in times:
-        limiter.try_take("a", t)
-    return limiter
+        store.take(b, t)
+    return store, b
 
 
+@every_store
 @SETTINGS
 @given(
     rates=st.lists(st.sampled_from(SWAP_RATES), min_size=2, max_size=2, unique=True),
@@ -446,41 +502,50 @@ def _replay(policy: CompiledPolicy, times: list[int]) -> Limiter:
     after=st.lists(gaps, max_size=60),
 )
 def test_policy_swap_carries_debt_in_tokens(
-    rates: list[Fraction | int], before: list[int], gap: int, after: list[int]
+    make_store: Callable[[CompiledPolicy], BudgetStore],
+    rates: list[Fraction | int],
+    before: list[int],
+    gap: int,
+    after: list[int],
 ) -> None:
     old_rate, new_rate = rates
     old, new = FLAG_POLICIES[old_rate], FLAG_POLICIES[new_rate]
     times = times_from(10**12, before)
     swap_at = (times[-1] if times else 10**12) + gap
-    swapped = _replay(old, times)  # lives through the swap
-    stayed = _replay(old, times)  # what the old policy would do
-    swapped.set_policy(new)
-    fresh = Limiter(new, clock=_no_clock)  # a user new at the swap
+    swapped, sb = _replay(make_store, old, times)  # lives through the swap
+    stayed, ob = _replay(make_store, old, times)  # what the old policy would do
+    swapped.set_policy(new, swap_at)
+    fresh, fb = _replay(make_store, new, [])  # a user new at the swap
 
-    now_s, old_s, fresh_s = (x.stats("a", swap_at) for x in (swapped, stayed, fresh))
-    assert now_s.limit is new.limit_for("a")
-    if old_s.ready_at_ns > swap_at:
+    assert swapped.limit_of(sb, swap_at) is new.limit_for("a")
+    now_ready, old_ready, fresh_ready = (
+        s.ready_at(b, swap_at) for s, b in ((swapped, sb), (stayed, ob), (fresh, fb))
+    )
+    now_left, old_left, fresh_left = (
+        s.available(b, swap_at) for s, b in ((swapped, sb), (stayed, ob), (fresh, fb))
+    )
+    if old_ready > swap_at:
         # The debt beyond the burst, in tokens, is the same under both rates:
         # (ready_old - T + burst) * r_old, up to the old ready's rounding to 1 ns.
         burst, k = new.burst_ns, Fraction(old_rate) / Fraction(new_rate)
-        ahead = old_s.ready_at_ns - swap_at + burst
+        ahead = old_ready - swap_at + burst
         lo = math.ceil(swap_at + (ahead - 1) * k - burst)
         hi = math.ceil(swap_at + ahead * k - burst)
-        assert max(lo, swap_at) <= now_s.ready_at_ns <= max(hi, swap_at)
+        assert max(lo, swap_at) <= now_ready <= max(hi, swap_at)
     if new_rate > old_rate:  # helps at once
-        assert now_s.ready_at_ns <= old_s.ready_at_ns
-        assert now_s.remaining >= old_s.remaining
+        assert now_ready <= old_ready
+        assert now_left >= old_left
     else:  # never more than the old policy now, nor than a fresh user
-        assert now_s.remaining <= old_s.remaining
-        assert now_s.remaining <= fresh_s.remaining
-        assert now_s.ready_at_ns >= fresh_s.ready_at_ns
+        assert now_left <= old_left
+        assert now_left <= fresh_left
+        assert now_ready >= fresh_ready
 
     later = times_from(swap_at, [0, *after])
     got_swapped = got_stayed = got_fresh = 0
     for t in later:
-        got_swapped += swapped.try_take("a", t)
-        got_stayed += stayed.try_take("a", t)
-        got_fresh += fresh.try_take("a", t)
+        got_swapped += swapped.take(sb, t)
+        got_stayed += stayed.take(ob, t)
+        got_fresh += fresh.take(fb, t)
         if new_rate > old_rate:
             assert got_swapped >= got_stayed
         else:
@@ -588,6 +653,36 @@ def test_stats_agree_with_take(
         if s.ready_at_ns > now:
             assert not limiter.try_take("u", s.ready_at_ns - 1)
         assert limiter.try_take("u", s.ready_at_ns)
+
+
+@every_store
+@SETTINGS
+@given(rate=rates, burst=bursts, deltas=st.lists(gaps, max_size=60), gap=gaps)
+def test_available_and_ready_at_agree_with_take(
+    make_store: Callable[[CompiledPolicy], BudgetStore],
+    rate: str | int | Fraction,
+    burst: int,
+    deltas: list[int],
+    gap: int,
+) -> None:
+    """`available` is the number of takes that succeed back to back now;
+    `ready_at` is the first instant a take succeeds (now if it does)."""
+    store = store_for(make_store, Limit(rate, burst))
+    b = store.pin("u")
+    times = times_from(10**12, deltas)
+    for t in times:
+        store.take(b, t)
+    now = (times[-1] if times else 10**12) + gap
+    ready = store.ready_at(b, now)
+    left = store.available(b, now)
+    assert (ready == now) == (left > 0)
+    for _ in range(left):
+        assert store.take(b, now)
+    assert not store.take(b, now)
+    again = store.ready_at(b, now)
+    assert again > now and store.available(b, now) == 0
+    assert not store.take(b, again - 1)
+    assert store.take(b, again)
 
 
 def test_stats_of_a_fresh_user() -> None:
