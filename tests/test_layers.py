@@ -28,6 +28,7 @@ LAYERS: dict[str, int] = {
     "pipeline": 5,
     "metrics": 5,
     "lint": 6,
+    "changes": 5,
     "reload": 6,
     "top": 6,
     "cli": 7,

@@ -21,11 +21,12 @@ from pathlib import Path
 
 import pytest
 
+from outrate.changes import describe_changes
 from outrate.compiler import CompiledPolicy, compile_policy
 from outrate.errors import PolicyError
 from outrate.loader import parse_policy
 from outrate.pipeline import load_compiled
-from outrate.reload import Reloader, describe_changes
+from outrate.reload import Reloader
 
 T = 5.0
 """Seconds any single wait may take before the test fails."""
@@ -204,6 +205,32 @@ def test_symlink_to_a_file_in_another_directory(
     h = start(link)
     target.write_text(policy_text(alice=65))  # only the target's directory sees this
     h.expect_rates({"alice": 65})
+
+
+def test_a_symlink_retargeted_to_other_directories_is_followed(
+    start: Callable[..., Harness], tmp_path: Path
+) -> None:
+    """`ln -sfn` to a new release directory, twice: each time the new target
+    applies, and later edits in the new target's directory are seen (the old
+    one is no longer watched)."""
+    dirs = [tmp_path / f"release-{i}" for i in range(3)]
+    for i, d in enumerate(dirs):
+        d.mkdir()
+        (d / "p.yaml").write_text(policy_text(alice=20 + i))
+    (tmp_path / "links").mkdir()
+    link = tmp_path / "links" / "policy.yaml"
+    os.symlink(dirs[0] / "p.yaml", link)
+    h = start(link)
+    assert rates(h.r.current) == {"alice": 20}
+    for i, d in enumerate(dirs[1:], start=1):
+        tmp = tmp_path / "links" / "policy.yaml.new"
+        os.symlink(d / "p.yaml", tmp)
+        os.rename(tmp, link)  # retarget atomically
+        h.expect_rates({"alice": 20 + i})
+        (d / "p.yaml").write_text(policy_text(alice=70 + i))  # only `d` sees this
+        h.expect_rates({"alice": 70 + i})
+    assert h.r.rejected == 0
+    assert set(h.r._watches) == {str(tmp_path / "links"), str(dirs[2])}
 
 
 def test_delete_keeps_serving_then_recreate_applies(

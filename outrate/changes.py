@@ -1,0 +1,121 @@
+"""What a policy reload changed, in one line for the reload log
+(`alice 20 -> 60 tok/s, 2 users added`). Compares effective limits, not
+spelling."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from outrate.compiler import CompiledPolicy
+from outrate.limiter import Limit
+from outrate.units import format_duration, format_rate
+
+_MAX_ITEMS = 5
+"""Per kind of change in the log line; the rest is `... and N more`."""
+
+
+def describe_changes(old: CompiledPolicy | None, new: CompiledPolicy) -> str:
+    """One line saying what an operator's edit changed, for the reload log.
+
+    Compares effective limits (rate, burst, stream cap), not spelling: moving a
+    user into a tier with the same numbers is "no effective change", and a new
+    policy-wide burst is reported once, not once per user that inherits it.
+    """
+    if old is None:
+        return f"loaded {brief(new)}"
+    parts: list[str] = []
+    if not _same(old.default, new.default, old, new):
+        parts.append(f"default {_change(old.default, new.default, old, new)}")
+    # An anonymous budget that tracks the default was just reported as the default.
+    tracks = old.anonymous == old.default and new.anonymous == new.default
+    if not tracks and not _same(old.anonymous, new.anonymous, old, new):
+        parts.append(f"anonymous {_change(old.anonymous, new.anonymous, old, new)}")
+    if old.burst_ns != new.burst_ns:
+        parts.append(f"burst {format_duration(old.burst_ns)} -> {format_duration(new.burst_ns)}")
+    parts += _diff("tier ", old.tiers, new.tiers, old, new)
+    if [p for p, _ in old.patterns] != [p for p, _ in new.patterns] or not all(
+        _same(a, b, old, new) for (_, a), (_, b) in zip(old.patterns, new.patterns, strict=True)
+    ):
+        a, b = dict(old.patterns), dict(new.patterns)
+        # Same rules in another order still matters: the first match decides.
+        parts += _diff("pattern ", a, b, old, new) or ["patterns reordered"]
+    parts += _diff("", old.users, new.users, old, new, fallback=True)
+    return "; ".join(parts) if parts else "no effective change"
+
+
+def _diff(
+    prefix: str,
+    a: Mapping[str, Limit],
+    b: Mapping[str, Limit],
+    old: CompiledPolicy,
+    new: CompiledPolicy,
+    *,
+    fallback: bool = False,
+) -> list[str]:
+    added = [f"{prefix}{k} added ({_short(b[k], new)})" for k in b if k not in a]
+    removed = []
+    for k in (k for k in a if k not in b):
+        if fallback:  # a removed user is not unlimited: say what applies now
+            now = new.limit_for(k)
+            rule = f"{now.rule} " if now.rule else ""
+            removed.append(f"{prefix}{k} removed (now {rule}{_short(now, new)})")
+        else:
+            removed.append(f"{prefix}{k} removed")
+    changed = [
+        f"{prefix}{k} {_change(a[k], b[k], old, new)}"
+        for k in b
+        if k in a and not _same(a[k], b[k], old, new)
+    ]
+    return _cap(added) + _cap(removed) + _cap(changed)
+
+
+def _same(a: Limit, b: Limit, old: CompiledPolicy, new: CompiledPolicy) -> bool:
+    """Equal, or differing only by inheriting the policy burst (reported once)."""
+    if a == b:
+        return True
+    return (
+        (a.rate, a.max_streams) == (b.rate, b.max_streams)
+        and a.burst_ns == old.burst_ns
+        and b.burst_ns == new.burst_ns
+    )
+
+
+def _cap(items: list[str]) -> list[str]:
+    if len(items) <= _MAX_ITEMS:
+        return items
+    return items[:_MAX_ITEMS] + [f"... and {len(items) - _MAX_ITEMS} more"]
+
+
+def _tail(limit: Limit, policy: CompiledPolicy) -> str:
+    """Burst (only where it is not the policy's) and stream cap."""
+    text = ""
+    if limit.rate is not None and limit.burst_ns != policy.burst_ns:
+        text += f" burst {format_duration(limit.burst_ns)}"
+    if limit.max_streams is not None:
+        text += f" max_streams {limit.max_streams}"
+    return text
+
+
+def _short(limit: Limit, policy: CompiledPolicy) -> str:
+    rate = "unlimited" if limit.rate is None else f"{format_rate(limit.rate)} tok/s"
+    return rate + _tail(limit, policy)
+
+
+def _change(a: Limit, b: Limit, old: CompiledPolicy, new: CompiledPolicy) -> str:
+    """`20 -> 60 tok/s` when only the rate moved, else both sides in full."""
+    tail = _tail(b, new)
+    if a.rate is not None and b.rate is not None and _tail(a, old) == tail:
+        return f"{format_rate(a.rate)} -> {format_rate(b.rate)} tok/s{tail}"
+    return f"{_short(a, old)} -> {_short(b, new)}"
+
+
+def brief(policy: CompiledPolicy | None) -> str:
+    if policy is None:
+        return "no policy loaded yet"
+    counts = [
+        f"{n} {word}{'' if n == 1 else 's'}"
+        for n, word in ((len(policy.users), "user"), (len(policy.tiers), "tier"),
+                        (len(policy.patterns), "pattern"))
+        if n or word == "user"
+    ]  # fmt: skip
+    return f"{', '.join(counts)}, default {_short(policy.default, policy)}"
