@@ -16,7 +16,10 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 ATTR = "_outrate"
-"""Our state on vLLM's Request objects (Request has no __slots__)."""
+"""Our state on vLLM's Request objects (Request has no __slots__). The
+scheduler's per-token hook reads it as `request._outrate` (an attribute load is
+about 3x cheaper than `request.__dict__[ATTR]`); everything else goes through
+ATTR."""
 
 
 class PolicyBox:
