@@ -81,6 +81,23 @@ def policy_from_vllm_config(vllm_config: Any) -> tuple[CompiledPolicy, dict[str,
     return compile_settings(settings), settings
 
 
+_CONNECTORS = (
+    ("connector", "a KV connector"),
+    ("ec_connector", "an EC connector"),
+    ("aux_output_connector", "an aux output connector"),
+)
+
+
+def refuse_connectors(scheduler: Any) -> None:
+    """The engine's last check: connectors the scheduler was built with."""
+    for attr, what in _CONNECTORS:
+        if getattr(scheduler, attr, None) is not None:
+            raise OutrateError(
+                f"outrate cannot run with {what}: its tokens and KV move outside "
+                "the scheduler decisions the per-user limiter makes"
+            )
+
+
 def check_deployment(dep: Deployment) -> list[Finding]:
     """Raise DeploymentRejected on errors; return the warnings."""
     findings = lint_deployment(dep)

@@ -77,6 +77,13 @@ class Holdback:
         self.seq += 1
         heapq.heappush(self.wake, (u.ready_at, self.seq, u))
 
+    def arm_touched(self, touched: list[UserState], now: int) -> None:
+        """Users refused or released this step: wake those still holding requests."""
+        for u in touched:
+            if u.n_held and not u.armed:
+                self.arm(u, now)
+        touched.clear()
+
     def rearm(self, users: Iterable[UserState], now: int) -> None:
         """After a policy swap every ready time may have moved."""
         self.wake.clear()

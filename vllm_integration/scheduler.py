@@ -37,13 +37,14 @@ from vllm.v1.core.sched.utils import remove_all
 from vllm.v1.request import Request, RequestStatus
 
 from outrate.compiler import CompiledPolicy
-from outrate.errors import OutrateError
 from outrate.identity import resolve_identity
 from outrate.limiter import Limiter
 from outrate.metrics import Metrics
 from outrate.store import BudgetStore
+from vllm_integration.admission import Admission
 from vllm_integration.holdback import Holdback
 from vllm_integration.ledger import Ledger
+from vllm_integration.roster import Roster
 from vllm_integration.state import ATTR, PolicyBox, RequestState, StepScratch, UserState
 
 logger = logging.getLogger("vllm.outrate")  # under vLLM's logger: same format and level
@@ -52,15 +53,6 @@ IDLE_WAIT_MAX_NS = 50_000_000
 """Longest the engine waits on its input queue when everyone is throttled."""
 
 _RUNNING = RequestStatus.RUNNING  # compared with `is` in the hot path
-
-DISPLACE_SCAN = 32
-"""Waiting requests examined per step for fair-admission displacement."""
-
-_CONNECTORS = (
-    ("connector", "a KV connector"),
-    ("ec_connector", "an EC connector"),
-    ("aux_output_connector", "an aux output connector"),
-)
 
 
 class OutrateMixin:
@@ -76,16 +68,11 @@ class OutrateMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        from vllm_integration.config import policy_from_vllm_config
+        from vllm_integration.config import policy_from_vllm_config, refuse_connectors
         from vllm_integration.engine import install_idle_wait
         from vllm_integration.threads import start_engine_threads
 
-        for attr, what in _CONNECTORS:
-            if getattr(self, attr, None) is not None:
-                raise OutrateError(
-                    f"outrate cannot run with {what}: its tokens and KV move outside "
-                    "the scheduler decisions the per-user limiter makes"
-                )
+        refuse_connectors(self)
         policy, settings = policy_from_vllm_config(self.vllm_config)  # type: ignore[attr-defined]
         self.outrate_configure(policy)
         logger.info("outrate: %s", policy.summary())
@@ -116,15 +103,21 @@ class OutrateMixin:
         self._priority = self.policy == SchedulingPolicy.PRIORITY  # type: ignore[attr-defined]
         self.holdback = Holdback(self.limiter, self._priority, self.stats)
         self.ledger = Ledger(self.limiter, self.metrics, self.stats)
+        self.admission = Admission(
+            self.limiter,
+            self.metrics,
+            self.holdback,
+            chunked=bool(sc.enable_chunked_prefill),
+            caching=bool(self.cache_config.enable_prefix_caching),  # type: ignore[attr-defined]
+            block_size=self.block_size,  # type: ignore[attr-defined]
+        )
         self._st = StepScratch()
-        self._users: dict[str, UserState] = {}
+        self.roster = Roster(self.limiter, self.metrics)
+        self._users = self.roster.users  # users with live requests, by id
         self._step = 0
         self._now = 0
         self._cfg_active = self.max_num_active_reqs
-        self._chunked = bool(sc.enable_chunked_prefill)
         self._lookahead = getattr(self, "num_prefill_lookahead", 0) > 1
-        self._block_size = self.block_size  # type: ignore[attr-defined]
-        self._caching = bool(self.cache_config.enable_prefix_caching)  # type: ignore[attr-defined]
         kvm = self.kv_cache_manager
         kvm.__dict__.pop("allocate_slots", None)  # re-wiring: back to the class method
         self._stock_allocate = kvm.allocate_slots
@@ -140,25 +133,11 @@ class OutrateMixin:
     def n_held(self) -> int:
         return len(self.holdback)
 
-    # -- users and request lifecycle ------------------------------------------
-
-    def _user(self, key: str) -> UserState:
-        u = self._users.get(key)
-        if u is None:
-            label = self.metrics.label_of(key, self._policy)
-            u = UserState(key, self.limiter.pin(key), self.metrics.record(label))
-            self._users[key] = u
-        return u
+    # -- request lifecycle (the user table: roster.py) ---------------------------
 
     def _register(self, request: Request) -> None:
-        u = self._user(resolve_identity(request.sampling_params, logger))
-        u.live += 1
-        u.m.live += 1
-        rs = RequestState(u)
-        if request.status == RequestStatus.RUNNING:
-            rs.resident = True
-            u.resident += 1
-        request.__dict__[ATTR] = rs
+        key = resolve_identity(request.sampling_params, logger)
+        self.roster.register(request, key, self._policy, request.status == RequestStatus.RUNNING)
 
     def add_request(self, request: Request) -> None:
         if request.request_id not in self.requests:
@@ -176,12 +155,7 @@ class OutrateMixin:
         rs = request.__dict__.pop(ATTR, None)
         if rs is not None:
             self._leave_slot(rs, request)
-            u = rs.user
-            u.live -= 1
-            u.m.live -= 1
-            if u.live == 0:
-                del self._users[u.key]
-                self.limiter.unpin(u.bucket)
+            self.roster.finish(rs)
         return super()._free_request(request, delay_free_blocks)  # type: ignore[misc]
 
     def _preempt_request(
@@ -255,7 +229,7 @@ class OutrateMixin:
             self._st.touched.append(u)
         # Out of budget: prefill up to the last prompt position, sample later.
         last_prompt = len(request._all_token_ids) - 1
-        if self._chunked and num_computed_tokens < last_prompt:
+        if self.admission.chunked and num_computed_tokens < last_prompt:
             return last_prompt - num_computed_tokens
         if rs.resident:
             self._st.refused.append(request)
@@ -272,54 +246,9 @@ class OutrateMixin:
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
         if not super()._handle_blocked_waiting_request(request):  # type: ignore[misc]
             return False
-        rs: RequestState = request.__dict__[ATTR]
-        if rs.preempted_step == self._step:
-            return False  # displaced or preempted this step: not back in the same step
-        u = rs.user
-        now = self._now
-        limit = self.limiter.limit_of(u.bucket, now)
-        if limit.shadow:
-            pass  # computed and counted, never enforced
-        elif limit.max_streams is not None and u.resident >= limit.max_streams:
-            return self._defer(rs, "max_streams")  # waits without blocking anyone else
-        elif u.refused_step == self._step or u.n_held or self.limiter.available(u.bucket, now) == 0:
-            if (
-                not self._can_prefill_ahead(request)
-                or len(self.running) + 1 >= self.max_num_active_reqs
-            ):
-                ready = self.limiter.ready_at(u.bucket, now)
-                st = self._st
-                if st.blocked_ready == 0 or ready < st.blocked_ready:
-                    st.blocked_ready = ready
-                return self._defer(rs, "budget")
-        rs.deferred = ""
-        # Counted as resident now (so max_streams holds within one step);
-        # undone after the step if stock did not admit it after all.
-        rs.resident = True
-        u.resident += 1
-        self._st.admits.append(request)
-        return True
-
-    def _defer(self, rs: RequestState, reason: str) -> bool:
-        """Admission deferred; counted once per deferral, not per step."""
-        if rs.deferred != reason:
-            rs.deferred = reason
-            self.metrics.deferred[reason] += 1
-        return False
-
-    def _can_prefill_ahead(self, request: Request) -> bool:
-        """Whether a throttled request can be admitted to prefill without
-        sampling. (The caller also keeps the last free seat for users with
-        budget.) Stock stops admitting everyone when the lookahead hook
-        returns 0 in the waiting loop, so admit only when the cap
-        `num_tokens - 1 - computed` is positive whatever the prefix-cache hit
-        (hits are whole blocks of at most `num_tokens - 1` tokens)."""
-        if not self._chunked or request.num_computed_tokens:
-            return False
-        n = request.num_tokens
-        if n < 2:
-            return False
-        return not self._caching or (n - 1) % self._block_size != 0
+        return self.admission.admit(
+            request, self._st, self._step, self._now, len(self.running), self.max_num_active_reqs
+        )
 
     def _allocate_slots(
         self, request: Request, num_new_tokens: int, *args: Any, **kwargs: Any
@@ -383,7 +312,7 @@ class OutrateMixin:
         if st.refused:
             self._hold_refused(st, scheduled, now)
         if st.touched:
-            self._arm_touched(st, now)
+            self.holdback.arm_touched(st.touched, now)
         self.ledger.fold(st, self._step, now, self.holdback)
         self.limiter.cleanup(now, 4)
 
@@ -412,36 +341,15 @@ class OutrateMixin:
             for r in hold:
                 self.holdback.hold(r, now)
 
-    def _arm_touched(self, st: StepScratch, now: int) -> None:
-        for u in st.touched:
-            if u.n_held and not u.armed:
-                self.holdback.arm(u, now)
-        st.touched.clear()
-
     def _displace(self, now: int) -> None:
-        """Fair admission: when every resident slot is taken, a waiting request
-        of a user with budget displaces a held request of the user holding the
-        most slots (preempted and requeued; prefix cache keeps what it can).
-        At most one per step, after a bounded scan of the queue head."""
-        limiter = self.limiter
-        for i, r in enumerate(self.waiting):
-            if i >= DISPLACE_SCAN:
-                return
-            rs = r.__dict__.get(ATTR)
-            if rs is None:
-                continue
-            u = rs.user
-            if u.n_held or u.refused_step == self._step or limiter.available(u.bucket, now) == 0:
-                continue
-            ms = limiter.limit_of(u.bucket, now).max_streams
-            if ms is not None and u.resident >= ms:
-                continue
-            victim = self.holdback.displacement_victim(u, self._users.values())
-            if victim is not None:
-                self._preempt_request(victim, time.monotonic())
-                self.stats["displaced"] += 1
-                self.metrics.displaced += 1
-            return  # one per step; none when slots are already shared fairly
+        """Fair admission (admission.py): one held request gives its slot to a
+        waiting user with budget (preempted and requeued; prefix cache keeps
+        what it can)."""
+        victim = self.admission.displacement(self.waiting, self._users.values(), self._step, now)
+        if victim is not None:
+            self._preempt_request(victim, time.monotonic())
+            self.stats["displaced"] += 1
+            self.metrics.displaced += 1
 
     def _swap_policy(self, policy: CompiledPolicy, now: int) -> None:
         self._policy = policy

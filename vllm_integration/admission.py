@@ -1,0 +1,125 @@
+"""Admission of waiting requests under per-user budgets: whether a request
+stock vLLM is about to admit waits instead (deferred), and which held request
+gives its slot to a waiting user with budget (fair displacement).
+
+Plain Python over the scheduler's records (state.py) and the `BudgetStore`:
+no vLLM import. The scheduler (scheduler.py) calls `admit` from stock's
+waiting loop and `displacement` once per step; it does the preempting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from outrate.metrics import Metrics
+from outrate.store import BudgetStore
+from vllm_integration.holdback import Holdback
+from vllm_integration.state import ATTR, RequestState, StepScratch, UserState
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+DISPLACE_SCAN = 32
+"""Waiting requests examined per step for fair-admission displacement."""
+
+
+class Admission:
+    def __init__(
+        self,
+        limiter: BudgetStore,
+        metrics: Metrics,
+        holdback: Holdback,
+        chunked: bool,
+        caching: bool,
+        block_size: int,
+    ) -> None:
+        self.limiter = limiter
+        self.metrics = metrics
+        self.holdback = holdback
+        self.chunked = chunked  # chunked prefill: a throttled request can prefill ahead
+        self.caching = caching  # prefix caching
+        self.block_size = block_size
+
+    def admit(
+        self,
+        request: Request,
+        st: StepScratch,
+        step: int,
+        now: int,
+        running: int,
+        max_active: int,
+    ) -> bool:
+        """Whether stock may admit `request` now (it would): not while its user
+        is at `max_streams`, nor while the user is out of budget, unless it can
+        prefill ahead without sampling and a seat stays free for users with
+        budget. An admitted request counts as resident at once, so
+        `max_streams` holds within one step (`st.admits`: undone after the
+        step if stock did not admit it after all)."""
+        rs: RequestState = request.__dict__[ATTR]
+        if rs.preempted_step == step:
+            return False  # displaced or preempted this step: not back in the same step
+        u = rs.user
+        limiter = self.limiter
+        limit = limiter.limit_of(u.bucket, now)
+        if limit.shadow:
+            pass  # computed and counted, never enforced
+        elif limit.max_streams is not None and u.resident >= limit.max_streams:
+            return self._defer(rs, "max_streams")  # waits without blocking anyone else
+        elif u.refused_step == step or u.n_held or limiter.available(u.bucket, now) == 0:
+            if not self.can_prefill_ahead(request) or running + 1 >= max_active:
+                ready = limiter.ready_at(u.bucket, now)
+                if st.blocked_ready == 0 or ready < st.blocked_ready:
+                    st.blocked_ready = ready
+                return self._defer(rs, "budget")
+        rs.deferred = ""
+        rs.resident = True
+        u.resident += 1
+        st.admits.append(request)
+        return True
+
+    def _defer(self, rs: RequestState, reason: str) -> bool:
+        """Admission deferred; counted once per deferral, not per step."""
+        if rs.deferred != reason:
+            rs.deferred = reason
+            self.metrics.deferred[reason] += 1
+        return False
+
+    def can_prefill_ahead(self, request: Request) -> bool:
+        """Whether a throttled request can be admitted to prefill without
+        sampling. (The caller also keeps the last free seat for users with
+        budget.) Stock stops admitting everyone when the lookahead hook
+        returns 0 in the waiting loop, so admit only when the cap
+        `num_tokens - 1 - computed` is positive whatever the prefix-cache hit
+        (hits are whole blocks of at most `num_tokens - 1` tokens)."""
+        if not self.chunked or request.num_computed_tokens:
+            return False
+        n = request.num_tokens
+        if n < 2:
+            return False
+        return not self.caching or (n - 1) % self.block_size != 0
+
+    def displacement(
+        self, waiting: Iterable[Any], users: Iterable[UserState], step: int, now: int
+    ) -> Request | None:
+        """Fair admission, when every resident slot is taken: the held request
+        a waiting request of a user with budget displaces (the youngest held of
+        the user holding the most slots), or None. Looks at the first
+        `DISPLACE_SCAN` waiting requests and decides on the first candidate
+        user: at most one displacement per step, none when slots are already
+        shared fairly."""
+        limiter = self.limiter
+        for i, r in enumerate(waiting):
+            if i >= DISPLACE_SCAN:
+                return None
+            rs = r.__dict__.get(ATTR)
+            if rs is None:
+                continue
+            u = rs.user
+            if u.n_held or u.refused_step == step or limiter.available(u.bucket, now) == 0:
+                continue
+            ms = limiter.limit_of(u.bucket, now).max_streams
+            if ms is not None and u.resident >= ms:
+                continue
+            return self.holdback.displacement_victim(u, users)
+        return None
