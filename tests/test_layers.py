@@ -18,11 +18,13 @@ LAYERS: dict[str, int] = {
     "trace": 0,
     "vllm_flags": 0,
     "policy_file": 1,
+    "gate": 1,  # the API server's per-request identity decision
     "store": 1,
     "policy": 1,
     "compose": 2,
     "deployment": 2,
     "loader": 3,
+    "keys": 3,  # the keys file of identity.source api_key
     "compiler": 3,  # never the loader: the two meet in pipeline
     "pipeline": 4,
     "metrics": 4,
