@@ -14,6 +14,11 @@ editors and ConfigMaps never write to the policy's own inode, they swap names
 around it, so per-file watches go stale. Reading a small file and hashing it is
 cheap; the hash guard turns unrelated events into no-ops.
 
+A policy can be built from more files than its own (`identity.keys`: the keys
+file). Their directories are watched too, and the guard hashes every one of
+them (`CompiledPolicy.fingerprint`), so adding or revoking a key reloads the
+policy exactly like an edit of the policy itself, valid or not.
+
 watchdog is imported lazily (inside methods), so `outrate lint` and anything
 else importing the core does not pay for it or need it installed.
 """
@@ -30,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from outrate.compiler import CompiledPolicy
 from outrate.errors import OutrateError, PolicyError
+from outrate.identity import IdentityConfig
 from outrate.pipeline import load_compiled
 from outrate.policy_file import read_policy_file
 
@@ -80,7 +86,10 @@ class Reloader:
         poll_interval_s: float = 0.5,
         logger: logging.Logger = logging.getLogger("outrate.reload"),  # noqa: B008
         loader: Loader | None = None,
+        log: bool = True,
     ) -> None:
+        """`log=False`: count edits without logging them (a second reloader of
+        the same files, in the API server, beside the engine core's)."""
         if mode not in ("watch", "poll", "off"):
             raise OutrateError(f"reload mode must be watch, poll or off, got {mode!r}")
         if debounce_s < 0 or poll_interval_s <= 0:
@@ -90,6 +99,7 @@ class Reloader:
         self.debounce_s = debounce_s
         self.poll_interval_s = poll_interval_s
         self.logger = logger
+        self.log = log
         self._on_apply = on_apply
         self._loader: Loader = loader or load_compiled
         self._current = initial
@@ -102,9 +112,11 @@ class Reloader:
         # The engine loaded `initial` from this file: remember the digest of the
         # bytes it compiled, so the first unrelated event does not reload the
         # same policy, and an edit made since is caught by the first check.
+        self._deps: tuple[str, ...] = initial.depends_on if initial is not None else ()
+        """Files besides the policy that the last load read (the keys file)."""
         self._seen: str | None = None
         if initial is not None:
-            self._seen = initial.sha256 or self._digest()
+            self._seen = initial.fingerprint if initial.sha256 else self._fingerprint()
         self._cond = threading.Condition()
         self._load_lock = threading.Lock()
         self._state_lock = threading.RLock()
@@ -113,6 +125,8 @@ class Reloader:
         self._stopping = False
         self._running = False
         self._observer: BaseObserver | None = None
+        self._handler: _Handler | None = None
+        self._watched: set[str] = set()
         self._worker: threading.Thread | None = None
 
     # -- public API ----------------------------------------------------------
@@ -169,7 +183,7 @@ class Reloader:
         change: it is the explicit "apply what is on disk" verb (SIGHUP, tests).
         """
         with self._load_lock:
-            self._seen = self._digest()
+            self._seen = self._fingerprint()
             return self._load_and_apply()
 
     def wait_for(self, predicate: Callable[[Reloader], bool], timeout: float = 5.0) -> bool:
@@ -191,21 +205,49 @@ class Reloader:
 
     # -- watching ------------------------------------------------------------
 
-    def _watch_dirs(self) -> list[str]:
-        """The policy's directory, plus the symlink target's if it lives elsewhere.
+    def _watch_dirs(self, path: str | os.PathLike[str] | None = None) -> list[str]:
+        """The file's directory, plus the symlink target's if it lives elsewhere
+        (the policy's by default; each dependency's too).
 
         A target inside the directory (ConfigMap `..2026_xx/`) is not watched:
         those directories come and go, and the `..data` swap shows up in the
         parent anyway.
         """
-        link_dir = os.path.dirname(os.path.abspath(self.path))
+        path = self.path if path is None else path
+        link_dir = os.path.dirname(os.path.abspath(path))
         dirs = [link_dir]
         real_parent = os.path.realpath(link_dir)
-        real_dir = os.path.dirname(os.path.realpath(self.path))
+        real_dir = os.path.dirname(os.path.realpath(path))
         if real_dir != real_parent and not real_dir.startswith(real_parent + os.sep):
             if os.path.isdir(real_dir):
                 dirs.append(real_dir)
         return dirs
+
+    def _dep_dirs(self) -> list[str]:
+        """Existing directories of the dependencies, not already the policy's."""
+        own = set(self._watch_dirs())
+        out: list[str] = []
+        for dep in self._deps:
+            for d in self._watch_dirs(dep):
+                if d not in own and d not in out and os.path.isdir(d):
+                    out.append(d)
+        return out
+
+    def _watch_deps(self) -> None:
+        """Watch the directories of files the last load read, once each. A
+        directory that does not exist yet is looked for again after each load."""
+        observer, handler = self._observer, self._handler
+        if observer is None or handler is None:
+            return
+        for d in self._dep_dirs():
+            if d in self._watched:
+                continue
+            try:
+                observer.schedule(handler, d, recursive=False, event_filter=self._events())  # type: ignore[arg-type]
+            except OSError as err:
+                self.logger.warning("%s: cannot watch %s (%s)", self.path, d, err)
+                continue
+            self._watched.add(d)
 
     def _start_observer(self) -> BaseObserver:
         from watchdog.observers.polling import PollingObserver
@@ -237,7 +279,8 @@ class Reloader:
         self.observer_kind = "polling"
         return observer
 
-    def _schedule(self, observer: BaseObserver, dirs: list[str]) -> BaseObserver:
+    @staticmethod
+    def _events() -> list[Any]:
         from watchdog import events as ev
 
         wanted = [
@@ -248,9 +291,15 @@ class Reloader:
         # chmod can make an unreadable policy readable; attrib events are their
         # own classes only in newer watchdog versions.
         wanted += [getattr(ev, n) for n in ("FileAttribEvent", "DirAttribEvent") if hasattr(ev, n)]
-        handler = _Handler(self._poke)
+        return wanted
+
+    def _schedule(self, observer: BaseObserver, dirs: list[str]) -> BaseObserver:
+        handler = self._handler = _Handler(self._poke)
+        wanted = self._events()
+        dirs = [*dirs, *(d for d in self._dep_dirs() if d not in dirs)]
         for d in dirs:
             observer.schedule(handler, d, recursive=False, event_filter=wanted)  # type: ignore[arg-type]
+        self._watched = set(dirs)
         return observer
 
     def _poke(self) -> None:
@@ -296,11 +345,11 @@ class Reloader:
 
     # -- checking and applying -----------------------------------------------
 
-    def _digest(self) -> str:
+    def _digest(self, path: str | os.PathLike[str] | None = None) -> str:
         """sha256 of the bytes now behind the path (symlinks followed), read by
         the loader's own bounded read: what `CompiledPolicy.sha256` holds."""
         try:
-            return hashlib.sha256(read_policy_file(self.path)).hexdigest()
+            return hashlib.sha256(read_policy_file(path or self.path)).hexdigest()
         except PolicyError as err:
             if isinstance(err.__cause__, FileNotFoundError):
                 return _MISSING
@@ -308,15 +357,20 @@ class Reloader:
             # why, once per distinct failure.
             return f"<error {err}>"
 
+    def _fingerprint(self) -> str:
+        """The policy's digest, then each dependency's: `CompiledPolicy.fingerprint`."""
+        return self._digest() + "".join(f"+{self._digest(dep)}" for dep in self._deps)
+
     def _check(self) -> bool:
-        """Apply the file if its bytes changed since last seen; True if applied."""
+        """Apply the file if its bytes (or a dependency's) changed since last
+        seen; True if applied."""
         with self._load_lock:
             try:
-                digest = self._digest()
-                if digest == self._seen:
+                fingerprint = self._fingerprint()
+                if fingerprint == self._seen:
                     return False
-                self._seen = digest
-                if digest == _MISSING:
+                self._seen = fingerprint
+                if fingerprint.partition("+")[0] == _MISSING:
                     self._reject(
                         f"{self.path}: policy file deleted; keeping the last good policy"
                         f" ({_brief(self._current)})",
@@ -332,6 +386,7 @@ class Reloader:
         try:
             new = self._loader(self.path)
         except PolicyError as err:
+            self._depend_on(err.depends_on)
             self._reject(str(err), logging.ERROR, "reload rejected, keeping the last good policy")
             return False
         except Exception as err:
@@ -348,16 +403,30 @@ class Reloader:
             self._reject(f"{self.path}: on_apply: {type(err).__name__}: {err}", None)
             return False
         self._current = new
-        self.logger.info("%s: policy reloaded: %s", self.path, describe_changes(old, new))
+        self._depend_on(new.depends_on, new.fingerprint if new.sha256 else None)
+        if self.log:
+            self.logger.info("%s: policy reloaded: %s", self.path, describe_changes(old, new))
         with self._cond:
             self.last_error = None
             self.applied += 1
             self._cond.notify_all()
         return True
 
+    def _depend_on(self, deps: tuple[str, ...], loaded: str | None = None) -> None:
+        """Remember the files the last load read, and watch them. `_seen` then
+        covers them too: exactly what was loaded when it compiled (`loaded`),
+        else their bytes now."""
+        if loaded is not None:
+            self._deps = deps
+            self._seen = loaded
+        elif deps != self._deps:
+            self._deps = deps
+            self._seen = self._fingerprint()
+        self._watch_deps()
+
     def _reject(self, message: str, level: int | None, header: str = "") -> None:
         """Count and remember a bad edit; log it unless the caller already did."""
-        if level is not None:
+        if level is not None and self.log:
             if header:
                 self.logger.log(level, "%s: %s:\n%s", self.path, header, message)
             else:
@@ -413,7 +482,27 @@ def describe_changes(old: CompiledPolicy | None, new: CompiledPolicy) -> str:
         # Same rules in another order still matters: the first match decides.
         parts += _diff("pattern ", a, b, old, new) or ["patterns reordered"]
     parts += _diff("", old.users, new.users, old, new, fallback=True)
+    parts += _identity_changes(old.identity, new.identity)
     return "; ".join(parts) if parts else "no effective change"
+
+
+def _identity_changes(old: IdentityConfig, new: IdentityConfig) -> list[str]:
+    """Source, header and claim handling; keys by digest prefix and user
+    (digests are safe to log: keys never are, and never reach this code)."""
+    parts: list[str] = []
+    if (old.source, old.header, old.on_claim_mismatch) != (
+        new.source,
+        new.header,
+        new.on_claim_mismatch,
+    ):
+        parts.append(f"identity {old.describe()} -> {new.describe()}")
+    a = old.keys.digests() if old.keys is not None else {}
+    b = new.keys.digests() if new.keys is not None else {}
+    if new.source == "api_key" and a != b:
+        added = [f"key {d[:19]}... ({u}) added" for d, u in b.items() if a.get(d) != u]
+        gone = [f"key {d[:19]}... ({u}) revoked" for d, u in a.items() if b.get(d) != u]
+        parts += _cap(added) + _cap(gone)
+    return parts
 
 
 def _diff(
