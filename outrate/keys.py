@@ -130,7 +130,10 @@ def _write(path: Path, text: str) -> None:
     except FileNotFoundError:
         mode = 0o600
     target = path.resolve() if path.is_symlink() else path
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    except OSError as e:
+        raise OutrateError(f"{path}: cannot write beside it: {e.strerror or e}") from e
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
@@ -138,8 +141,10 @@ def _write(path: Path, text: str) -> None:
             os.fsync(f.fileno())
         os.chmod(tmp, mode)
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise OutrateError(f"{path}: cannot write: {e.strerror or e}") from e
         raise
 
 

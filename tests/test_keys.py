@@ -216,3 +216,28 @@ def test_the_keys_commands(tmp_path: Path) -> None:
     assert done.exit_code == 2 and "reserved" in done.stderr
     done = runner.invoke(app, ["keys", "add", "alice"])
     assert done.exit_code == 2 and "--file" in done.stderr
+
+
+def test_a_keys_file_that_cannot_be_written_is_an_error_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-only mount (a Secret, a ConfigMap): the commands say so and exit 1."""
+    import errno
+
+    path = tmp_path / "keys.yaml"
+    path.write_text(f"{A}: alice\n")
+
+    def read_only(*_: object, **__: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr("outrate.keys.os.replace", read_only)
+    with pytest.raises(OutrateError, match="keys.yaml: cannot write: Read-only file system"):
+        add_key(path, "bob")
+    with pytest.raises(OutrateError, match="keys.yaml: cannot write: Read-only file system"):
+        revoke_keys(path, "alice")
+    assert path.read_text() == f"{A}: alice\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["keys.yaml"]  # no temporary file left
+    monkeypatch.setattr("outrate.keys.tempfile.mkstemp", read_only)
+    done = CliRunner().invoke(app, ["keys", "add", "bob", "--file", str(path)])
+    assert done.exit_code == 1
+    assert done.stderr == f"{path}: cannot write beside it: Read-only file system\n"

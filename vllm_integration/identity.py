@@ -28,7 +28,7 @@ from typing import Any
 
 from outrate.compiler import CompiledPolicy
 from outrate.errors import OutrateError
-from outrate.identity import BODY, IdentityConfig, Stamper
+from outrate.identity import BODY, SECRET_ENV, IdentityConfig, Stamper
 from outrate.reload import Reloader
 
 SETTINGS_ENV = "OUTRATE_API_SETTINGS"
@@ -119,9 +119,9 @@ def _build() -> Gate:
     g = Gate(policy.identity, stamper)
     if policy.identity.source != "body" and stamper is None:
         logger.warning(
-            "outrate: %s is not set in this process: the engine will count every "
-            "request as anonymous (identity.source is %s)",
-            "OUTRATE_IDENTITY_SECRET",
+            "outrate: %s is not set in this process (or is not hex of at least 16 bytes): "
+            "the engine will count every request as anonymous (identity.source is %s)",
+            SECRET_ENV,
             policy.identity.source,
         )
     if api.get("reload", "watch") != "off":
