@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from outrate.compiler import CompiledPolicy
+from outrate.identity import IdentityConfig
 from outrate.limiter import Limit
 from outrate.units import format_duration, format_rate
 
@@ -40,7 +41,27 @@ def describe_changes(old: CompiledPolicy | None, new: CompiledPolicy) -> str:
         # Same rules in another order still matters: the first match decides.
         parts += _diff("pattern ", a, b, old, new) or ["patterns reordered"]
     parts += _diff("", old.users, new.users, old, new, fallback=True)
+    parts += _identity_changes(old.identity, new.identity)
     return "; ".join(parts) if parts else "no effective change"
+
+
+def _identity_changes(old: IdentityConfig, new: IdentityConfig) -> list[str]:
+    """Source, header and claim handling; keys by digest prefix and user
+    (digests are safe to log: keys never are, and never reach this code)."""
+    parts: list[str] = []
+    if (old.source, old.header, old.on_claim_mismatch) != (
+        new.source,
+        new.header,
+        new.on_claim_mismatch,
+    ):
+        parts.append(f"identity {old.describe()} -> {new.describe()}")
+    a = old.keys.digests() if old.keys is not None else {}
+    b = new.keys.digests() if new.keys is not None else {}
+    if new.source == "api_key" and a != b:
+        added = [f"key {d[:19]}... ({u}) added" for d, u in b.items() if a.get(d) != u]
+        gone = [f"key {d[:19]}... ({u}) revoked" for d, u in a.items() if b.get(d) != u]
+        parts += _cap(added) + _cap(gone)
+    return parts
 
 
 def _diff(

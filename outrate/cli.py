@@ -17,6 +17,8 @@ from typer.core import TyperCommand
 
 from outrate.deployment import Deployment, load_deployment
 from outrate.errors import OutrateError
+from outrate.identity import identity_error
+from outrate.keys import add_key, revoke_keys
 from outrate.lint import LintReport, lint_all
 from outrate.policy import policy_json_schema
 from outrate.units import format_count
@@ -183,6 +185,63 @@ def top(
         if once:
             raise  # an interrupted --once printed nothing: not a success
         raise typer.Exit(0) from None
+
+
+keys_app = typer.Typer(
+    name="keys",
+    help="Manage the API keys file of `identity: {source: api_key}`.",
+    no_args_is_help=True,
+)
+app.add_typer(keys_app)
+
+KeysFile = Annotated[
+    Path,
+    typer.Option(
+        "--file",
+        help="The keys file (the policy's identity.keys).",
+        show_default=False,
+        readable=False,
+    ),
+]
+
+
+@keys_app.command("add")
+def keys_add(
+    user: Annotated[str, typer.Argument(help="The user id the key identifies.")],
+    file: KeysFile,
+) -> None:
+    """Create a key for USER: print it once (stdout) and append its digest.
+
+    Only the SHA-256 digest is written; the key cannot be shown again. A
+    running server applies the edit within a second.
+    """
+    bad = identity_error(user, "USER")
+    if bad is not None:
+        raise typer.BadParameter(bad.removeprefix("USER "), param_hint="USER")
+    try:
+        key, digest = add_key(file, user)
+    except OutrateError as e:
+        _err(str(e))
+        raise typer.Exit(1) from e
+    typer.echo(key)
+    _err(f"added {digest} for {user!r} to {file}; the key above is not stored anywhere")
+
+
+@keys_app.command("revoke")
+def keys_revoke(
+    who: Annotated[
+        str, typer.Argument(help="A user id (all its keys) or a digest (sha256:<hex>).")
+    ],
+    file: KeysFile,
+) -> None:
+    """Remove every key of a user, or the key with one digest."""
+    try:
+        gone = revoke_keys(file, who)
+    except OutrateError as e:
+        _err(str(e))
+        raise typer.Exit(1) from e
+    for digest, user in gone:
+        typer.echo(f"revoked {digest} ({user!r})")
 
 
 def main() -> None:

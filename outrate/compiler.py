@@ -15,7 +15,7 @@ from fnmatch import translate
 from types import MappingProxyType
 from typing import Any
 
-from outrate.identity import ANONYMOUS
+from outrate.identity import ANONYMOUS, BODY, IdentityConfig, KeyTable
 from outrate.limiter import Limit
 from outrate.policy import UNLIMITED, LimitRule, Policy, TierRule
 from outrate.units import format_count
@@ -48,6 +48,8 @@ class CompiledPolicy:
     per_user_series: tuple[str, ...] = ()
     """Globs of users who get Prometheus series of their own (`metrics.per_user`)."""
     max_series: int = 1000
+    identity: IdentityConfig = BODY
+    """The `identity:` section, with the keys file's table when it was loaded."""
     _series_matchers: tuple[Any, ...] = field(init=False, repr=False)
     _lookup: dict[str, Limit] = field(init=False, repr=False)
     _matchers: tuple[tuple[Any, Limit], ...] = field(init=False, repr=False)
@@ -63,6 +65,19 @@ class CompiledPolicy:
         object.__setattr__(self, "_matchers", matchers)
         series = tuple(re.compile(translate(p)).match for p in self.per_user_series)
         object.__setattr__(self, "_series_matchers", series)
+
+    @property
+    def depends_on(self) -> tuple[str, ...]:
+        """Files besides the policy that it was built from (the keys file)."""
+        keys = self.identity.keys
+        return (keys.source,) if keys is not None and keys.source else ()
+
+    @property
+    def fingerprint(self) -> str:
+        """The policy's sha256, then each file it depends on: what the reloader
+        compares to tell whether anything it was built from changed."""
+        keys = self.identity.keys
+        return self.sha256 + (f"+{keys.sha256}" if self.depends_on and keys else "")
 
     def wants_series(self, user_id: str) -> bool:
         """Whether `user_id` is counted under its own id in metrics (listed users
@@ -124,9 +139,12 @@ class CompiledPolicy:
                 (len(self.patterns), "pattern"),
             )
         )
+        identity = (
+            "" if self.identity.source == "body" else f"; identity {self.identity.describe()}"
+        )
         return (
             f"outrate policy from {self.source}: {counts}; "
-            f"default {self.default.describe()}; anonymous {self.anonymous.describe()}"
+            f"default {self.default.describe()}; anonymous {self.anonymous.describe()}{identity}"
         )
 
 
@@ -161,7 +179,23 @@ def _limit(
     )
 
 
-def compile_policy(policy: Policy, source: str, sha256: str = "") -> CompiledPolicy:
+def compile_identity(policy: Policy, keys: KeyTable | None = None) -> IdentityConfig:
+    """The `identity:` section; `keys` is the keys file's table, loaded by the
+    pipeline (the compiler reads no files)."""
+    section = policy.identity
+    if section.source == "body":
+        return BODY
+    return IdentityConfig(
+        source=section.source,
+        header=section.header.lower() if section.header else None,
+        on_claim_mismatch=section.on_claim_mismatch or "reject",
+        keys=keys if section.source == "api_key" else None,
+    )
+
+
+def compile_policy(
+    policy: Policy, source: str, sha256: str = "", keys: KeyTable | None = None
+) -> CompiledPolicy:
     """Resolve a validated policy into shared Limits. Never fails on a loaded
     policy: tier references and every value were checked by the loader."""
     tier_limits = {
@@ -200,7 +234,8 @@ def compile_policy(policy: Policy, source: str, sha256: str = "") -> CompiledPol
         sha256=sha256,
         per_user_series=policy.metrics.per_user,
         max_series=policy.metrics.max_series,
+        identity=compile_identity(policy, keys),
     )
 
 
-__all__ = ["CompiledPolicy", "compile_policy"]
+__all__ = ["CompiledPolicy", "compile_identity", "compile_policy"]

@@ -16,6 +16,7 @@ a `--config` file is applied first and command-line flags override it.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import json
 import os
 import re
@@ -58,6 +59,12 @@ class Deployment:
     model_kind: str | None = None
     """"multimodal", "encoder-decoder", "hybrid", "attention-free", "diffusion",
     or None (plain decoder-only text, or unknown from flags alone)."""
+    host: str | None = None
+    """`--host`; None binds every interface (vLLM's default)."""
+    uds: str | None = None
+    """`--uds`: a Unix socket instead of TCP (host and port are ignored)."""
+    api_key: bool = False
+    """vLLM's own `--api-key` is set (the keys themselves are never kept)."""
     source: str = "defaults"
     locations: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     """field name -> where it was set: `serve.yaml:3:1` or `--max-num-seqs`."""
@@ -65,6 +72,27 @@ class Deployment:
     def where(self, name: str) -> str:
         """Where field `name` was set, or the whole description's source."""
         return self.locations.get(name, self.source)
+
+    @property
+    def loopback_only(self) -> bool:
+        """Whether only this machine can connect: a Unix socket, `localhost`,
+        or a loopback address. No `--host` binds every interface."""
+        if self.uds:
+            return True
+        if self.host is None:
+            return False
+        host = self.host.strip().strip("[]")
+        if host.lower() == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return False  # a host name: it may resolve to anything
+
+    def listening_on(self) -> str:
+        if self.host is None:
+            return "every interface (no --host: vLLM binds 0.0.0.0)"
+        return f"--host {self.host}"
 
 
 # -- value converters: str (from argv) or YAML-native (from --config) -> value --
@@ -127,6 +155,13 @@ def _str(value: Any) -> str | None:
     return None if value is None else str(value)
 
 
+def _api_key(value: Any) -> bool:
+    """Set or not; the value (a secret) is never read further."""
+    if isinstance(value, list | tuple):
+        return any(bool(v) for v in value)
+    return value is not None and value is not False and value != ""
+
+
 def _diffusion(value: Any) -> str | None:
     return "diffusion" if _present(value) else None
 
@@ -177,6 +212,9 @@ _FLAGS: dict[str, _Flag] = {
     "enable-chunked-prefill": _Flag("chunked_prefill", boolean=True),
     "async-scheduling": _Flag("async_scheduling", boolean=True),
     "diffusion-config": _Flag("model_kind", _diffusion),
+    "host": _Flag("host", _str),
+    "uds": _Flag("uds", _str),
+    "api-key": _Flag("api_key", _api_key),
 }
 _SHORT = {
     "sc": "speculative-config",

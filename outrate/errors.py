@@ -25,6 +25,11 @@ class Problem(NamedTuple):
 class PolicyError(OutrateError):
     """A policy file that cannot be used. Holds every problem found, in file order."""
 
-    def __init__(self, problems: list[Problem] | tuple[Problem, ...]) -> None:
+    def __init__(
+        self, problems: list[Problem] | tuple[Problem, ...], depends_on: tuple[str, ...] = ()
+    ) -> None:
         self.problems: tuple[Problem, ...] = tuple(problems)
+        self.depends_on = depends_on
+        """Files besides the policy that the failed load read (the keys file), so
+        a reloader watches them too and retries when one is fixed."""
         super().__init__("\n".join(str(p) for p in self.problems))

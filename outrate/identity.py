@@ -1,4 +1,12 @@
-"""Who a request belongs to: `vllm_xargs.output_rate_user`, validated.
+"""Who a request belongs to, and the rules every identity follows.
+
+Where the user id comes from is the policy's `identity:` section (compiled
+into `IdentityConfig`): the request body's `vllm_xargs.output_rate_user`
+(`body`, trusted as sent), a header a trusted gateway sets (`header`), or an
+API key looked up by its SHA-256 digest (`api_key`, `KeyTable`). The API
+server decides once per request and signs its answer into the request
+(`Stamper`); with a source other than body the engine trusts only that
+signature, never a field of the body.
 
 The API layer refuses a bad identity with HTTP 400 before it reaches the
 engine (`identity_error`); the engine never trusts that happened and maps
@@ -15,8 +23,13 @@ U+200B) make two different ids look the same; line and paragraph separators
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import os
 import unicodedata
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 IDENTITY_KEY = "output_rate_user"
@@ -90,15 +103,37 @@ def _json_type(value: Any) -> str:
     return type(value).__name__
 
 
-def resolve_identity(sampling_params: Any, logger: logging.Logger | None = None) -> str:
-    """The user id of a request inside the engine; never raises."""
+def resolve_identity(
+    sampling_params: Any,
+    logger: logging.Logger | None = None,
+    source: str = "body",
+    stamper: Stamper | None = None,
+) -> str:
+    """The user id of a request inside the engine; never raises.
+
+    With `source` body (the default) the request's own claim counts. With any
+    other source only the API server's stamp does (`STAMP_KEY`, verified with
+    `stamper`): a body field is never trusted, so a request that reached the
+    engine without passing the API server's gate is anonymous.
+    """
     extra = getattr(sampling_params, "extra_args", None)
     if not extra:
         return ANONYMOUS
     try:
-        value = extra.get(IDENTITY_KEY)
+        value = extra.get(STAMP_KEY if source != "body" else IDENTITY_KEY)
     except AttributeError:
         return ANONYMOUS
+    if source != "body":
+        user = stamper.verify(value) if stamper is not None else None
+        if user is None:
+            if logger is not None and (value is not None or IDENTITY_KEY in extra):
+                logger.warning(
+                    "outrate: identity.source is %s and this request carries no identity "
+                    "verified by the API server; request counted in the anonymous budget",
+                    source,
+                )
+            return ANONYMOUS
+        value = user
     if value is None:
         return ANONYMOUS
     error = identity_error(value)
@@ -107,3 +142,151 @@ def resolve_identity(sampling_params: Any, logger: logging.Logger | None = None)
     if logger is not None:
         logger.warning("outrate: %s; request counted in the anonymous budget", error)
     return ANONYMOUS
+
+
+# -- where the identity comes from (the policy's `identity:` section) ---------
+
+SOURCES = ("body", "header", "api_key")
+"""`body`: the request's own claim (trusted); `header`: a header a trusted
+gateway sets; `api_key`: `Authorization: Bearer KEY`, looked up in a keys file."""
+
+ON_CLAIM_MISMATCH = ("reject", "ignore")
+
+DIGEST_PREFIX = "sha256:"
+
+
+class KeyTable:
+    """SHA-256 digests of API keys -> user ids. Keys themselves are never held.
+
+    `lookup` hashes the presented key and compares its digest with *every*
+    entry with `hmac.compare_digest`, without stopping at a match: how long it
+    takes depends on the number of entries, never on how many leading
+    characters (of the key or of its digest) match one. A dict keyed by digest
+    would answer in O(1) but compare bytes with an early exit.
+    """
+
+    __slots__ = ("_entries", "source", "sha256")
+
+    def __init__(
+        self, entries: Iterable[tuple[bytes, str]] = (), source: str = "", sha256: str = ""
+    ) -> None:
+        self._entries: tuple[tuple[bytes, str], ...] = tuple(entries)
+        self.source = source
+        """The keys file, as the policy resolved it."""
+        self.sha256 = sha256
+        """Hex digest of the file's bytes (what the reloader compares)."""
+
+    def lookup(self, key: bytes) -> str | None:
+        """The user whose key this is, or None."""
+        presented = hashlib.sha256(key).digest()
+        found: str | None = None
+        for digest, user in self._entries:
+            if hmac.compare_digest(digest, presented):
+                found = user
+        return found
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def digests(self) -> dict[str, str]:
+        """`sha256:<hex>` -> user id, for lint, reload logs and `outrate keys`."""
+        return {DIGEST_PREFIX + d.hex(): user for d, user in self._entries}
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, KeyTable):
+            return NotImplemented
+        return sorted(self._entries) == sorted(other._entries)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:  # never the digests: a repr ends up in logs
+        return f"KeyTable({len(self)} keys from {self.source or '<memory>'})"
+
+
+def key_digest(key: str | bytes) -> str:
+    """`sha256:<hex>` of an API key, as the keys file stores it."""
+    raw = key.encode() if isinstance(key, str) else key
+    return DIGEST_PREFIX + hashlib.sha256(raw).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class IdentityConfig:
+    """The compiled `identity:` section: how the API server learns the user."""
+
+    source: str = "body"
+    header: str | None = None
+    """With source header: the header's name, lower case (ASGI's spelling)."""
+    on_claim_mismatch: str = "reject"
+    keys: KeyTable | None = None
+    """With source api_key: the keys file's table (None: not loaded, no key is valid)."""
+
+    @property
+    def keys_file(self) -> str | None:
+        return self.keys.source if self.keys is not None else None
+
+    def describe(self) -> str:
+        """One phrase for logs: `api_key (3 keys from /etc/outrate/keys.yaml)`."""
+        claims = "claims rejected" if self.on_claim_mismatch == "reject" else "claims ignored"
+        if self.source == "header":
+            return f"header {self.header!r}, {claims}"
+        if self.source == "api_key":
+            n = len(self.keys) if self.keys is not None else 0
+            where = f" from {self.keys_file}" if self.keys_file else ""
+            return f"api_key ({n} key{'' if n == 1 else 's'}{where}), {claims}"
+        return "body (vllm_xargs.output_rate_user, trusted as sent)"
+
+
+BODY = IdentityConfig()
+
+
+# -- carrying the API server's decision to the engine -------------------------
+
+STAMP_KEY = "output_rate_identity"
+"""`SamplingParams.extra_args` key the API server writes: `<hmac>:<user>`.
+The engine trusts it only with a valid MAC, so a client that writes it
+itself (it can: vllm_xargs become extra_args) gains nothing."""
+
+SECRET_ENV = "OUTRATE_IDENTITY_SECRET"
+"""Hex secret shared by the API server(s) and the engine core: set at startup
+by the plugin when unset, inherited by the processes vLLM starts."""
+
+_STAMP_CONTEXT = b"outrate identity v1\x00"
+
+
+class Stamper:
+    """Signs the user the API server resolved; the engine verifies it."""
+
+    __slots__ = ("_secret",)
+
+    def __init__(self, secret: bytes) -> None:
+        if len(secret) < 16:
+            raise ValueError("the identity secret must be at least 16 bytes")
+        self._secret = secret
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Stamper | None:
+        raw = (os.environ if environ is None else environ).get(SECRET_ENV, "")
+        try:
+            return cls(bytes.fromhex(raw)) if raw else None
+        except ValueError:
+            return None
+
+    def _mac(self, user: str) -> str:
+        data = _STAMP_CONTEXT + user.encode("utf-8", "surrogatepass")
+        return hmac.new(self._secret, data, hashlib.sha256).hexdigest()
+
+    def sign(self, user: str) -> str:
+        return f"{self._mac(user)}:{user}"
+
+    def verify(self, stamp: object) -> str | None:
+        """The user a stamp carries, if this process's secret signed it."""
+        if not isinstance(stamp, str):
+            return None
+        mac, sep, user = stamp.partition(":")
+        expected = self._mac(user).encode()
+        if not sep or not hmac.compare_digest(mac.encode("utf-8", "replace"), expected):
+            return None
+        return user
+
+    def __repr__(self) -> str:
+        return "Stamper(<secret>)"

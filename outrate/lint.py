@@ -11,6 +11,7 @@ Codes are stable (tools and CI filter on them); never renumber, only add:
 - OR004 warning  a match pattern without wildcards (an exact user id)
 - OR005 warning  anonymous requests unlimited while identified users are limited
 - OR006 warning  two user ids that look alike (equal after NFKC and case folding)
+- OR007 warning  identity source api_key with a keys file that lists no key
 - OR101 error    speculative decoding
 - OR102 error    data parallel size > 1
 - OR103 error    pipeline parallel size > 1
@@ -22,6 +23,8 @@ Codes are stable (tools and CI filter on them); never renumber, only add:
 - OR109 error    a model kind outrate cannot limit
 - OR111 warning  --max-num-active-seqs unset or not below --max-num-seqs
 - OR112 warning  chunked prefill disabled
+- OR113 warning  identity source body on a server other clients can reach
+- OR114 error    identity source api_key together with vLLM's own --api-key
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from typing import Any, Literal, NamedTuple
 from outrate.compiler import CompiledPolicy, compile_policy
 from outrate.deployment import Deployment
 from outrate.errors import PolicyError, Problem
+from outrate.identity import IdentityConfig
 from outrate.pipeline import load_compiled
 from outrate.policy import LimitRule, Policy, _shown
 from outrate.units import format_duration
@@ -229,6 +233,22 @@ def _lookalike_findings(policy: Policy, where: _Where) -> list[Finding]:
     return out
 
 
+def _keys_finding(compiled: CompiledPolicy, where: _Where) -> list[Finding]:
+    identity = compiled.identity
+    if identity.source != "api_key" or identity.keys is None or len(identity.keys):
+        return []
+    return [
+        Finding(
+            "OR007",
+            "warning",
+            f"the keys file {identity.keys_file} lists no key: every request will be "
+            "refused with 401 (add one with `outrate keys add USER --file "
+            f"{identity.keys_file}`)",
+            where("identity", "keys"),
+        )
+    ]
+
+
 def lint_policy(compiled_or_policy: CompiledPolicy | Policy) -> list[Finding]:
     """Warnings about a policy that loads but probably does not do what was meant."""
     if isinstance(compiled_or_policy, CompiledPolicy):
@@ -246,6 +266,7 @@ def lint_policy(compiled_or_policy: CompiledPolicy | Policy) -> list[Finding]:
         out += _pattern_findings(policy, where)
         out += _lookalike_findings(policy, where)
     out += _anonymous_finding(policy, compiled, where)
+    out += _keys_finding(compiled, where)
     return out
 
 
@@ -403,6 +424,55 @@ def lint_deployment(dep: Deployment) -> list[Finding]:
     return out
 
 
+class ExposureRule(NamedTuple):
+    """A rule over the policy's identity section and the deployment together."""
+
+    code: str
+    severity: Literal["error", "warning"]
+    field: str
+    applies: Callable[[IdentityConfig, Deployment], bool]
+    message: Callable[[IdentityConfig, Deployment], str]
+
+
+API_KEY_CONFLICT = (
+    "identity.source api_key cannot run beside vLLM's own --api-key (or VLLM_API_KEY): "
+    "both read the one Authorization header, so every request would need a key "
+    "listed in both; remove --api-key and let outrate's keys file authenticate "
+    "(it guards every route but /health, /ping, /metrics and /v1/models)"
+)
+
+EXPOSURE_RULES: tuple[ExposureRule, ...] = (
+    ExposureRule(
+        "OR113",
+        "warning",
+        "host",
+        lambda i, d: i.source == "body" and not d.loopback_only,
+        lambda i, d: (
+            f"identity.source is body and vLLM listens on {d.listening_on()}: any client "
+            "that reaches the port can name any user in vllm_xargs.output_rate_user and "
+            "spend that user's budget; use 'source: api_key', or 'source: header' behind "
+            "a gateway that sets it, or bind to 127.0.0.1"
+        ),
+    ),
+    ExposureRule(
+        "OR114",
+        "error",
+        "api_key",
+        lambda i, d: i.source == "api_key" and d.api_key,
+        lambda i, d: API_KEY_CONFLICT,
+    ),
+)
+
+
+def lint_exposure(identity: IdentityConfig, dep: Deployment) -> list[Finding]:
+    """Who can reach the server against whom the policy trusts."""
+    return [
+        Finding(rule.code, rule.severity, rule.message(identity, dep), dep.where(rule.field))
+        for rule in EXPOSURE_RULES
+        if rule.applies(identity, dep)
+    ]
+
+
 def _active_seqs(dep: Deployment) -> list[Finding]:
     why = (
         "throttled requests keep their running slot, so only a cap below "
@@ -491,4 +561,6 @@ def lint_all(
         findings += lint_policy(compiled)
     if deployment is not None:
         findings += lint_deployment(deployment)
+        if compiled is not None:
+            findings += lint_exposure(compiled.identity, deployment)
     return LintReport(source, compiled, problems, tuple(findings))

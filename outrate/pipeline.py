@@ -15,8 +15,10 @@ from typing import Any
 
 from outrate.compiler import CompiledPolicy, compile_policy
 from outrate.errors import PolicyError, Problem
+from outrate.identity import KeyTable
+from outrate.keys import load_keys
 from outrate.loader import parse_policy_bytes, read_policy_file, validate
-from outrate.policy import UNLIMITED
+from outrate.policy import UNLIMITED, Policy
 
 DEFAULT_FLAG = "--default-user-output-tokens-per-second"
 USERS_FLAG = "--user-output-tokens-per-second"
@@ -26,7 +28,34 @@ def load_compiled(path: str | os.PathLike[str]) -> CompiledPolicy:
     """Load, validate and compile a policy file (what the engine and lint run)."""
     source = os.fspath(path)
     raw = read_policy_file(source)
-    return compile_policy(parse_policy_bytes(raw, source), source, hashlib.sha256(raw).hexdigest())
+    policy = parse_policy_bytes(raw, source)
+    sha = hashlib.sha256(raw).hexdigest()
+    return compile_policy(policy, source, sha, load_policy_keys(policy, source))
+
+
+def keys_path(policy: Policy, source: str) -> str | None:
+    """The keys file a policy names, resolved against the policy file's directory
+    (the path as given, not its symlink target: a ConfigMap's `..data` swap
+    moves both files together)."""
+    if policy.identity.source != "api_key" or policy.identity.keys is None:
+        return None
+    base = os.path.dirname(os.path.abspath(source))
+    return os.path.normpath(os.path.join(base, os.path.expanduser(policy.identity.keys)))
+
+
+def load_policy_keys(policy: Policy, source: str) -> KeyTable | None:
+    """The keys file's table, or None when the policy uses none. Problems are
+    located in the keys file; the policy line that names it is added, so the
+    reader sees which policy asked for which file."""
+    path = keys_path(policy, source)
+    if path is None:
+        return None
+    try:
+        return load_keys(path)
+    except PolicyError as e:
+        pos = policy.position("identity", "keys") or (1, 1)
+        named = Problem(source, pos[0], pos[1], "identity.keys", f"keys file {path} is not usable")
+        raise PolicyError([named, *e.problems], depends_on=(path,)) from e
 
 
 def policy_from_flags(

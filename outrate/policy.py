@@ -44,7 +44,13 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from outrate.identity import ANONYMOUS, MAX_IDENTITY_LEN, text_error
+from outrate.identity import (
+    ANONYMOUS,
+    MAX_IDENTITY_LEN,
+    ON_CLAIM_MISMATCH,
+    SOURCES,
+    text_error,
+)
 from outrate.limiter import NS_PER_S, exact_rate
 from outrate.units import format_duration
 
@@ -477,6 +483,137 @@ class MetricsSection(_Strict):
     )
 
 
+# -- identity -----------------------------------------------------------------
+
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+"""An HTTP field name (RFC 9110 token)."""
+_NOT_IDENTITY_HEADERS = {
+    "authorization": "use 'source: api_key' for Authorization: Bearer keys",
+    "proxy-authorization": "it is meant for the proxy, not for vLLM",
+    "cookie": "browsers send it on their own",
+    "host": "every client sets it",
+    "content-type": "every client sets it",
+    "content-length": "every client sets it",
+    "transfer-encoding": "it is part of the HTTP framing",
+    "connection": "it is part of the HTTP framing",
+}
+MAX_KEYS_PATH_LEN = 4096
+
+
+def _check_source(value: object) -> str:
+    if value not in SOURCES:
+        raise _problem(f"must be 'body', 'header' or 'api_key' (got {_shown(value)})")
+    return str(value)
+
+
+def _check_mismatch(value: object) -> str:
+    if value not in ON_CLAIM_MISMATCH:
+        raise _problem(f"must be 'reject' or 'ignore' (got {_shown(value)})")
+    return str(value)
+
+
+def _check_header_name(value: object) -> str:
+    if not isinstance(value, str):
+        raise _not_a_string("header name", value)
+    if not value:
+        raise _problem("must not be empty")
+    if len(value) > MAX_NAME_LEN:
+        raise _problem(f"header name must be at most {MAX_NAME_LEN} characters (got {len(value)})")
+    if not _HEADER_NAME.fullmatch(value):
+        allowed = "letters, digits and !#$%&'*+-.^_`|~"
+        raise _problem(f"must be an HTTP header name ({allowed}; got {_shown(value)})")
+    why = _NOT_IDENTITY_HEADERS.get(value.lower())
+    if why is not None:
+        raise _problem(f"cannot be {value.lower()!r}: {why}")
+    return value
+
+
+def _check_keys_path(value: object) -> str:
+    if not isinstance(value, str):
+        raise _not_a_string("keys", value)
+    if not value:
+        raise _problem("must not be empty")
+    if len(value) > MAX_KEYS_PATH_LEN or "\x00" in value:
+        raise _problem(f"must be a file path (at most {MAX_KEYS_PATH_LEN} characters, no NUL)")
+    return value
+
+
+_ONLY_WITH = "only read with 'source: {}' (the source here is '{}'); remove it"
+
+
+class IdentitySection(_Strict):
+    """Where the user id of a request comes from, and what a body claim may do.
+
+    `source` is declared first so the checks of the other keys can see it.
+    """
+
+    source: Annotated[
+        str, PlainValidator(_check_source), WithJsonSchema({"enum": list(SOURCES)})
+    ] = Field(
+        default="body",
+        description="body: vllm_xargs.output_rate_user as the client sent it (anyone who "
+        "reaches the port can claim any id); header: the header a trusted gateway sets; "
+        "api_key: Authorization: Bearer KEY, looked up in the keys file.",
+    )
+    header: Annotated[
+        str | None,
+        PlainValidator(_check_header_name),
+        WithJsonSchema({"type": "string", "pattern": _HEADER_NAME.pattern}),
+    ] = Field(
+        default=None,
+        validate_default=True,
+        description="With source header: the name of the header the gateway sets "
+        "(e.g. x-gateway-inference-fairness-id).",
+    )
+    keys: Annotated[
+        str | None,
+        PlainValidator(_check_keys_path),
+        WithJsonSchema({"type": "string", "minLength": 1}),
+    ] = Field(
+        default=None,
+        validate_default=True,
+        description="With source api_key: the keys file (sha256:<hex>: user id), relative "
+        "to this policy file. Manage it with `outrate keys add/revoke`.",
+    )
+    on_claim_mismatch: Annotated[
+        str | None,
+        PlainValidator(_check_mismatch),
+        WithJsonSchema({"enum": list(ON_CLAIM_MISMATCH)}),
+    ] = Field(
+        default=None,
+        validate_default=True,
+        description="With source header or api_key, when the body also names a user and "
+        "it is another one: reject (HTTP 403, the default) or ignore the claim.",
+    )
+
+    @field_validator("header", "keys", "on_claim_mismatch", mode="wrap")
+    @classmethod
+    def _fits_the_source(cls, value: Any, handler: Any, info: ValidationInfo) -> Any:
+        """Each key is required by one source and meaningless for the others."""
+        source = info.data.get("source")
+        wanted = {"header": "header", "keys": "api_key"}.get(info.field_name or "")
+        if value is None:
+            if source is not None and source == wanted:
+                need = (
+                    "the name of the header your gateway sets"
+                    if wanted == "header"
+                    else "the keys file (sha256:<hex>: user id)"
+                )
+                raise _problem(f"missing; 'source: {source}' needs '{info.field_name}': {need}")
+            return None
+        checked = handler(value)
+        if source is None:
+            return checked
+        if wanted is not None and source != wanted:
+            raise _problem(_ONLY_WITH.format(wanted, source))
+        if wanted is None and source == "body":
+            raise _problem(
+                "only read with 'source: header' or 'source: api_key' (with source body "
+                "the claim is the identity); remove it"
+            )
+        return checked
+
+
 class Policy(_Strict):
     """A whole policy file. `default` is required so nobody's limit depends on an
     omitted key; `anonymous` falls back to one shared bucket at the default."""
@@ -507,6 +644,11 @@ class Policy(_Strict):
     )
     metrics: MetricsSection = Field(
         default_factory=MetricsSection, description="Per-user series on /metrics."
+    )
+    identity: IdentitySection = Field(
+        default_factory=IdentitySection,
+        description="Where the user id comes from: the body (default), a gateway's "
+        "header, or API keys. Hot-reloaded like the rest.",
     )
     tiers: dict[Name, TierSpec] = Field(
         default_factory=dict, description="Named limits that users and patterns refer to."

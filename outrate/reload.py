@@ -14,6 +14,11 @@ editors and ConfigMaps never write to the policy's own inode, they swap names
 around it, so per-file watches go stale. Reading a small file and hashing it is
 cheap; the hash guard turns unrelated events into no-ops.
 
+A policy can be built from more files than its own (`identity.keys`: the keys
+file). Their directories are watched too, and the guard hashes every one of
+them (`CompiledPolicy.fingerprint`), so adding or revoking a key reloads the
+policy exactly like an edit of the policy itself, valid or not.
+
 watchdog is imported lazily (inside methods), so `outrate lint` and anything
 else importing the core does not pay for it or need it installed.
 """
@@ -76,7 +81,10 @@ class Reloader:
         poll_interval_s: float = 0.5,
         logger: logging.Logger = logging.getLogger("outrate.reload"),  # noqa: B008
         loader: Loader | None = None,
+        log: bool = True,
     ) -> None:
+        """`log=False`: count edits without logging them (a second reloader of
+        the same files, in the API server, beside the engine core's)."""
         if mode not in ("watch", "poll", "off"):
             raise OutrateError(f"reload mode must be watch, poll or off, got {mode!r}")
         if debounce_s < 0 or poll_interval_s <= 0:
@@ -86,6 +94,7 @@ class Reloader:
         self.debounce_s = debounce_s
         self.poll_interval_s = poll_interval_s
         self.logger = logger
+        self.log = log
         self._on_apply = on_apply
         self._loader: Loader = loader or load_compiled
         self._current = initial
@@ -98,9 +107,11 @@ class Reloader:
         # The engine loaded `initial` from this file: remember the digest of the
         # bytes it compiled, so the first unrelated event does not reload the
         # same policy, and an edit made since is caught by the first check.
+        self._deps: tuple[str, ...] = initial.depends_on if initial is not None else ()
+        """Files besides the policy that the last load read (the keys file)."""
         self._seen: str | None = None
         if initial is not None:
-            self._seen = initial.sha256 or self._digest()
+            self._seen = initial.fingerprint if initial.sha256 else self._fingerprint()
         self._cond = threading.Condition()
         self._load_lock = threading.Lock()
         self._state_lock = threading.RLock()
@@ -109,9 +120,8 @@ class Reloader:
         self._stopping = False
         self._running = False
         self._observer: BaseObserver | None = None
-        self._watches: dict[str, Any] = {}  # directory -> watchdog's ObservedWatch
         self._handler: _Handler | None = None
-        self._wanted: list[Any] = []
+        self._watches: dict[str, Any] = {}  # directory -> watchdog's ObservedWatch
         self._worker: threading.Thread | None = None
 
     # -- public API ----------------------------------------------------------
@@ -148,6 +158,8 @@ class Reloader:
                 self._stop_worker()
                 raise
             self._check()
+            if self._rewatch():
+                self._check()
 
     def stop(self) -> None:
         """Stop watching and join the threads (idempotent). Safe from `on_apply`."""
@@ -168,7 +180,7 @@ class Reloader:
         change: it is the explicit "apply what is on disk" verb (SIGHUP, tests).
         """
         with self._load_lock:
-            self._seen = self._digest()
+            self._seen = self._fingerprint()
             return self._load_and_apply()
 
     def wait_for(self, predicate: Callable[[Reloader], bool], timeout: float = 5.0) -> bool:
@@ -190,21 +202,63 @@ class Reloader:
 
     # -- watching ------------------------------------------------------------
 
-    def _watch_dirs(self) -> list[str]:
-        """The policy's directory, plus the symlink target's if it lives elsewhere.
+    def _watch_dirs(self, path: str | os.PathLike[str] | None = None) -> list[str]:
+        """The file's directory, plus the symlink target's if it lives elsewhere
+        (the policy's by default; each dependency's too).
 
         A target inside the directory (ConfigMap `..2026_xx/`) is not watched:
         those directories come and go, and the `..data` swap shows up in the
         parent anyway.
         """
-        link_dir = os.path.dirname(os.path.abspath(self.path))
+        path = self.path if path is None else path
+        link_dir = os.path.dirname(os.path.abspath(path))
         dirs = [link_dir]
         real_parent = os.path.realpath(link_dir)
-        real_dir = os.path.dirname(os.path.realpath(self.path))
+        real_dir = os.path.dirname(os.path.realpath(path))
         if real_dir != real_parent and not real_dir.startswith(real_parent + os.sep):
             if os.path.isdir(real_dir):
                 dirs.append(real_dir)
         return dirs
+
+    def _dep_dirs(self) -> list[str]:
+        """Existing directories of the dependencies, not already the policy's."""
+        own = set(self._watch_dirs())
+        out: list[str] = []
+        for dep in self._deps:
+            for d in self._watch_dirs(dep):
+                if d not in own and d not in out and os.path.isdir(d):
+                    out.append(d)
+        return out
+
+    def _all_dirs(self) -> list[str]:
+        dirs = self._watch_dirs()
+        return dirs + [d for d in self._dep_dirs() if d not in dirs]
+
+    def _rewatch(self) -> bool:
+        """Watch the directories the policy and the files it read live in now:
+        a symlink retargeted to another directory (as often as it is), a keys
+        file whose directory appeared. Stale directories are unwatched. True
+        when one was added: the caller checks once more, for an edit made
+        there before it was watched."""
+        observer, handler = self._observer, self._handler
+        if observer is None or handler is None:
+            return False
+        dirs = self._all_dirs()
+        for d in [d for d in self._watches if d not in dirs]:
+            observer.unschedule(self._watches.pop(d))
+        added = False
+        for d in dirs:
+            if d in self._watches:
+                continue
+            try:
+                self._watches[d] = self._watch(observer, handler, d)
+                added = True
+            except OSError as err:  # gone again, or out of inotify watches
+                self.logger.warning("%s: cannot watch %s (%s)", self.path, d, err)
+        return added
+
+    def _watch(self, observer: BaseObserver, handler: _Handler, d: str) -> Any:
+        return observer.schedule(handler, d, recursive=False, event_filter=self._events())  # type: ignore[arg-type]
 
     def _start_observer(self) -> BaseObserver:
         from watchdog.observers.polling import PollingObserver
@@ -236,7 +290,8 @@ class Reloader:
         self.observer_kind = "polling"
         return observer
 
-    def _schedule(self, observer: BaseObserver, dirs: list[str]) -> BaseObserver:
+    @staticmethod
+    def _events() -> list[Any]:
         from watchdog import events as ev
 
         wanted = [
@@ -247,34 +302,13 @@ class Reloader:
         # chmod can make an unreadable policy readable; attrib events are their
         # own classes only in newer watchdog versions.
         wanted += [getattr(ev, n) for n in ("FileAttribEvent", "DirAttribEvent") if hasattr(ev, n)]
-        self._handler = _Handler(self._poke)
-        self._wanted = wanted
-        self._watches = {d: self._watch(observer, d) for d in dirs}
+        return wanted
+
+    def _schedule(self, observer: BaseObserver, dirs: list[str]) -> BaseObserver:
+        handler = self._handler = _Handler(self._poke)
+        dirs = [*dirs, *(d for d in self._dep_dirs() if d not in dirs)]
+        self._watches = {d: self._watch(observer, handler, d) for d in dirs}
         return observer
-
-    def _watch(self, observer: BaseObserver, d: str) -> Any:
-        return observer.schedule(self._handler, d, recursive=False, event_filter=self._wanted)  # type: ignore[arg-type]
-
-    def _rewatch(self) -> None:
-        """Follow a symlink retargeted to another directory (as often as it is):
-        watch the new target's directory, stop watching the old one, and check
-        once more for an edit made there before it was watched."""
-        observer = self._observer
-        if observer is None:
-            return
-        dirs = self._watch_dirs()
-        added = False
-        for d in [d for d in self._watches if d not in dirs]:
-            observer.unschedule(self._watches.pop(d))
-        for d in dirs:
-            if d not in self._watches:
-                try:
-                    self._watches[d] = self._watch(observer, d)
-                    added = True
-                except OSError as err:  # gone again, or out of inotify watches
-                    self.logger.warning("%s: cannot watch %s: %s", self.path, d, err)
-        if added:
-            self._check()
 
     def _poke(self) -> None:
         """Something changed in the directory: (re)arm the debounce timer."""
@@ -305,7 +339,8 @@ class Reloader:
                     self._cond.wait(delay)
             try:
                 self._check()
-                self._rewatch()
+                if self._rewatch():
+                    self._check()
             except Exception:  # never let the worker die: it is the only one
                 self.logger.exception("%s: unexpected error while checking the policy", self.path)
 
@@ -320,11 +355,11 @@ class Reloader:
 
     # -- checking and applying -----------------------------------------------
 
-    def _digest(self) -> str:
+    def _digest(self, path: str | os.PathLike[str] | None = None) -> str:
         """sha256 of the bytes now behind the path (symlinks followed), read by
         the loader's own bounded read: what `CompiledPolicy.sha256` holds."""
         try:
-            return hashlib.sha256(read_policy_file(self.path)).hexdigest()
+            return hashlib.sha256(read_policy_file(path or self.path)).hexdigest()
         except PolicyError as err:
             if isinstance(err.__cause__, FileNotFoundError):
                 return _MISSING
@@ -332,15 +367,20 @@ class Reloader:
             # why, once per distinct failure.
             return f"<error {err}>"
 
+    def _fingerprint(self) -> str:
+        """The policy's digest, then each dependency's: `CompiledPolicy.fingerprint`."""
+        return self._digest() + "".join(f"+{self._digest(dep)}" for dep in self._deps)
+
     def _check(self) -> bool:
-        """Apply the file if its bytes changed since last seen; True if applied."""
+        """Apply the file if its bytes (or a dependency's) changed since last
+        seen; True if applied."""
         with self._load_lock:
             try:
-                digest = self._digest()
-                if digest == self._seen:
+                fingerprint = self._fingerprint()
+                if fingerprint == self._seen:
                     return False
-                self._seen = digest
-                if digest == _MISSING:
+                self._seen = fingerprint
+                if fingerprint.partition("+")[0] == _MISSING:
                     self._reject(
                         f"{self.path}: policy file deleted; keeping the last good policy"
                         f" ({brief(self._current)})",
@@ -356,6 +396,7 @@ class Reloader:
         try:
             new = self._loader(self.path)
         except PolicyError as err:
+            self._depend_on(err.depends_on)
             self._reject(str(err), logging.ERROR, "reload rejected, keeping the last good policy")
             return False
         except Exception as err:
@@ -372,16 +413,31 @@ class Reloader:
             self._reject(f"{self.path}: on_apply: {type(err).__name__}: {err}", None)
             return False
         self._current = new
-        self.logger.info("%s: policy reloaded: %s", self.path, describe_changes(old, new))
+        self._depend_on(new.depends_on, new.fingerprint if new.sha256 else None)
+        if self.log:
+            self.logger.info("%s: policy reloaded: %s", self.path, describe_changes(old, new))
         with self._cond:
             self.last_error = None
             self.applied += 1
             self._cond.notify_all()
         return True
 
+    def _depend_on(self, deps: tuple[str, ...], loaded: str | None = None) -> None:
+        """Remember the files the last load read, and watch them. `_seen` then
+        covers them too: exactly what was loaded when it compiled (`loaded`),
+        else their bytes now."""
+        if loaded is not None:
+            self._deps = deps
+            self._seen = loaded
+        elif deps != self._deps:
+            self._deps = deps
+            self._seen = self._fingerprint()
+        if self._rewatch():
+            self._poke()  # one more check, for an edit made before it was watched
+
     def _reject(self, message: str, level: int | None, header: str = "") -> None:
         """Count and remember a bad edit; log it unless the caller already did."""
-        if level is not None:
+        if level is not None and self.log:
             if header:
                 self.logger.log(level, "%s: %s:\n%s", self.path, header, message)
             else:

@@ -1,6 +1,7 @@
 """Test-wide setup: the example scripts (model builder, server harness, load
 generator) are importable by tests, which is also how they are kept working."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -22,3 +23,23 @@ def server(tmp_path_factory):
     proc = start_server(tmp_path_factory)
     yield proc
     proc.stop()
+
+
+_PROCESS_ENV = ("OUTRATE_API_SETTINGS", "OUTRATE_IDENTITY_SECRET")
+
+
+@pytest.fixture(autouse=True)
+def _no_identity_state_leaks():
+    """Tests that run the plugin's startup (`from_cli_args`) set the API
+    server's identity settings in this process's environment and build its
+    gate (a reloader thread): undo both after each test."""
+    saved = {name: os.environ.get(name) for name in _PROCESS_ENV}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    identity = sys.modules.get("vllm_integration.identity")
+    if identity is not None:
+        identity.reset_gate()

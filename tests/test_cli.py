@@ -84,8 +84,9 @@ def test_lint_with_vllm_config() -> None:
     code, out, err = run("lint", POLICIES / "demo.yaml", "--vllm-config", DEPLOY / "good.yaml")
     assert (code, err) == (0, "")
     code, out, err = run(
-        "lint", POLICIES / "demo.yaml", "--vllm-config", DEPLOY / "speculative.yaml"
-    )
+        "lint", POLICIES / "demo.yaml", "--vllm-config", DEPLOY / "speculative.yaml",
+        "--", "--host", "127.0.0.1",
+    )  # fmt: skip
     assert code == 1
     assert err == (
         f"{DEPLOY / 'speculative.yaml'}:3:1: OR101 error: speculative decoding is not "
@@ -104,7 +105,7 @@ def test_lint_with_serve_args_after_double_dash() -> None:
     # config first, then the args override it
     code, _, err = run(
         "lint", POLICIES / "demo.yaml", "--vllm-config", DEPLOY / "no_chunked_prefill.yaml",
-        "--", "--enable-chunked-prefill",
+        "--", "--enable-chunked-prefill", "--host", "127.0.0.1",
     )  # fmt: skip
     assert (code, err) == (0, "")
 
@@ -117,8 +118,9 @@ def test_lint_bad_deployment_input_exits_1() -> None:
 
 def test_lint_json() -> None:
     code, out, err = run(
-        "lint", POLICIES / "demo.yaml", "--format", "json", "--", "--no-enable-chunked-prefill"
-    )
+        "lint", POLICIES / "demo.yaml", "--format", "json", "--", "--no-enable-chunked-prefill",
+        "--host=::1",
+    )  # fmt: skip
     assert code == 0 and err == ""
     data = json.loads(out)
     assert data["ok"] is True
@@ -227,7 +229,9 @@ def test_lint_every_shipped_policy_at_once() -> None:
 
 def test_lint_prints_deployment_findings_once_for_several_files() -> None:
     a, b = POLICIES / "demo.yaml", POLICIES / "tiers.yaml"
-    code, out, err = run("lint", a, b, "--", "-dp", "2", "--max-num-active-seqs", "8")
+    code, out, err = run(
+        "lint", a, b, "--", "-dp", "2", "--max-num-active-seqs", "8", "--host", "localhost"
+    )
     assert code == 1
     assert [line.split(":")[0] for line in err.splitlines()].count("-dp") == 1
     assert out.splitlines() == [
@@ -284,6 +288,7 @@ def test_lint_takes_vllm_serve_spellings() -> None:
         "lint", POLICIES / "demo.yaml", "--", "serve", "/models/m", "--max-num-se", "16",
         "--max_num_active_seqs=8", "-O3", "--served-model-name", "a", "b", "-tp", "2",
         "--kv-transfer-config.kv_role", "kv_both", "--seed", "-1", "--enable-chunked-prefill",
+        "--uds", "/run/vllm.sock",
     )  # fmt: skip
     assert (code, err) == (0, "")
     code, _, err = run("lint", POLICIES / "demo.yaml", "--", "--max-num-se", "16")

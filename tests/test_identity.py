@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 from types import SimpleNamespace
 
 import pytest
 
-from outrate.identity import ANONYMOUS, identity_error, resolve_identity, text_error
+from outrate.identity import (
+    ANONYMOUS,
+    STAMP_KEY,
+    KeyTable,
+    Stamper,
+    identity_error,
+    key_digest,
+    resolve_identity,
+    text_error,
+)
 
 F = "vllm_xargs.output_rate_user"
 
@@ -68,3 +79,92 @@ def test_the_engine_counts_an_invisible_identity_as_anonymous(
         f"outrate: {F} must not contain format characters (U+200B at index 3); "
         "request counted in the anonymous budget"
     ]
+
+
+# -- API keys: looked up by digest, in constant time ------------------------------
+
+
+def _table(n: int) -> tuple[KeyTable, list[str]]:
+    keys = [f"ork_key-{i:04d}" for i in range(n)]
+    entries = [(hashlib.sha256(k.encode()).digest(), f"user-{i}") for i, k in enumerate(keys)]
+    return KeyTable(entries), keys
+
+
+@pytest.mark.parametrize("n", [1, 7, 200])
+def test_lookup_compares_the_digest_with_every_entry_whatever_matches(monkeypatch, n) -> None:
+    """The timing guarantee as a mechanism: the presented key is hashed, and its
+    digest goes through hmac.compare_digest against *every* entry, the same
+    number of times for the first entry, the last one, a near miss (all but
+    the last character of a real key) and garbage. Never a plain comparison,
+    never the key itself, never an early exit."""
+    table, keys = _table(n)
+    calls: list[tuple[bytes, bytes]] = []
+    real = hmac.compare_digest
+
+    def compare_digest(a: bytes, b: bytes) -> bool:
+        calls.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr("outrate.identity.hmac.compare_digest", compare_digest)
+    presented = [keys[0], keys[-1], keys[-1][:-1] + "X", "nothing like it", "x" * 1000]
+    answers = []
+    for key in presented:
+        calls.clear()
+        answers.append(table.lookup(key.encode()))
+        digest = hashlib.sha256(key.encode()).digest()
+        assert len(calls) == n
+        assert all(len(a) == len(b) == 32 for a, b in calls)
+        assert all(key.encode() not in (a, b) for a, b in calls)
+        assert {b for _, b in calls} == {digest}
+    assert answers == ["user-0", f"user-{n - 1}", None, None, None]
+
+
+def test_a_digest_is_what_the_keys_file_stores() -> None:
+    assert key_digest("abc") == "sha256:" + hashlib.sha256(b"abc").hexdigest()
+
+
+# -- the API server's signature, and what the engine trusts ---------------------
+
+
+def test_a_stamp_carries_the_user_and_cannot_be_forged() -> None:
+    stamper = Stamper(b"k" * 32)
+    stamp = stamper.sign("alice")
+    assert stamper.verify(stamp) == "alice"
+    mac, _, _ = stamp.partition(":")
+    assert stamper.verify(f"{mac}:bob") is None  # alice's MAC on bob
+    assert Stamper(b"o" * 32).verify(stamp) is None  # another server's secret
+    for junk in (None, 5, "", "alice", ":alice", "zz:alice", "\u00e9:x", ["a"]):
+        assert stamper.verify(junk) is None
+    assert repr(stamper) == "Stamper(<secret>)"
+    assert Stamper.from_env({}) is None
+    assert Stamper.from_env({"OUTRATE_IDENTITY_SECRET": "not hex"}) is None
+    assert Stamper.from_env({"OUTRATE_IDENTITY_SECRET": "ab" * 32}) is not None
+    with pytest.raises(ValueError):
+        Stamper(b"short")
+
+
+@pytest.mark.parametrize("source", ["header", "api_key"])
+def test_without_a_body_source_the_engine_trusts_only_the_stamp(caplog, source: str) -> None:
+    stamper = Stamper(b"s" * 32)
+    logger = logging.getLogger("test.identity")
+
+    def resolve(extra: dict) -> str:
+        return resolve_identity(SimpleNamespace(extra_args=extra), logger, source, stamper)
+
+    with caplog.at_level(logging.WARNING, logger="test.identity"):
+        assert resolve({"output_rate_user": "bob"}) == ANONYMOUS  # a body claim: never
+        assert resolve({STAMP_KEY: Stamper(b"x" * 32).sign("bob")}) == ANONYMOUS
+        assert resolve({STAMP_KEY: stamper.sign("alice"), "output_rate_user": "bob"}) == "alice"
+        assert resolve({}) == ANONYMOUS
+    assert len(caplog.messages) == 2
+    assert caplog.messages[0] == (
+        f"outrate: identity.source is {source} and this request carries no identity "
+        "verified by the API server; request counted in the anonymous budget"
+    )
+    no_secret = SimpleNamespace(extra_args={STAMP_KEY: stamper.sign("alice")})
+    assert resolve_identity(no_secret, None, source, None) == ANONYMOUS
+
+
+def test_with_the_body_source_the_claim_counts_as_before() -> None:
+    params = SimpleNamespace(extra_args={"output_rate_user": "bob"})
+    assert resolve_identity(params, None, "body", Stamper(b"s" * 32)) == "bob"

@@ -19,11 +19,13 @@ LAYERS: dict[str, int] = {
     "trace": 1,
     "vllm_flags": 1,
     "policy_file": 2,
+    "gate": 2,  # the API server's per-request identity decision
     "store": 2,
     "policy": 2,
     "compose": 3,
     "deployment": 3,
     "loader": 4,
+    "keys": 4,  # the keys file of identity.source api_key
     "compiler": 4,  # never the loader: the two meet in pipeline
     "pipeline": 5,
     "metrics": 5,

@@ -510,5 +510,120 @@ def test_lint_all_with_a_bad_policy() -> None:
 def test_lint_all_strict() -> None:
     report = lint_all(POLICIES / "demo.yaml", deployment_from_args([]))
     assert report.loaded and report.ok() and not report.ok(strict=True)
-    assert codes(list(report.warnings)) == ["OR111"]
+    # no --host: vLLM binds every interface, where a body identity is anyone's claim
+    assert codes(list(report.warnings)) == ["OR111", "OR113"]
     assert report.to_json(strict=True)["policy"] == report.policy.summary()  # type: ignore[union-attr]
+
+
+# -- identity: the section, its keys file, and who can reach the server ----------
+
+KEY = "sha256:" + "a" * 64
+
+
+def identity_policy(tmp_path: Path, identity: str, keys: str | None = None) -> Path:
+    path = tmp_path / "policy.yaml"
+    path.write_text(f"version: 1\ndefault: 10\nanonymous: 5\nidentity:\n{identity}")
+    if keys is not None:
+        (tmp_path / "keys.yaml").write_text(keys)
+    return path
+
+
+API_KEY = "  source: api_key\n  keys: keys.yaml\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "warned"),
+    [
+        ([], "every interface (no --host: vLLM binds 0.0.0.0)"),
+        (["--host", "0.0.0.0"], "--host 0.0.0.0"),
+        (["--host", "10.1.2.3"], "--host 10.1.2.3"),
+        (["--host", "::"], "--host ::"),
+        (["--host", "gpu-7.internal"], "--host gpu-7.internal"),
+        (["--host", "127.0.0.1"], None),
+        (["--host", "127.3.2.1"], None),
+        (["--host", "::1"], None),
+        (["--host", "[::1]"], None),
+        (["--host", "localhost"], None),
+        (["--host", "0.0.0.0", "--uds", "/run/vllm.sock"], None),  # uds: host is ignored
+    ],
+)
+def test_a_body_identity_on_a_reachable_server_is_a_warning(argv, warned) -> None:
+    report = lint_all(POLICIES / "minimal.yaml", deployment_from_args([*CAPPED, *argv]))
+    found = [f for f in report.findings if f.code == "OR113"]
+    if warned is None:
+        assert found == []
+        return
+    where = "--host" if "--host" in argv else "command line"
+    assert found == [
+        Finding(
+            "OR113",
+            "warning",
+            f"identity.source is body and vLLM listens on {warned}: any client that reaches "
+            "the port can name any user in vllm_xargs.output_rate_user and spend that user's "
+            "budget; use 'source: api_key', or 'source: header' behind a gateway that sets "
+            "it, or bind to 127.0.0.1",
+            where,
+        )
+    ]
+
+
+def test_header_and_api_key_sources_may_listen_anywhere(tmp_path: Path) -> None:
+    dep = deployment_from_args([*CAPPED, "--host", "0.0.0.0"])
+    header = identity_policy(tmp_path, "  source: header\n  header: x-user\n")
+    assert lint_all(header, dep).findings == ()
+    keyed = identity_policy(tmp_path, API_KEY, f"{KEY}: alice\n")
+    assert lint_all(keyed, dep).findings == ()
+
+
+def test_api_key_beside_vllms_own_api_key_is_an_error(tmp_path: Path) -> None:
+    policy = identity_policy(tmp_path, API_KEY, f"{KEY}: alice\n")
+    for argv in (["--api-key", "sk-1"], ["--api-key", "sk-1", "sk-2"], ["--api-key=sk-1"]):
+        report = lint_all(policy, deployment_from_args([*CAPPED, "--host", "::1", *argv]))
+        assert codes(list(report.findings)) == ["OR114"], argv
+        assert report.errors[0].location == "--api-key" and not report.ok()
+        assert "sk-1" not in report.errors[0].message  # keys are never repeated
+    config = tmp_path / "serve.yaml"
+    config.write_text("host: 127.0.0.1\napi-key: sk-1\nmax-num-seqs: 8\nmax-num-active-seqs: 6\n")
+    report = lint_all(policy, deployment_from_config(config))
+    assert [(f.code, f.location) for f in report.findings] == [("OR114", f"{config}:2:1")]
+    # with a header source vLLM's --api-key is its own business: no finding
+    header = identity_policy(tmp_path, "  source: header\n  header: x-user\n")
+    dep = deployment_from_args([*CAPPED, "--host", "0.0.0.0", "--api-key", "k"])
+    assert lint_all(header, dep).findings == ()
+
+
+def test_an_empty_keys_file_is_a_warning(tmp_path: Path) -> None:
+    policy = identity_policy(tmp_path, API_KEY, "# nobody yet\n")
+    report = lint_all(policy)
+    keys = tmp_path / "keys.yaml"
+    assert report.findings == (
+        Finding(
+            "OR007",
+            "warning",
+            f"the keys file {keys} lists no key: every request will be refused with 401 (add "
+            f"one with `outrate keys add USER --file {keys}`)",
+            f"{policy}:6:9",
+        ),
+    )
+
+
+def test_keys_file_problems_are_located_errors(tmp_path: Path) -> None:
+    policy = identity_policy(tmp_path, API_KEY, f"{KEY}: alice\n{KEY}: bob\nsha256:00: carol\n")
+    report = lint_all(policy)
+    keys = tmp_path / "keys.yaml"
+    assert [(f.code, f.location, f.message) for f in report.findings] == [
+        ("OR000", f"{policy}:6:9", f"identity.keys: keys file {keys} is not usable"),
+        (
+            "OR000",
+            f"{keys}:2:1",
+            "<root>: duplicate digest 'sha256:aaaaaaaaaaaaaaaaaaaaaaaaaaaaaa...' (first at line 1)",
+        ),
+        (
+            "OR000",
+            f"{keys}:3:1",
+            "sha256:00: must be 'sha256:' and 64 lowercase hex digits (the digest of a key, "
+            "never the key itself; outrate keys add writes it)",
+        ),
+    ]
+    (tmp_path / "keys.yaml").unlink()
+    assert lint_all(policy).findings[1].message == "<file>: cannot read: No such file or directory"

@@ -23,6 +23,42 @@ LOADERS = [compose.FAST_LOADER, compose.PureLoader]  # libyaml first, where inst
 
 # fixture name -> the exact messages, in file order; FILE stands for its path.
 EXPECTED: dict[str, list[str]] = {
+    "identity_header_authorization": [
+        "FILE:5:11: identity.header: cannot be 'authorization': use 'source: api_key' for "
+        "Authorization: Bearer keys",
+    ],
+    "identity_header_invalid": [
+        "FILE:5:11: identity.header: must be an HTTP header name (letters, digits and "
+        "!#$%&'*+-.^_`|~; got 'x user')",
+    ],
+    "identity_header_missing": [
+        "FILE:4:3: identity: missing; 'source: header' needs 'header': the name of the "
+        "header your gateway sets",
+    ],
+    "identity_keys_missing": [
+        "FILE:4:3: identity: missing; 'source: api_key' needs 'keys': the keys file "
+        "(sha256:<hex>: user id)",
+    ],
+    "identity_keys_with_header": [
+        "FILE:6:9: identity.keys: only read with 'source: api_key' (the source here is "
+        "'header'); remove it",
+    ],
+    "identity_mismatch_unknown": [
+        "FILE:6:22: identity.on_claim_mismatch: must be 'reject' or 'ignore' (got 'drop')",
+    ],
+    "identity_mismatch_with_body": [
+        "FILE:4:22: identity.on_claim_mismatch: only read with 'source: header' or "
+        "'source: api_key' (with source body the claim is the identity); remove it",
+    ],
+    "identity_not_mapping": [
+        "FILE:3:11: identity: must be a mapping (got 'api_key')",
+    ],
+    "identity_source_unknown": [
+        "FILE:4:11: identity.source: must be 'body', 'header' or 'api_key' (got 'jwt')",
+    ],
+    "identity_unknown_key": [
+        "FILE:4:3: identity: unknown key 'sorce' (did you mean 'source'?)",
+    ],
     "metrics_max_series_negative": [
         "FILE:5:15: metrics.max_series: must be >= 0",
     ],

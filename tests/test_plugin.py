@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -224,19 +225,23 @@ def test_the_vllm_flag_list_lint_reads_matches_the_installed_vllm():
 
 def _through_guard(
     body: bytes, path: str = "/v1/completions", content_type: bytes = b"application/json",
-    method: str = "POST",
+    method: str = "POST", headers: list[tuple[bytes, bytes]] | None = None,
+    resolved: list | None = None, kind: str = "http",
 ) -> tuple[int, bytes, bytes | None]:  # fmt: skip
     """One request through IdentityGuard, its body in two chunks: (status,
-    response body, the body the app behind it read, or None if not called)."""
+    response body, the body the app behind it read, or None if not called).
+    `resolved` collects the identity the app saw (the context variable)."""
     import asyncio
 
-    from vllm_integration.api import IdentityGuard
+    from vllm_integration.api import RESOLVED, IdentityGuard
 
     seen: list[bytes] = []
 
     async def app(scope: dict, receive: object, send: object) -> None:
+        if resolved is not None:
+            resolved.append(RESOLVED.get())
         chunks = []
-        while True:
+        while kind == "http":
             message = await receive()  # type: ignore[operator]
             chunks.append(message.get("body", b""))
             if not message.get("more_body"):
@@ -258,12 +263,19 @@ def _through_guard(
     async def send(message: dict) -> None:
         sent.append(message)
 
-    scope = {"type": "http", "method": method, "path": path,
-             "headers": [(b"content-type", content_type)]}  # fmt: skip
+    scope = {"type": kind, "method": method, "path": path,
+             "headers": [(b"content-type", content_type), *(headers or [])]}  # fmt: skip
     asyncio.run(IdentityGuard(app)(scope, receive, send))
+    if sent[0]["type"] == "websocket.close":
+        return sent[0]["code"], sent[0]["reason"].encode(), None
     status = sent[0]["status"]
+    RESPONSE_HEADERS[:] = sent[0].get("headers", [])
     response = b"".join(m.get("body", b"") for m in sent[1:])
     return status, response, seen[0] if seen else None
+
+
+RESPONSE_HEADERS: list[tuple[bytes, bytes]] = []
+"""The headers of the last response `_through_guard` saw."""
 
 
 def test_the_guard_refuses_a_bad_identity_before_any_route_runs():
@@ -342,3 +354,223 @@ def test_the_engine_client_refuses_a_bad_identity_whatever_the_route():
     bad = SamplingParams(extra_args={"output_rate_user": "a\nb"})
     with pytest.raises(VLLMValidationError, match="must not contain control characters"):
         asyncio.run(AsyncLLM.add_request(object(), "r1", "hi", bad))  # type: ignore[arg-type]
+
+
+# -- identity sources: startup, the guard, and what reaches the engine ---------
+
+IDENTITY_KEY_FILE = "sha256:" + hashlib.sha256(b"ork_alice").hexdigest()
+
+
+def serve_args(*argv: str):
+    from vllm_integration.flags import serve_parser
+
+    return serve_parser().parse_args(["models/tiny-llama", *argv])
+
+
+def identity_policy(tmp_path: Path, identity: str) -> Path:
+    (tmp_path / "keys.yaml").write_text(f"{IDENTITY_KEY_FILE}: alice\n")
+    path = tmp_path / "policy.yaml"
+    path.write_text(f"version: 1\ndefault: 100\nidentity:\n{identity}")
+    return path
+
+
+API_KEY_SECTION = "  source: api_key\n  keys: keys.yaml\n"
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_api_key_identity_beside_vllms_api_key_is_refused_at_startup(tmp_path, monkeypatch, how):
+    from outrate.lint import API_KEY_CONFLICT
+
+    policy = identity_policy(tmp_path, API_KEY_SECTION)
+    argv = ["--outrate-policy", str(policy), "--host", "127.0.0.1"]
+    if how == "flag":
+        argv += ["--api-key", "sk-vllm"]
+    else:
+        monkeypatch.setenv("VLLM_API_KEY", "sk-vllm")
+    with pytest.raises(SystemExit) as exc:
+        AsyncEngineArgs.from_cli_args(serve_args(*argv))
+    assert exc.value.code == f"outrate: {policy}:4:11: identity.source: {API_KEY_CONFLICT}"
+    assert "sk-vllm" not in str(exc.value.code)
+
+
+def test_a_body_identity_on_every_interface_is_logged_at_startup(caplog):
+    with caplog.at_level("WARNING", logger="vllm.outrate"):
+        AsyncEngineArgs.from_cli_args(
+            serve_args("--outrate-policy", "policies/demo.yaml", "--outrate-reload", "off")
+        )
+    assert any(
+        m.startswith("outrate: --host: OR113 warning: identity.source is body and vLLM listens "
+                     "on every interface") for m in caplog.messages
+    ), caplog.messages  # fmt: skip
+
+
+def test_the_identity_settings_reach_the_api_server_and_the_secret_the_engine(tmp_path):
+    import json
+    import os
+
+    from outrate.identity import SECRET_ENV, Stamper
+    from vllm_integration.api import GUARD_MIDDLEWARE
+    from vllm_integration.identity import SETTINGS_ENV, gate, reset_gate
+
+    policy = identity_policy(tmp_path, "  source: header\n  header: X-User\n")
+    args = serve_args(
+        "--outrate-policy", str(policy), "--host", "0.0.0.0", "--outrate-reload", "off"
+    )
+    AsyncEngineArgs.from_cli_args(args)
+    assert GUARD_MIDDLEWARE in args.middleware
+    assert json.loads(os.environ[SETTINGS_ENV]) == {
+        "policy": str(policy), "reload": "off", "vllm_api_key": False,
+    }  # fmt: skip
+    assert Stamper.from_env() is not None and len(os.environ[SECRET_ENV]) == 64
+    assert gate().identity.header == "x-user"
+    reset_gate()  # another API server process: only the environment
+    assert gate().identity.header == "x-user" and gate().stamper is not None
+
+
+@pytest.fixture
+def identity_gate():
+    """Install an IdentityConfig as this process's gate (undone by conftest)."""
+    from outrate.identity import Stamper
+    from vllm_integration import identity as module
+
+    def use(identity):
+        module._gate = module.Gate(identity, Stamper(b"t" * 32))
+        return module._gate
+
+    return use
+
+
+def _keys(on_claim_mismatch: str = "reject"):
+    from outrate.identity import IdentityConfig, KeyTable
+
+    table = KeyTable([(bytes.fromhex(IDENTITY_KEY_FILE[7:]), "alice")])
+    return IdentityConfig(source="api_key", keys=table, on_claim_mismatch=on_claim_mismatch)
+
+
+BEARER = [(b"authorization", b"Bearer ork_alice")]
+BOB = b'{"prompt": "hi", "vllm_xargs": {"output_rate_user": "bob"}}'
+
+
+def test_the_guard_answers_401_in_vllms_error_format(identity_gate):
+    import json
+
+    identity_gate(_keys())
+    status, response, reached = _through_guard(b'{"prompt": "hi"}')
+    assert (status, reached) == (401, None)
+    assert json.loads(response) == {
+        "error": {
+            "message": "missing API key: send 'Authorization: Bearer <key>'",
+            "type": "Unauthorized",
+            "param": None,
+            "code": 401,
+        }
+    }
+    assert (b"www-authenticate", b"Bearer") in RESPONSE_HEADERS
+    bad = [(b"authorization", b"Bearer ork_mallory")]
+    status, response, _ = _through_guard(b'{"prompt": "hi"}', headers=bad)
+    assert (status, json.loads(response)["error"]["message"]) == (401, "invalid API key")
+    status, response, _ = _through_guard(b"{}", "/v1/messages", headers=bad)
+    assert status == 401 and json.loads(response)["type"] == "error"
+
+
+@pytest.mark.parametrize(
+    "value",
+    [b"", b"Bearer", b"Basic YWxpY2U6eA==", b"ork_alice", b"Bearer " + b"k" * 10_240,
+     b"Bearer \xff\xfe"],
+)  # fmt: skip
+def test_malformed_authorization_headers_are_401(identity_gate, value: bytes):
+    identity_gate(_keys())
+    status, _, reached = _through_guard(b'{"prompt": "hi"}', headers=[(b"authorization", value)])
+    assert (status, reached) == (401, None)
+
+
+def test_a_key_names_the_user_and_a_claim_of_another_is_403_or_ignored(identity_gate):
+    import json
+
+    from vllm_integration.api import Resolved
+
+    identity_gate(_keys())
+    seen: list = []
+    assert _through_guard(b'{"prompt": "hi"}', headers=BEARER, resolved=seen)[0] == 200
+    assert seen == [Resolved("api_key", "alice", "reject")]
+    alice = b'{"prompt": "hi", "vllm_xargs": {"output_rate_user": "alice"}}'
+    assert _through_guard(alice, headers=BEARER)[0] == 200
+    status, response, reached = _through_guard(BOB, headers=BEARER)
+    assert (status, reached) == (403, None)
+    assert json.loads(response)["error"] == {
+        "message": "vllm_xargs.output_rate_user names 'bob', not the user this API key "
+        "identifies; leave it out (identity.on_claim_mismatch: reject)",
+        "type": "Forbidden",
+        "param": None,
+        "code": 403,
+    }
+    identity_gate(_keys("ignore"))
+    seen.clear()
+    assert _through_guard(BOB, headers=BEARER, resolved=seen)[:2] == (200, b"ok")
+    assert seen == [Resolved("api_key", "alice", "ignore")]
+
+
+def test_every_route_but_probes_needs_the_key(identity_gate):
+    identity_gate(_keys())
+    for method, path in (("GET", "/health"), ("GET", "/v1/models"), ("GET", "/metrics"),
+                         ("POST", "/ping"), ("OPTIONS", "/v1/completions")):  # fmt: skip
+        assert _through_guard(b"", path, method=method)[0] == 200, path
+    guarded = [("GET", "/version"), ("PUT", "/v1/completions"), ("GET", "/openapi.json"),
+               ("POST", "/v1/a-route-added-later")]  # fmt: skip
+    for method, path in guarded:
+        assert _through_guard(b"", path, method=method)[0] == 401, path
+    assert _through_guard(b"", "/v1/realtime", kind="websocket")[0] == 1008
+
+
+def test_the_gateway_header_names_the_user(identity_gate):
+    from outrate.identity import IdentityConfig
+    from vllm_integration.api import Resolved
+
+    identity_gate(IdentityConfig(source="header", header="x-user"))
+    seen: list = []
+    assert _through_guard(BOB, headers=[(b"x-user", b"bob")], resolved=seen)[0] == 200
+    assert _through_guard(b"{}", resolved=seen)[0] == 200  # no header: anonymous
+    assert seen == [Resolved("header", "bob", "reject"), Resolved("header", None, "reject")]
+    assert _through_guard(BOB, headers=[(b"x-user", b"carol")])[0] == 403
+    assert _through_guard(BOB)[0] == 403  # a claim without the header is a spoof
+    assert _through_guard(b"{}", headers=[(b"x-user", b"a\x00")])[0] == 400
+
+
+def test_the_engine_client_signs_what_the_guard_decided(identity_gate):
+    from vllm import SamplingParams
+    from vllm.exceptions import GracefulHTTPError
+
+    from outrate.identity import STAMP_KEY, IdentityConfig
+    from vllm_integration.api import RESOLVED, Resolved, stamp_params
+
+    g = identity_gate(_keys())
+
+    def stamped(resolved, extra):
+        params = SamplingParams(extra_args=extra)
+        token = RESOLVED.set(resolved)
+        try:
+            stamp_params("prompt", params)
+        finally:
+            RESOLVED.reset(token)
+        return params.extra_args
+
+    alice = Resolved("api_key", "alice", "reject")
+    forged = {STAMP_KEY: g.stamper.sign("bob"), "output_rate_user": "alice", "other": 1}
+    assert stamped(alice, forged) == {
+        "other": 1, "output_rate_user": "alice", STAMP_KEY: g.stamper.sign("alice"),
+    }  # fmt: skip
+    with pytest.raises(GracefulHTTPError) as exc:  # a claim the middleware could not see
+        stamped(alice, {"output_rate_user": "bob"})
+    assert exc.value.http_status == 403
+    assert stamped(Resolved("api_key", "alice", "ignore"), {"output_rate_user": "bob"}) == {
+        "output_rate_user": "alice", STAMP_KEY: g.stamper.sign("alice"),
+    }  # fmt: skip
+    assert stamped(Resolved("header", None, "ignore"), {"output_rate_user": "bob"}) is None
+    assert stamped(Resolved("body", None, "reject"), {"output_rate_user": "bob"}) == {
+        "output_rate_user": "bob", STAMP_KEY: g.stamper.sign("bob"),
+    }  # fmt: skip
+    with pytest.raises(GracefulHTTPError) as exc:  # not through the HTTP guard: fail closed
+        stamped(None, None)
+    assert exc.value.http_status == 401
+    identity_gate(IdentityConfig(source="header", header="x-user"))
+    assert stamped(None, {STAMP_KEY: g.stamper.sign("bob")}) is None  # anonymous

@@ -173,8 +173,8 @@ def test_schema_describes_the_format() -> None:
     assert schema["required"] == ["version", "default"]
     assert schema["additionalProperties"] is False
     assert set(schema["properties"]) == {
-        "version", "default", "anonymous", "burst", "mode", "metrics", "tiers", "users",
-        "match",
+        "version", "default", "anonymous", "burst", "mode", "metrics", "identity", "tiers",
+        "users", "match",
     }  # fmt: skip
     assert schema["properties"]["version"] == {
         "const": 1,
@@ -185,3 +185,6 @@ def test_schema_describes_the_format() -> None:
     kinds = json.dumps(schema["properties"]["default"])
     assert '"const": "unlimited"' in kinds and "#/$defs/LimitRule" in kinds
     assert "tier" not in schema["$defs"]["TierRule"]["properties"]
+    identity = schema["$defs"]["IdentitySection"]["properties"]
+    assert identity["source"]["enum"] == ["body", "header", "api_key"]
+    assert identity["on_claim_mismatch"]["enum"] == ["reject", "ignore"]

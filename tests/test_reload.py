@@ -618,3 +618,93 @@ def test_describe_initial_load_and_long_lists_stay_one_line() -> None:
         "u00 added (1 tok/s); u01 added (2 tok/s); u02 added (3 tok/s); u03 added (4 tok/s); "
         "u04 added (5 tok/s); ... and 7 more"
     )
+
+
+# -- files the policy depends on: the keys file of identity.source api_key ------
+
+KEY_A = "sha256:" + "a" * 64
+KEY_B = "sha256:" + "b" * 64
+
+
+def keys_policy(keys: str = "keys.yaml") -> str:
+    return f"version: 1\ndefault: 100\nidentity:\n  source: api_key\n  keys: {keys}\n"
+
+
+def key_users(policy: CompiledPolicy | None) -> dict[str, str]:
+    assert policy is not None and policy.identity.keys is not None
+    return policy.identity.keys.digests()
+
+
+def test_adding_and_revoking_a_key_reloads(
+    start: Callable[..., Harness], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    policy = tmp_path / "policy.yaml"
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(f"{KEY_A}: alice\n")
+    policy.write_text(keys_policy())
+    caplog.set_level(logging.INFO, logger="outrate.reload")
+    h = start(policy, initial=load_compiled(policy))
+    write_atomic(keys, f"{KEY_A}: alice\n{KEY_B}: bob\n")
+    h.expect_applied(1)
+    assert key_users(h.r.current) == {KEY_A: "alice", KEY_B: "bob"}
+    write_atomic(keys, f"{KEY_B}: bob\n")
+    h.expect_applied(2)
+    assert key_users(h.r.current) == {KEY_B: "bob"}
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{policy}: policy reloaded: key sha256:bbbbbbbbbbbb... (bob) added",
+        f"{policy}: policy reloaded: key sha256:aaaaaaaaaaaa... (alice) revoked",
+    ]
+
+
+def test_a_broken_keys_file_keeps_the_last_good_keys(
+    start: Callable[..., Harness], tmp_path: Path
+) -> None:
+    policy = tmp_path / "policy.yaml"
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(f"{KEY_A}: alice\n")
+    policy.write_text(keys_policy())
+    h = start(policy)
+    write_atomic(keys, f"{KEY_A}: [alice\n")
+    h.expect_rejected(1)
+    assert h.r.last_error is not None and h.r.last_error.startswith(
+        f"{policy}:5:9: identity.keys: keys file {keys} is not usable\n{keys}:2:1: <root>: "
+        "invalid YAML"
+    )
+    assert key_users(h.r.current) == {KEY_A: "alice"}
+    keys.unlink()  # a deleted keys file is broken too: the last good keys stay
+    h.expect_rejected(2)
+    write_atomic(keys, f"{KEY_B}: bob\n")
+    h.expect_applied(2)
+    assert key_users(h.r.current) == {KEY_B: "bob"}
+
+
+def test_a_keys_file_elsewhere_is_watched_too_even_before_it_exists(
+    start: Callable[..., Harness], tmp_path: Path
+) -> None:
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "secrets").mkdir()
+    policy = tmp_path / "etc" / "policy.yaml"
+    keys = tmp_path / "secrets" / "keys.yaml"
+    policy.write_text(policy_text(alice=20))
+    h = start(policy)
+    write_atomic(policy, keys_policy("../secrets/keys.yaml"))
+    h.expect_rejected(1)  # no keys file yet
+    keys.write_text(f"{KEY_A}: alice\n")
+    h.expect_applied(2)
+    assert key_users(h.r.current) == {KEY_A: "alice"}
+    write_atomic(keys, f"{KEY_B}: bob\n")
+    h.expect_applied(3)
+    assert key_users(h.r.current) == {KEY_B: "bob"}
+
+
+def test_describe_identity_changes() -> None:
+    head = "version: 1\ndefault: 100\n"
+    header = head + "identity: {source: header, header: X-User}\n"
+    assert describe_changes(compiled(head), compiled(header)) == (
+        "identity body (vllm_xargs.output_rate_user, trusted as sent) -> header 'x-user', "
+        "claims rejected"
+    )
+    ignore = header.replace("}", ", on_claim_mismatch: ignore}")
+    assert describe_changes(compiled(header), compiled(ignore)) == (
+        "identity header 'x-user', claims rejected -> header 'x-user', claims ignored"
+    )

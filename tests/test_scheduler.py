@@ -321,3 +321,30 @@ def test_unlimited_policy_schedules_exactly_like_stock(kind):
         d.drain()
         runs.append((decisions, dict(d.emitted)))
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_without_a_body_source_the_engine_never_trusts_a_body_claim(kind):
+    """identity.source header (or api_key): only the API server's signature
+    names the user; a claim in extra_args (what vllm_xargs become) is ignored,
+    and so is a signature made with another secret. A reload to body trusts
+    claims again from the next request on."""
+    from outrate.identity import STAMP_KEY, Stamper
+    from vllm_integration.state import ATTR
+
+    text = "version: 1\ndefault: 100\nidentity: {source: header, header: x-user}\n"
+    s = make_scheduler(kind, policy(text), FakeClock())
+    s._stamper = Stamper(b"e" * 32)
+    stamp = s._stamper.sign("alice")
+    signed = make_request(None, xargs={STAMP_KEY: stamp, "output_rate_user": "x"})
+    spoofed = make_request("bob")
+    forged = make_request(None, xargs={STAMP_KEY: Stamper(b"f" * 32).sign("bob")})
+    for req in (signed, spoofed, forged):
+        s.add_request(req)
+    assert [r.__dict__[ATTR].user.key for r in (signed, spoofed, forged)] == [
+        "alice", ANONYMOUS, ANONYMOUS,
+    ]  # fmt: skip
+    s.policy_box.current = policy("version: 1\ndefault: 100\n")
+    claimed = make_request("bob")
+    s.add_request(claimed)
+    assert claimed.__dict__[ATTR].user.key == "bob"

@@ -100,6 +100,14 @@ PATCHES: tuple[Patch, ...] = (
         "vLLM has request validators for plugins",
     ),
     Patch(
+        "AsyncLLM.add_request",
+        "api.py",
+        "the one door of every route to the engine: refuse an invalid identity, "
+        "sign the identity the API server resolved into extra_args (401/403 for "
+        "what the identity middleware could not see)",
+        "vLLM passes request metadata (an authenticated principal) to schedulers",
+    ),
+    Patch(
         "EngineCoreProc._process_engine_step",
         "engine.py",
         "wait on the input queue instead of spinning when every request is throttled",

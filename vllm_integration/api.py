@@ -1,20 +1,31 @@
-"""API-server guards: refuse bad identities and beam search with HTTP 400.
+"""API-server guards: who is asking (401/403), bad identities and beam search (400).
 
-Identity (one rule set, `outrate.identity`, on every route):
+Identity (one rule set, `outrate.identity` and `outrate.gate`, on every route):
 
 - `IdentityGuard`, an ASGI middleware (vLLM's documented `--middleware`
-  hook, added by the plugin): before any route runs, a JSON request body
-  whose `vllm_xargs.output_rate_user` or `sampling_params.extra_args.
-  output_rate_user` (vLLM's token-in route, `/inference/v1/generate`) is
-  invalid is answered 400, in vLLM's error format (Anthropic's on
-  `/v1/messages`). It sees the JSON as sent, so `true` is reported as a
-  boolean, not as the `1` vLLM's request models turn it into, and no route
-  can start a 200 stream first or log a traceback.
-- `AsyncLLM.add_request` (patched in the API server): anything that still
-  reaches the engine client with an invalid identity (a route that takes its
-  arguments as a form, say) is refused there with `VLLMValidationError`.
-- The engine itself maps an invalid identity to the anonymous budget
-  (`resolve_identity`): the last line, never the first.
+  hook, added by the plugin; the outermost layer, before vLLM's own
+  `--api-key` check), decides once per request with the policy's `identity:`
+  section as this process's gate holds it (vllm_integration/identity.py):
+  with `api_key`, no valid `Authorization: Bearer KEY` is 401; with
+  `header`, the gateway's header names the user; a JSON body whose
+  `vllm_xargs.output_rate_user` (or `sampling_params.extra_args.
+  output_rate_user` on `/inference/v1/generate`) is invalid is 400, and one
+  naming another user is 403 with `on_claim_mismatch: reject`. Refusals are
+  in vLLM's error format (Anthropic's on `/v1/messages`), before any route
+  runs, so no route can start a 200 stream first or log a traceback. Every
+  route but /health, /ping, /metrics and /v1/models is guarded, including
+  routes vLLM adds later. The decision is kept in a context variable for the
+  rest of the request.
+- `AsyncLLM.add_request` (patched in the API server), the one door of every
+  route to the engine, carries the decision to the engine: the user goes into
+  `extra_args` with the API server's signature (`identity.STAMP_KEY`), and
+  whatever the client wrote there is replaced. It also refuses what slipped
+  past the middleware: an invalid identity (a form body, say: 400), a claim
+  of another user (403), and, with `api_key`, a request that did not come
+  through the middleware at all (401: fail closed).
+- The engine, with a source other than body, trusts only a valid signature
+  (`resolve_identity`); with body it maps an invalid identity to the
+  anonymous budget: the last line, never the first.
 
 Beam search: `to_beam_search_params` of vLLM 0.32's OpenAI request models is
 patched to refuse it: each beam is sampled by the API server's own loop of
@@ -25,11 +36,13 @@ stream. Installed only in the API server, only when a policy is active.
 from __future__ import annotations
 
 import importlib
-import json
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from contextvars import ContextVar
+from http import HTTPStatus
+from typing import Any, NamedTuple
 
-from outrate.identity import IDENTITY_FIELD, IDENTITY_KEY, identity_error
+from outrate.gate import Verdict, authenticate, body_claims, check_claims, is_exempt
+from outrate.identity import IDENTITY_FIELD, IDENTITY_KEY, STAMP_KEY, identity_error
 
 _MODELS = (
     ("vllm.entrypoints.openai.completion.protocol", "CompletionRequest"),
@@ -46,7 +59,6 @@ BEAM_SEARCH_MESSAGE = (
 )
 
 _ANTHROPIC_PREFIX = "/v1/messages"
-_KEY = IDENTITY_KEY.encode()
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -54,60 +66,72 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 
-def body_identity_error(body: bytes) -> tuple[str, str] | None:
-    """(message, parameter) for a JSON body carrying an invalid identity.
+class Resolved(NamedTuple):
+    """The middleware's decision, for the engine-client patch."""
 
-    Where vLLM's routes read it: `vllm_xargs` (OpenAI, Anthropic, SageMaker
-    routes) and `sampling_params.extra_args` (`/inference/v1/generate`).
-    Bodies that do not parse are left to vLLM, which answers them itself.
-    """
-    if _KEY not in body and b"\\u" not in body:  # the key can be \\u-escaped
-        return None
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(data, dict):
-        return None
-    params = data.get("sampling_params")
-    places = [("vllm_xargs", data.get("vllm_xargs"))]
-    if isinstance(params, dict):
-        places.append(("sampling_params.extra_args", params.get("extra_args")))
-    for name, args in places:
-        if isinstance(args, dict) and IDENTITY_KEY in args:
-            field = f"{name}.{IDENTITY_KEY}"
-            error = identity_error(args[IDENTITY_KEY], field)
-            if error is not None:
-                return error, field
-    return None
+    source: str
+    user: str | None  # with source body: unused (the request's own claim counts)
+    on_claim_mismatch: str
+
+
+RESOLVED: ContextVar[Resolved | None] = ContextVar("outrate_identity", default=None)
+"""Set by `IdentityGuard` for the duration of one request; child tasks (a
+streaming response, a background response) inherit it."""
 
 
 class IdentityGuard:
-    """ASGI middleware: a POST whose JSON body has an invalid identity gets 400."""
+    """ASGI middleware: the per-request identity decision, before any route."""
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+        from vllm_integration.identity import gate
+
         self.app = app
+        self.gate = gate()
+        install_request_guards()  # also in API server processes vLLM spawns
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("method") != "POST" or not _is_json(scope):
+        kind = scope["type"]
+        if kind not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
+        identity = self.gate.identity  # one read: a reload mid-request changes nothing
+        method = scope.get("method")
+        if is_exempt(method, _route_path(scope)):
+            await self.app(scope, receive, send)
+            return
+        verdict = authenticate(identity, scope.get("headers", ()))
+        if verdict.status != 200:
+            await _refuse(scope, receive, send, verdict)
+            return
         messages: list[Message] = []
-        while True:  # the whole body: the route would read all of it anyway
-            message = await receive()
-            messages.append(message)
-            if message["type"] != "http.request" or not message.get("more_body", False):
-                break
-        body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
-        found = body_identity_error(body)
-        if found is not None:
-            await _refuse(scope, receive, send, *found)
+        claims = []
+        if kind == "http" and method == "POST" and _is_json(scope):
+            while True:  # the whole body: the route would read all of it anyway
+                message = await receive()
+                messages.append(message)
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    break
+            body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
+            claims = body_claims(body)
+        verdict = check_claims(identity, verdict, claims)
+        if verdict.status != 200:
+            await _refuse(scope, receive, send, verdict)
             return
 
         async def replay() -> Message:
             return messages.pop(0) if messages else await receive()
 
-        await self.app(scope, replay, send)
+        token = RESOLVED.set(Resolved(identity.source, verdict.user, identity.on_claim_mismatch))
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            RESOLVED.reset(token)
+
+
+def _route_path(scope: Scope) -> str:
+    path = str(scope.get("path", ""))
+    root = str(scope.get("root_path", "") or "")
+    return path.removeprefix(root) if root else path
 
 
 def _is_json(scope: Scope) -> bool:
@@ -117,19 +141,32 @@ def _is_json(scope: Scope) -> bool:
     return False
 
 
-async def _refuse(scope: Scope, receive: Receive, send: Send, message: str, field: str) -> None:
-    """400 in exactly the shape vLLM gives its own validation errors."""
+async def _refuse(scope: Scope, receive: Receive, send: Send, verdict: Verdict) -> None:
+    """The status in exactly the shape vLLM gives its own errors."""
     from starlette.responses import JSONResponse
     from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
-    from vllm.exceptions import VLLMValidationError
+    from vllm.exceptions import GracefulHTTPError, VLLMValidationError
 
-    error = create_error_response(VLLMValidationError(message, parameter=field))
+    if scope["type"] == "websocket":  # closing before accepting answers 403
+        await send({"type": "websocket.close", "code": 1008, "reason": verdict.message[:120]})
+        return
+    if verdict.status == 400:
+        error = create_error_response(
+            VLLMValidationError(verdict.message, parameter=verdict.parameter)
+        )
+    else:
+        error = create_error_response(
+            GracefulHTTPError(verdict.message, HTTPStatus(verdict.status))
+        )
+    headers = {"WWW-Authenticate": "Bearer"} if verdict.status == 401 else None
     if str(scope.get("path", "")).startswith(_ANTHROPIC_PREFIX):
         from vllm.entrypoints.anthropic.api_router import translate_error_response
 
         response = translate_error_response(error)
+        if headers:
+            response.headers.update(headers)
     else:
-        response = JSONResponse(error.model_dump(), status_code=error.error.code)
+        response = JSONResponse(error.model_dump(), status_code=error.error.code, headers=headers)
     await response(scope, receive, send)
 
 
@@ -157,9 +194,51 @@ def _check_params(prompt: Any, params: Any) -> None:
         raise VLLMValidationError(error, parameter=IDENTITY_FIELD)
 
 
+def stamp_params(prompt: Any, params: Any) -> None:
+    """Write the identity this request resolved to into its sampling params,
+    signed; drop whatever the client put under outrate's keys. Raises
+    GracefulHTTPError (401, 403) for what the middleware could not see."""
+    from vllm import SamplingParams
+    from vllm.exceptions import GracefulHTTPError
+
+    from vllm_integration.identity import gate
+
+    params = getattr(prompt, "params", None) or params
+    if not isinstance(params, SamplingParams):
+        return  # pooling: nothing is sampled, nothing is charged
+    extra = dict(params.extra_args or {})
+    claim = extra.pop(IDENTITY_KEY, None)
+    extra.pop(STAMP_KEY, None)
+    g = gate()
+    resolved = RESOLVED.get()
+    if resolved is None:  # not through the HTTP middleware (another frontend)
+        source = g.identity.source
+        if source == "api_key":
+            raise GracefulHTTPError(
+                "missing API key: this request did not come through outrate's HTTP guard",
+                HTTPStatus.UNAUTHORIZED,
+            )
+        resolved = Resolved(source, None, g.identity.on_claim_mismatch)
+    if resolved.source == "body":
+        user = claim if isinstance(claim, str) else None
+    else:
+        user = resolved.user
+        if claim is not None and claim != user and resolved.on_claim_mismatch == "reject":
+            raise GracefulHTTPError(
+                f"{IDENTITY_FIELD} names another user than this request's identity; leave it out",
+                HTTPStatus.FORBIDDEN,
+            )
+    if user is not None:
+        extra[IDENTITY_KEY] = user
+        if g.stamper is not None:
+            extra[STAMP_KEY] = g.stamper.sign(user)
+    params.extra_args = extra or None
+
+
 def install_engine_client_guard() -> None:
     """Patch `AsyncLLM.add_request` (vLLM 0.32), the one door of every route to
-    the engine: an invalid identity is refused before the request is sent."""
+    the engine: an invalid identity is refused before the request is sent, and
+    the identity the API server resolved is signed into it."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
     if getattr(AsyncLLM, "_outrate_guarded", False):
@@ -170,6 +249,7 @@ def install_engine_client_guard() -> None:
         self: Any, request_id: str, prompt: Any, params: Any, *a: Any, **kw: Any
     ) -> Any:
         _check_params(prompt, params)
+        stamp_params(prompt, params)
         return await stock(self, request_id, prompt, params, *a, **kw)
 
     AsyncLLM.add_request = add_request  # type: ignore[method-assign]

@@ -9,12 +9,14 @@ fail fast with a readable message, the engine on the final config.
 from __future__ import annotations
 
 import os
+from types import MappingProxyType
 from typing import Any
 
 from outrate.compiler import CompiledPolicy
 from outrate.deployment import Deployment
-from outrate.errors import OutrateError
-from outrate.lint import Finding, lint_deployment
+from outrate.errors import OutrateError, PolicyError, Problem
+from outrate.identity import IdentityConfig
+from outrate.lint import API_KEY_CONFLICT, Finding, lint_deployment, lint_exposure
 from outrate.pipeline import load_compiled, policy_from_flags
 
 CONFIG_KEY = "outrate"
@@ -64,8 +66,50 @@ def outrate_settings(args: Any) -> dict[str, Any] | None:
 def compile_settings(settings: dict[str, Any]) -> CompiledPolicy:
     """Load and compile the policy the settings name. Raises PolicyError."""
     if "policy" in settings:
-        return load_compiled(settings["policy"])
+        return load_checked(settings["policy"], bool(settings.get("vllm_api_key")))
     return policy_from_flags(settings.get("default_rate"), settings.get("user_rates"))
+
+
+def load_checked(path: str | os.PathLike[str], vllm_api_key: bool = False) -> CompiledPolicy:
+    """`load_compiled`, refusing what this server cannot do: api_key identity
+    beside vLLM's own --api-key (OR114). What startup and both reloaders (engine
+    core, API server) load, so they accept and refuse the same edits."""
+    policy = load_compiled(path)
+    if vllm_api_key and policy.identity.source == "api_key":
+        where = policy.policy.position("identity", "source") if policy.policy else None
+        line, col = where or (1, 1)
+        problem = Problem(policy.source, line, col, "identity.source", API_KEY_CONFLICT)
+        raise PolicyError([problem], depends_on=policy.depends_on)
+    return policy
+
+
+def exposure_from_args(args: Any) -> Deployment | None:
+    """Who can reach the server and whether vLLM checks keys itself, from
+    `vllm serve`'s parsed flags (None elsewhere: nothing is served over HTTP).
+    Keys are never kept, only whether there are any."""
+    if not hasattr(args, "host"):
+        return None
+    tokens = [k for k in (getattr(args, "api_key", None) or []) if k]
+    env_key = not tokens and bool(os.environ.get("VLLM_API_KEY"))
+    where = {"host": "--host", "api_key": "VLLM_API_KEY" if env_key else "--api-key"}
+    return Deployment(
+        host=getattr(args, "host", None),
+        uds=getattr(args, "uds", None),
+        api_key=bool(tokens) or env_key,
+        source="vllm serve arguments",
+        locations=MappingProxyType(where),
+    )
+
+
+def check_exposure(identity: IdentityConfig, dep: Deployment | None) -> list[Finding]:
+    """Raise DeploymentRejected on errors (OR114); return the warnings (OR113)."""
+    if dep is None:
+        return []
+    findings = lint_exposure(identity, dep)
+    errors = [f for f in findings if f.severity == "error"]
+    if errors:
+        raise DeploymentRejected(errors)
+    return findings
 
 
 def policy_from_vllm_config(vllm_config: Any) -> tuple[CompiledPolicy, dict[str, Any]]:

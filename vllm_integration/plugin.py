@@ -10,7 +10,8 @@ lazily. It patches two static/class methods of vLLM 0.32's `EngineArgs`:
   (fail fast, with the file:line message), selects the outrate scheduler via
   `scheduler_cls`, and carries the settings to the engine-core process in
   `additional_config["outrate"]`, and adds outrate's identity guard to
-  `--middleware` (vllm_integration/api.py).
+  `--middleware` (vllm_integration/api.py), handing it the policy's
+  `identity:` section (vllm_integration/identity.py).
 
 Without the flags nothing changes: no scheduler is swapped, no hook installed.
 """
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import secrets
 from typing import Any
 
 logger = logging.getLogger("vllm.outrate")
@@ -63,7 +66,8 @@ def add_outrate_args(parser: Any) -> None:
         default=None,
         metavar="PATH",
         help="YAML policy with per-user output-token rate limits (see `outrate lint`). "
-        "The user is `vllm_xargs.output_rate_user` in each request.",
+        "The user is `vllm_xargs.output_rate_user` in each request, or, with the "
+        "policy's identity section, a gateway's header or an API key.",
     )
     group.add_argument(
         "--outrate-reload",
@@ -104,12 +108,15 @@ def add_outrate_args(parser: Any) -> None:
 def apply_outrate_args(engine_args: Any, args: argparse.Namespace) -> Any:
     """Turn the outrate flags into engine settings, or exit with the reason."""
     from outrate.errors import OutrateError
+    from outrate.identity import SECRET_ENV
     from vllm_integration.config import (
         CONFIG_KEY,
         SCHEDULER_CLS,
         check_deployment,
+        check_exposure,
         compile_settings,
         deployment_from_engine_args,
+        exposure_from_args,
         outrate_settings,
     )
 
@@ -117,14 +124,23 @@ def apply_outrate_args(engine_args: Any, args: argparse.Namespace) -> Any:
         settings = outrate_settings(args)
         if settings is None:
             return engine_args
+        exposure = exposure_from_args(args)
+        settings["vllm_api_key"] = exposure is not None and exposure.api_key
         policy = compile_settings(settings)
-        for finding in check_deployment(deployment_from_engine_args(engine_args)):
+        findings = check_deployment(deployment_from_engine_args(engine_args))
+        for finding in findings + check_exposure(policy.identity, exposure):
             logger.warning("outrate: %s", finding)
     except OutrateError as exc:
         raise SystemExit(f"outrate: {exc}") from exc
     engine_args.scheduler_cls = SCHEDULER_CLS
     from vllm_integration.api import GUARD_MIDDLEWARE, install_request_guards
+    from vllm_integration.identity import configure_gate
     from vllm_integration.metrics import install_metrics
+
+    # The API server signs the identity it resolved; the engine core (started
+    # after this, inheriting the environment) verifies it. Per start, never logged.
+    os.environ.setdefault(SECRET_ENV, secrets.token_hex(32))
+    configure_gate(settings, policy)
 
     settings["metrics_dir"] = install_metrics()
     engine_args.additional_config = {**(engine_args.additional_config or {}), CONFIG_KEY: settings}

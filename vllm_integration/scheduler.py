@@ -37,7 +37,7 @@ from vllm.v1.core.sched.utils import remove_all
 from vllm.v1.request import Request, RequestStatus
 
 from outrate.compiler import CompiledPolicy
-from outrate.identity import resolve_identity
+from outrate.identity import Stamper, resolve_identity
 from outrate.limiter import Limiter
 from outrate.metrics import Metrics
 from outrate.store import BudgetStore
@@ -94,6 +94,8 @@ class OutrateMixin:
         """(Re)wire the limiter. The engine calls this once; tests pass a fake clock."""
         self.policy_box = policy if isinstance(policy, PolicyBox) else PolicyBox(policy)
         self._policy = self.policy_box.current  # the one the limiter enforces
+        # Verifies the identity the API server signed (identity.source header/api_key).
+        self._stamper = Stamper.from_env()
         self.limiter: BudgetStore = Limiter(self._policy, clock=clock)
         self._take = self.limiter.take  # bound once: called for every sampling dispatch
         self._clock = clock
@@ -136,7 +138,8 @@ class OutrateMixin:
     # -- request lifecycle (the user table: roster.py) ---------------------------
 
     def _register(self, request: Request) -> None:
-        key = resolve_identity(request.sampling_params, logger)
+        source = self.policy_box.current.identity.source  # the newest: trust changes at once
+        key = resolve_identity(request.sampling_params, logger, source, self._stamper)
         self.roster.register(request, key, self._policy, request.status == RequestStatus.RUNNING)
 
     def add_request(self, request: Request) -> None:

@@ -12,6 +12,7 @@ Each writes from its own daemon thread; the scheduler thread only counts.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any
 
 from outrate.compiler import CompiledPolicy
@@ -38,6 +39,7 @@ def start_engine_threads(scheduler: Any, settings: dict[str, Any]) -> EngineThre
     threads = EngineThreads()
     box = scheduler.policy_box
     if settings.get("reload", "watch") != "off" and "policy" in settings:
+        from vllm_integration.config import load_checked
 
         def publish(new: CompiledPolicy) -> None:
             box.current = new  # read by schedule() at the next step boundary
@@ -48,6 +50,7 @@ def start_engine_threads(scheduler: Any, settings: dict[str, Any]) -> EngineThre
             initial=box.current,
             mode=settings["reload"],
             logger=logging.getLogger("vllm.outrate.reload"),
+            loader=partial(load_checked, vllm_api_key=bool(settings.get("vllm_api_key"))),
         )
         threads.reloader.start()
     if settings.get("trace"):

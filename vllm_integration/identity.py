@@ -1,0 +1,150 @@
+"""The identity configuration in the API server process, hot-reloaded there.
+
+Why the API server keeps its own copy: identity is decided per HTTP request,
+in the API server (the middleware in api.py), while the policy reloader runs
+in the engine-core process, a different process with no channel back. So
+each API server process runs a second `Reloader` on the same policy file and
+the same keys file, with the same loader (`config.load_checked`): both
+processes accept and refuse exactly the same edits, a revocation applies in
+the API server within the debounce (~150 ms) without waiting on the engine,
+and a wedged engine cannot delay it. The price: an edit is parsed twice (once
+per process). The engine needs the identity section only to know whether to
+trust a body field; the API server's signature (`Stamper`) carries the rest.
+
+How the settings reach the process: `apply_outrate_args` (plugin.py) runs in
+the process that parses `vllm serve`'s flags; it hands over the policy it
+validated (`configure_gate`) and writes the same settings to `SETTINGS_ENV`,
+so API server processes vLLM spawns (`--api-server-count > 1`) build their
+own gate from the environment they inherit, as they build the middleware.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from typing import Any
+
+from outrate.compiler import CompiledPolicy
+from outrate.errors import OutrateError
+from outrate.identity import BODY, SECRET_ENV, IdentityConfig, Stamper
+from outrate.reload import Reloader
+
+SETTINGS_ENV = "OUTRATE_API_SETTINGS"
+"""JSON: {"policy": path or null, "reload": mode, "vllm_api_key": bool}."""
+
+logger = logging.getLogger("vllm.outrate.identity")
+
+
+class Gate:
+    """What the middleware and the engine-client patch read per request: one
+    attribute (`identity`), replaced whole by the reloader thread."""
+
+    def __init__(
+        self,
+        identity: IdentityConfig = BODY,
+        stamper: Stamper | None = None,
+        reloader: Reloader | None = None,
+    ) -> None:
+        self.identity = identity
+        self.stamper = stamper
+        self.reloader = reloader
+
+    def publish(self, policy: CompiledPolicy) -> None:
+        old, self.identity = self.identity, policy.identity
+        if old != policy.identity:
+            logger.info("outrate: identity %s", policy.identity.describe())
+        elif old.keys != policy.identity.keys:
+            logger.info("outrate: identity keys reloaded: %s", policy.identity.describe())
+
+    def stop(self) -> None:
+        if self.reloader is not None:
+            self.reloader.stop()
+
+
+_gate: Gate | None = None
+_handed_over: tuple[dict[str, Any], CompiledPolicy] | None = None
+_lock = threading.Lock()
+
+
+def configure_gate(settings: dict[str, Any], policy: CompiledPolicy) -> None:
+    """In the process that parsed the flags: the settings and the policy it
+    validated, for this process's gate and (via the environment) others'."""
+    global _handed_over, _gate
+    api = {
+        "policy": settings.get("policy"),
+        "reload": settings.get("reload", "watch"),
+        "vllm_api_key": bool(settings.get("vllm_api_key")),
+    }
+    os.environ[SETTINGS_ENV] = json.dumps(api)
+    with _lock:
+        if _gate is not None:
+            _gate.stop()
+        _gate = None
+        _handed_over = (api, policy)
+
+
+def gate() -> Gate:
+    """This process's gate, built on first use (the middleware's construction,
+    at app startup). Without outrate settings: the body, as before."""
+    global _gate
+    with _lock:
+        if _gate is None:
+            _gate = _build()
+        return _gate
+
+
+def _build() -> Gate:
+    from vllm_integration.config import load_checked
+
+    stamper = Stamper.from_env()
+    if _handed_over is not None:
+        api, policy = _handed_over
+    else:
+        raw = os.environ.get(SETTINGS_ENV)
+        if not raw:
+            return Gate(BODY, stamper)
+        api = json.loads(raw)
+        policy = None
+    path = api.get("policy")
+    if path is None:  # the seed's in-memory flags: no file, no identity section
+        return Gate(BODY, stamper)
+    vllm_api_key = bool(api.get("vllm_api_key"))
+    if policy is None:
+        try:
+            policy = load_checked(path, vllm_api_key)
+        except OutrateError as e:
+            raise SystemExit(f"outrate: {e}") from e
+    g = Gate(policy.identity, stamper)
+    if policy.identity.source != "body" and stamper is None:
+        logger.warning(
+            "outrate: %s is not set in this process (or is not hex of at least 16 bytes): "
+            "the engine will count every request as anonymous (identity.source is %s)",
+            SECRET_ENV,
+            policy.identity.source,
+        )
+    if api.get("reload", "watch") != "off":
+        g.reloader = Reloader(
+            path,
+            g.publish,
+            initial=policy,
+            mode=api["reload"],
+            logger=logger,
+            loader=lambda p: load_checked(p, vllm_api_key),
+            log=False,  # the engine core's reloader logs each edit; this one counts
+        )
+        g.reloader.start()
+    if policy.identity.source != "body":
+        logger.info("outrate: identity %s", policy.identity.describe())
+    return g
+
+
+def reset_gate() -> None:
+    """Tests: forget this process's gate and any hand-over."""
+    global _gate, _handed_over
+    with _lock:
+        if _gate is not None:
+            _gate.stop()
+        _gate = None
+        _handed_over = None
