@@ -17,8 +17,9 @@ from typing import Any
 
 from outrate.identity import ANONYMOUS, BODY, IdentityConfig, KeyTable
 from outrate.limiter import Limit
-from outrate.policy import UNLIMITED, LimitRule, Policy, TierRule
+from outrate.policy import LimitRule, Policy, TierRule
 from outrate.units import format_count
+from outrate.values import UNLIMITED
 
 PATTERN_CACHE_SIZE = 65_536
 """Pattern results remembered per policy; bounded so hostile ids cannot grow it."""

@@ -35,7 +35,7 @@ from yaml.constructor import ConstructorError
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from outrate.errors import PolicyError, Problem
-from outrate.policy import _shown
+from outrate.values import shown
 
 Path = tuple[Any, ...]
 Pos = tuple[int, int]
@@ -242,7 +242,7 @@ class _Walker:
             # (AttributeError), `2024-99-99`, an integer of more than 4300 digits
             what = _CONSTRUCTED_AS.get(node.tag, repr(node.tag))
             raise _BadScalar(
-                f"cannot read {_shown(node.value)} as {what}; quote it if you meant text"
+                f"cannot read {shown(node.value)} as {what}; quote it if you meant text"
             ) from e
 
     def _key(self, knode: Node) -> tuple[bool, Any]:
@@ -263,7 +263,7 @@ class _Walker:
                 if usable and key in first:
                     line = first[key][0]
                     self.doc.problems.append(
-                        (path, mark(knode), f"duplicate key {_shown(key)} (first at line {line})")
+                        (path, mark(knode), f"duplicate key {shown(key)} (first at line {line})")
                     )
                 elif usable:
                     first[key] = mark(knode)
@@ -360,9 +360,9 @@ def _decimal(text: str, value: bool) -> Decimal:
 
 
 def _ambiguous(text: str, kind: str, value: Any) -> str:
-    shown = f" ({value})" if len(text) <= 20 else ""
+    as_read = f" ({value})" if len(text) <= 20 else ""
     return (
-        f"ambiguous number {_shown_text(text)}: YAML 1.1 reads it as {kind}{shown}; "
+        f"ambiguous number {_shown_text(text)}: YAML 1.1 reads it as {kind}{as_read}; "
         "write it in decimal, or quote it if you meant text"
     )
 

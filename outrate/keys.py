@@ -30,8 +30,8 @@ from pydantic_core import PydanticCustomError
 from outrate.compose import compose
 from outrate.errors import OutrateError, PolicyError, Problem
 from outrate.identity import ANONYMOUS, DIGEST_PREFIX, KeyTable, key_digest
-from outrate.policy import _shown, check_user_id
 from outrate.policy_file import decode_policy_bytes, read_policy_file
+from outrate.values import check_user_id, shown
 
 KEY_PREFIX = "ork_"
 """Generated keys start with it, so secret scanners and people recognise them."""
@@ -72,7 +72,7 @@ def parse_keys(raw: bytes, source: str) -> KeyTable:
         problems.append(
             Problem(
                 source, 1, 1, "<root>",
-                f"a keys file is a mapping of 'sha256:<hex>: user id' (got {_shown(data)})",
+                f"a keys file is a mapping of 'sha256:<hex>: user id' (got {shown(data)})",
             )
         )  # fmt: skip
         data = {}
@@ -96,7 +96,7 @@ def parse_keys(raw: bytes, source: str) -> KeyTable:
         except PydanticCustomError as e:
             message = e.message()
             if (e.context or {}).get("quote"):
-                written = doc.written.get((key,), _shown(user))
+                written = doc.written.get((key,), shown(user))
                 message = f"user id must be a string; quote it: '{written}'"
             elif user == ANONYMOUS:
                 message = f"'{ANONYMOUS}' is reserved for requests without identity"

@@ -32,52 +32,21 @@ from __future__ import annotations
 import os
 import re
 import unicodedata
-from collections.abc import Callable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Any, Literal, NamedTuple
+from typing import Any
 
 from outrate.compiler import CompiledPolicy, compile_policy
 from outrate.deployment import Deployment
 from outrate.errors import PolicyError, Problem
-from outrate.identity import IdentityConfig
 from outrate.pipeline import load_compiled
-from outrate.policy import LimitRule, Policy, _shown
+from outrate.policy import LimitRule, Policy
+from outrate.rules import Finding, lint_deployment, lint_exposure
 from outrate.units import format_duration
-
-Severity = Literal["error", "warning"]
+from outrate.values import shown
 
 SHORT_BURST_NS = 50_000_000
 """An engine step under load takes tens of milliseconds on most GPUs."""
-
-OFFLOAD_CONNECTORS = frozenset(
-    {"OffloadingConnector", "SimpleCPUOffloadConnector", "LMCacheMPConnector"}
-)
-"""Connectors vLLM 0.32 installs itself for --kv-offloading-size (reported as OR106)."""
-
-REJECTED_MODEL_KINDS = {
-    "multimodal": "encoder inputs are scheduled under a separate encoder budget that "
-    "the per-user limiter does not see",
-    "encoder-decoder": "encoder steps are scheduled outside the decoder path the limiter charges",
-    "hybrid": "hybrid (attention + state-space) models keep per-request state whose "
-    "preemption and caching outrate's scheduler does not handle",
-    "attention-free": "state-space models keep per-request state whose preemption "
-    "and caching outrate's scheduler does not handle",
-    "diffusion": "diffusion language models produce a canvas of tokens per step, "
-    "so charging one token per sampling step would not match what users receive",
-}
-
-
-class Finding(NamedTuple):
-    """One lint result. `location` is `path:line:col`, a flag, or a source name."""
-
-    code: str
-    severity: Severity
-    message: str
-    location: str
-
-    def __str__(self) -> str:
-        return f"{self.location}: {self.code} {self.severity}: {self.message}"
 
 
 # -- policy rules -------------------------------------------------------------
@@ -224,7 +193,7 @@ def _lookalike_findings(policy: Policy, where: _Where) -> list[Finding]:
                 Finding(
                     "OR006",
                     "warning",
-                    f"user id {_shown(uid)} looks like {_shown(seen)} ({where('users', seen)}): "
+                    f"user id {shown(uid)} looks like {shown(seen)} ({where('users', seen)}): "
                     "they are equal after Unicode NFKC normalization and case folding, "
                     "but are two users with two budgets",
                     where("users", uid),
@@ -268,230 +237,6 @@ def lint_policy(compiled_or_policy: CompiledPolicy | Policy) -> list[Finding]:
     out += _anonymous_finding(policy, compiled, where)
     out += _keys_finding(compiled, where)
     return out
-
-
-# -- deployment rules ---------------------------------------------------------
-
-
-def is_outrate_scheduler(name: str | None) -> bool:
-    """None lets the outrate plugin pick its scheduler; anything else must be ours."""
-    return name is None or "vllm_integration" in name or "outrate" in name
-
-
-class DeploymentRule(NamedTuple):
-    """One row of the deployment rules: a new rule is a new row."""
-
-    code: str
-    severity: Literal["error", "warning"]
-    field: str
-    applies: Callable[[Deployment], bool]
-    message: Callable[[Deployment], str]
-
-
-def _kv_connector_rejected(dep: Deployment) -> bool:
-    return dep.kv_connector is not None and not (
-        dep.kv_offload and dep.kv_connector in OFFLOAD_CONNECTORS
-    )
-
-
-DEPLOYMENT_RULES: tuple[DeploymentRule, ...] = (
-    DeploymentRule(
-        "OR101",
-        "error",
-        "speculative",
-        lambda d: d.speculative,
-        lambda d: (
-            "speculative decoding is not supported: draft tokens are sampled without "
-            "passing the per-user limiter"
-        ),
-    ),
-    DeploymentRule(
-        "OR102",
-        "error",
-        "data_parallel_size",
-        lambda d: d.data_parallel_size > 1,
-        lambda d: (
-            f"data parallel size {d.data_parallel_size} is not supported: each "
-            "data-parallel engine keeps its own budgets, so a user would get up to "
-            f"{d.data_parallel_size} times its rate"
-        ),
-    ),
-    DeploymentRule(
-        "OR103",
-        "error",
-        "pipeline_parallel_size",
-        lambda d: d.pipeline_parallel_size > 1,
-        lambda d: (
-            f"pipeline parallel size {d.pipeline_parallel_size} is not supported: "
-            "several batches are in flight at once through vLLM's batch queue, which "
-            "outrate's charge-at-dispatch and refund points do not cover"
-        ),
-    ),
-    DeploymentRule(
-        "OR104",
-        "error",
-        "kv_connector",
-        _kv_connector_rejected,
-        lambda d: (
-            f"KV connector '{d.kv_connector}' is not supported: requests waiting for "
-            "remote or loaded KV are scheduled through connector states outrate's "
-            "scheduler does not charge, and disaggregated engines would each enforce "
-            "their own budget"
-        ),
-    ),
-    DeploymentRule(
-        "OR105",
-        "error",
-        "ec_connector",
-        lambda d: d.ec_connector is not None,
-        lambda d: (
-            f"EC connector '{d.ec_connector}' is not supported: it moves encoder "
-            "(multimodal) outputs between engines, and multimodal models are not "
-            "supported"
-        ),
-    ),
-    DeploymentRule(
-        "OR106",
-        "error",
-        "kv_offload",
-        lambda d: d.kv_offload,
-        lambda d: (
-            "KV offloading is not supported: vLLM implements it as a KV connector "
-            "(OffloadingConnector), and throttled requests keep their KV on the GPU "
-            "by design, which offloading would undo behind the limiter's back"
-        ),
-    ),
-    DeploymentRule(
-        "OR107",
-        "error",
-        "aux_output",
-        lambda d: d.aux_output,
-        lambda d: (
-            "auxiliary outputs (routed experts) are not supported: they travel through "
-            "a scheduler-side aux-output connector that outrate's scheduler does not "
-            "drive for throttled, skipped requests"
-        ),
-    ),
-    DeploymentRule(
-        "OR108",
-        "error",
-        "scheduler_cls",
-        lambda d: not is_outrate_scheduler(d.scheduler_cls),
-        lambda d: (
-            f"scheduler class '{d.scheduler_cls}' is not outrate's: limits are "
-            "enforced inside outrate's scheduler, so with another one nothing would "
-            "be limited; remove --scheduler-cls and let the outrate plugin choose"
-        ),
-    ),
-    DeploymentRule(
-        "OR109",
-        "error",
-        "model_kind",
-        lambda d: d.model_kind in REJECTED_MODEL_KINDS,
-        lambda d: (
-            f"{d.model_kind} models are not supported: {REJECTED_MODEL_KINDS[d.model_kind or '']}"
-        ),
-    ),
-    DeploymentRule(
-        "OR112",
-        "warning",
-        "chunked_prefill",
-        lambda d: d.chunked_prefill is False,
-        lambda d: (
-            "chunked prefill is disabled: a throttled user's prompt cannot prefill "
-            "ahead while it waits for budget, so its whole prefill runs after the "
-            "wait and adds to its time to first token"
-        ),
-    ),
-)
-
-
-def lint_deployment(dep: Deployment) -> list[Finding]:
-    """Errors: configurations where the per-user limit cannot hold. Warnings:
-    configurations where it holds but serves users worse than it could. The
-    rules are rows of DEPLOYMENT_RULES, plus the OR111 slot check."""
-    out = [
-        Finding(rule.code, rule.severity, rule.message(dep), dep.where(rule.field))
-        for rule in DEPLOYMENT_RULES
-        if rule.code < "OR110" and rule.applies(dep)
-    ]
-    out += _active_seqs(dep)
-    out += [
-        Finding(rule.code, rule.severity, rule.message(dep), dep.where(rule.field))
-        for rule in DEPLOYMENT_RULES
-        if rule.code > "OR111" and rule.applies(dep)
-    ]
-    return out
-
-
-class ExposureRule(NamedTuple):
-    """A rule over the policy's identity section and the deployment together."""
-
-    code: str
-    severity: Literal["error", "warning"]
-    field: str
-    applies: Callable[[IdentityConfig, Deployment], bool]
-    message: Callable[[IdentityConfig, Deployment], str]
-
-
-API_KEY_CONFLICT = (
-    "identity.source api_key cannot run beside vLLM's own --api-key (or VLLM_API_KEY): "
-    "both read the one Authorization header, so every request would need a key "
-    "listed in both; remove --api-key and let outrate's keys file authenticate "
-    "(it guards every route but /health, /ping, /metrics and /v1/models)"
-)
-
-EXPOSURE_RULES: tuple[ExposureRule, ...] = (
-    ExposureRule(
-        "OR113",
-        "warning",
-        "host",
-        lambda i, d: i.source == "body" and not d.loopback_only,
-        lambda i, d: (
-            f"identity.source is body and vLLM listens on {d.listening_on()}: any client "
-            "that reaches the port can name any user in vllm_xargs.output_rate_user and "
-            "spend that user's budget; use 'source: api_key', or 'source: header' behind "
-            "a gateway that sets it, or bind to 127.0.0.1"
-        ),
-    ),
-    ExposureRule(
-        "OR114",
-        "error",
-        "api_key",
-        lambda i, d: i.source == "api_key" and d.api_key,
-        lambda i, d: API_KEY_CONFLICT,
-    ),
-)
-
-
-def lint_exposure(identity: IdentityConfig, dep: Deployment) -> list[Finding]:
-    """Who can reach the server against whom the policy trusts."""
-    return [
-        Finding(rule.code, rule.severity, rule.message(identity, dep), dep.where(rule.field))
-        for rule in EXPOSURE_RULES
-        if rule.applies(identity, dep)
-    ]
-
-
-def _active_seqs(dep: Deployment) -> list[Finding]:
-    why = (
-        "throttled requests keep their running slot, so only a cap below "
-        "--max-num-seqs leaves them room to yield their turn to unthrottled requests"
-    )
-    seqs = "the vLLM default" if dep.max_num_seqs is None else str(dep.max_num_seqs)
-    hint = f" (e.g. {dep.max_num_seqs * 3 // 4})" if dep.max_num_seqs else ""
-    if dep.max_num_active_seqs is None:
-        message = (
-            f"--max-num-active-seqs is not set: {why}; set it below --max-num-seqs ({seqs}){hint}"
-        )
-    elif dep.max_num_seqs is not None and dep.max_num_active_seqs >= dep.max_num_seqs:
-        message = (
-            f"--max-num-active-seqs {dep.max_num_active_seqs} is not below "
-            f"--max-num-seqs {dep.max_num_seqs}: {why}{hint}"
-        )
-    else:
-        return []
-    return [Finding("OR111", "warning", message, dep.where("max_num_active_seqs"))]
 
 
 # -- everything at once ---------------------------------------------------------

@@ -21,8 +21,9 @@ from pydantic import BaseModel, ValidationError
 
 from outrate.compose import Doc, Path, Pos, compose
 from outrate.errors import PolicyError, Problem
-from outrate.policy import MAX_NAME_LEN, Policy, _shown, must_be_string, unknown_tier
+from outrate.policy import Policy, unknown_tier
 from outrate.policy_file import decode_policy_bytes, read_policy_file
+from outrate.values import MAX_NAME_LEN, must_be_string, shown
 
 __all__ = ["field_path", "load_policy", "parse_policy", "parse_policy_bytes", "read_policy_file"]
 
@@ -98,7 +99,7 @@ def _unknown_key(parent: Path, key: object, written: str | None = None) -> str:
     """`written`: the author's spelling of a key YAML did not read as text."""
     if len(parent) == 2 and parent[0] == "tiers" and key == "tier":
         return "unknown key 'tier': a tier cannot refer to another tier; give it a 'rate'"
-    text = f"unknown key {written if written is not None else _shown(key)}"
+    text = f"unknown key {written if written is not None else shown(key)}"
     model = _model_at(parent)
     if model is not None and isinstance(key, str):
         close = difflib.get_close_matches(key, list(model.model_fields), n=1, cutoff=0.6)
@@ -115,7 +116,7 @@ def _message(err: Any, doc: Doc, where: Path) -> str:
         if quote and written is not None:  # the hint in the author's own spelling
             return must_be_string(quote, written)
         return str(err["msg"])
-    got = _shown(err.get("input"))
+    got = shown(err.get("input"))
     if kind in ("dict_type", "model_type", "model_attributes_type"):
         return f"must be a mapping (got {got})"
     if kind in ("list_type", "tuple_type"):
@@ -208,7 +209,7 @@ def validate(
     cause: ValidationError | None = None
     if not isinstance(data, dict):
         expected = "must be a mapping with 'version: 1' and 'default'"
-        found.append(((), (1, 1), "<root>", f"{expected} (got {_shown(data)})"))
+        found.append(((), (1, 1), "<root>", f"{expected} (got {shown(data)})"))
     else:
         found += _tier_references(data, doc)
         try:

@@ -18,7 +18,8 @@ from outrate.errors import PolicyError, Problem
 from outrate.identity import KeyTable
 from outrate.keys import load_keys
 from outrate.loader import parse_policy_bytes, read_policy_file, validate
-from outrate.policy import UNLIMITED, Policy
+from outrate.policy import Policy
+from outrate.values import UNLIMITED
 
 DEFAULT_FLAG = "--default-user-output-tokens-per-second"
 USERS_FLAG = "--user-output-tokens-per-second"

@@ -21,7 +21,8 @@ LAYERS: dict[str, int] = {
     "policy_file": 2,
     "gate": 2,  # the API server's per-request identity decision
     "store": 2,
-    "policy": 2,
+    "values": 2,  # the format's scalars: rates, durations, ids
+    "policy": 3,
     "compose": 3,
     "deployment": 3,
     "loader": 4,
@@ -29,6 +30,7 @@ LAYERS: dict[str, int] = {
     "compiler": 4,  # never the loader: the two meet in pipeline
     "pipeline": 5,
     "metrics": 5,
+    "rules": 4,  # deployment and exposure rules, a table each
     "lint": 6,
     "changes": 5,
     "reload": 6,

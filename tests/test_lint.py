@@ -20,15 +20,10 @@ from outrate.deployment import (
 )
 from outrate.errors import OutrateError
 from outrate.limiter import Limit
-from outrate.lint import (
-    REJECTED_MODEL_KINDS,
-    Finding,
-    lint_all,
-    lint_deployment,
-    lint_policy,
-)
+from outrate.lint import lint_all, lint_policy
 from outrate.loader import parse_policy
 from outrate.pipeline import load_compiled, policy_from_flags
+from outrate.rules import REJECTED_MODEL_KINDS, Finding, lint_deployment
 
 DEPLOY = Path(__file__).parent / "fixtures" / "deploy"
 POLICIES = Path(__file__).parent.parent / "policies"

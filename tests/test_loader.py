@@ -16,7 +16,7 @@ import yaml
 from outrate import compose
 from outrate.errors import OutrateError, PolicyError, Problem
 from outrate.loader import field_path, load_policy, parse_policy
-from outrate.policy import UNLIMITED
+from outrate.values import UNLIMITED
 
 BAD = Path(__file__).parent / "fixtures" / "bad"
 LOADERS = [compose.FAST_LOADER, compose.PureLoader]  # libyaml first, where installed

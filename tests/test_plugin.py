@@ -379,7 +379,7 @@ API_KEY_SECTION = "  source: api_key\n  keys: keys.yaml\n"
 
 @pytest.mark.parametrize("how", ["flag", "env"])
 def test_api_key_identity_beside_vllms_api_key_is_refused_at_startup(tmp_path, monkeypatch, how):
-    from outrate.lint import API_KEY_CONFLICT
+    from outrate.rules import API_KEY_CONFLICT
 
     policy = identity_policy(tmp_path, API_KEY_SECTION)
     argv = ["--outrate-policy", str(policy), "--host", "127.0.0.1"]

@@ -16,20 +16,16 @@ from pydantic import ValidationError
 from outrate.cli import schema_text
 from outrate.identity import ANONYMOUS, text_error
 from outrate.loader import parse_policy
-from outrate.policy import (
+from outrate.policy import LimitRule, MatchRule, Policy, TierRule, policy_json_schema
+from outrate.units import format_count, format_duration, format_rate
+from outrate.values import (
     DEFAULT_BURST_NS,
     MAX_RATE,
     UNLIMITED,
-    LimitRule,
-    MatchRule,
-    Policy,
-    TierRule,
     check_user_id,
     parse_duration,
     parse_rate,
-    policy_json_schema,
 )
-from outrate.units import format_count, format_duration, format_rate
 
 ROOT = Path(__file__).parent.parent
 

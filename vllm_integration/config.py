@@ -16,8 +16,8 @@ from outrate.compiler import CompiledPolicy
 from outrate.deployment import Deployment
 from outrate.errors import OutrateError, PolicyError, Problem
 from outrate.identity import IdentityConfig
-from outrate.lint import API_KEY_CONFLICT, Finding, lint_deployment, lint_exposure
 from outrate.pipeline import load_compiled, policy_from_flags
+from outrate.rules import API_KEY_CONFLICT, Finding, lint_deployment, lint_exposure
 
 CONFIG_KEY = "outrate"
 SCHEDULER_CLS = "vllm_integration.scheduler.outrate_scheduler"
