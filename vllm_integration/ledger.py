@@ -9,10 +9,11 @@ trace line. Plain Python: no vLLM import.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import Any
 
 from outrate.compiler import CompiledPolicy
-from outrate.metrics import Metrics
+from outrate.metrics import BUCKETS_NS, Metrics
 from outrate.store import BudgetStore
 from vllm_integration.holdback import Holdback
 from vllm_integration.state import ATTR, RequestState, StepScratch, UserState, is_held
@@ -70,6 +71,7 @@ class Ledger:
         their token interval, observed once per user."""
         period = now - self.prev_now
         self.prev_now = now
+        slot = bisect_left(BUCKETS_NS, period)  # one bucket for every user this step
         trace = self.trace
         charged: dict[str, int] = {}
         refunded: dict[str, int] = {}
@@ -78,7 +80,8 @@ class Ledger:
             m = u.m
             m.tokens += u.st_consec + u.st_gap  # net: refunds took theirs back
             if u.st_consec:
-                m.interval.observe(period, u.st_consec)
+                m.interval.buckets[slot] += u.st_consec  # == observe(period, st_consec)
+                m.interval.sum_ns += period * u.st_consec
             if u.st_over:
                 m.shadow_over += u.st_over
             if trace is not None:
