@@ -44,23 +44,61 @@ PUBLISH_INTERVAL_S = 0.5
 DEFERRED_REASONS = ("max_streams", "budget")
 
 
+LEASE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+"""Upper bounds of `outrate_lease_seconds` (a round trip to the budget store)."""
+
+
 class Histogram:
     """Counts per bucket (the last is +Inf) and the sum, in ns. `count` is the
     sum of the buckets, so a snapshot is always self-consistent."""
 
-    __slots__ = ("buckets", "sum_ns")
+    __slots__ = ("buckets", "sum_ns", "bounds")
 
-    def __init__(self) -> None:
-        self.buckets = [0] * (len(BUCKETS_NS) + 1)
+    def __init__(self, bounds: tuple[int, ...] = BUCKETS_NS) -> None:
+        self.bounds = bounds
+        self.buckets = [0] * (len(bounds) + 1)
         self.sum_ns = 0
 
     def observe(self, ns: int, n: int = 1) -> None:
-        self.buckets[bisect_left(BUCKETS_NS, ns)] += n
+        self.buckets[bisect_left(self.bounds, ns)] += n
         self.sum_ns += ns * n
 
     def unobserve(self, ns: int) -> None:
         """Take back one `observe(ns)` (a refunded token's interval)."""
         self.observe(ns, -1)
+
+
+class StoreMetrics:
+    """The budget store as one engine sees it (`--outrate-store`). Written by
+    the lease thread only; read by the publisher."""
+
+    def __init__(self) -> None:
+        self.up = 0
+        """1 while the store answers and budgets are shared; 0 in fallback."""
+        self.errors = 0
+        """Failed round trips (connection errors, timeouts, script errors)."""
+        self.transitions = {"down": 0, "up": 0}
+        self.lease = Histogram(tuple(round(b * NS_PER_S) for b in LEASE_BUCKETS_S))
+        """Duration of each lease round trip (all users, one pipeline)."""
+        self.round_trips = 0
+        self.calls = 0
+        """Lease calls (one per user and round that needed credit)."""
+        self.engines = 0
+        """Live engines by the last heartbeat (this one included)."""
+        self.policy_mismatch = 0
+        """Live engines whose policy sha256 differs from this engine's."""
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "up": self.up,
+            "errors": self.errors,
+            "transitions": dict(self.transitions),
+            "lease": [list(self.lease.buckets), self.lease.sum_ns],
+            "round_trips": self.round_trips,
+            "calls": self.calls,
+            "engines": self.engines,
+            "policy_mismatch": self.policy_mismatch,
+        }
 
 
 class LabelMetrics:
@@ -171,9 +209,11 @@ def snapshot(
     policy: CompiledPolicy,
     now: int | None = None,
     reloads: dict[str, int] | None = None,
+    store: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A JSON-able picture of `metrics` (and of the reloader's counts, which
-    live on the reloader). Safe to call from another thread."""
+    live on the reloader, and the budget store's, `StoreMetrics.snapshot()`,
+    which live on the lease thread). Safe to call from another thread."""
     now = time.monotonic_ns() if now is None else now
     labels = {}
     for m in list(metrics.labels.values()):
@@ -185,7 +225,7 @@ def snapshot(
         if label not in labels:
             lim = limit_of_label(label, policy)
             labels[label] = _row(empty, lim, now)
-    return {
+    out: dict[str, Any] = {
         "pid": os.getpid(),
         "monotonic_ns": now,
         "policy": {"sha256": policy.sha256, "source": policy.source},
@@ -195,6 +235,9 @@ def snapshot(
         "series": metrics.n_series,
         "labels": labels,
     }
+    if store is not None:
+        out["store"] = store
+    return out
 
 
 def _row(m: LabelMetrics, lim: Limit | None, now: int) -> dict[str, Any]:
@@ -358,12 +401,58 @@ def families(data: dict[str, Any] | None) -> Iterator[Any]:
     policy = data.get("policy", {})
     info.add_metric([policy.get("sha256", ""), policy.get("source", "")], 1)
     yield info
+    store = data.get("store")
+    if store is not None:
+        yield from _store_families(store)
 
 
-def _cumulative(counts: list[int]) -> list[tuple[str, int]]:
+def _store_families(store: dict[str, Any]) -> Iterator[Any]:
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+    )
+
+    up = GaugeMetricFamily(
+        "outrate_store_up", "1 while the budget store answers and budgets are shared."
+    )
+    up.add_metric([], store["up"])
+    errors = CounterMetricFamily("outrate_store_errors", "Failed round trips to the budget store.")
+    errors.add_metric([], store["errors"])
+    transitions = CounterMetricFamily(
+        "outrate_store_transitions",
+        "Switches to the local fallback (down) and back to shared budgets (up).",
+        labels=["to"],
+    )
+    for to in ("down", "up"):
+        transitions.add_metric([to], store["transitions"].get(to, 0))
+    lease = HistogramMetricFamily(
+        "outrate_lease_seconds", "Duration of one lease round trip (every user, one pipeline)."
+    )
+    counts, sum_ns = store["lease"]
+    lease.add_metric([], _cumulative(counts, LEASE_BUCKETS_S), sum_ns / NS_PER_S)
+    calls = CounterMetricFamily(
+        "outrate_lease_calls", "Per-user lease calls sent to the budget store."
+    )
+    calls.add_metric([], store["calls"])
+    engines = GaugeMetricFamily(
+        "outrate_store_engines", "Live engines sharing the store, by the last heartbeat."
+    )
+    engines.add_metric([], store["engines"])
+    mismatch = GaugeMetricFamily(
+        "outrate_store_policy_mismatch",
+        "Live engines whose policy sha256 differs from this engine's.",
+    )
+    mismatch.add_metric([], store["policy_mismatch"])
+    yield from (up, errors, transitions, lease, calls, engines, mismatch)
+
+
+def _cumulative(
+    counts: list[int], bounds_s: tuple[float, ...] = BUCKETS_S
+) -> list[tuple[str, int]]:
     out = []
     total = 0
-    for bound, n in zip((*(f"{b:g}" for b in BUCKETS_S), "+Inf"), counts, strict=True):
+    for bound, n in zip((*(f"{b:g}" for b in bounds_s), "+Inf"), counts, strict=True):
         total += n
         out.append((bound, total))
     return out

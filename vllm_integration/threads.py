@@ -5,7 +5,9 @@ From the settings the plugin put in `additional_config["outrate"]`:
   new policy into the scheduler's `PolicyBox`, read at the next step;
 - the metrics `Publisher` (`metrics_dir`, set by the plugin in the API
   server, which serves the snapshots on /metrics);
-- the `TraceWriter` (`--outrate-trace`).
+- the `TraceWriter` (`--outrate-trace`);
+- the store's lease thread (`--outrate-store`, vllm_integration/store.py),
+  whose counts go into the metrics snapshot.
 Each writes from its own daemon thread; the scheduler thread only counts.
 """
 
@@ -18,6 +20,7 @@ from outrate.compiler import CompiledPolicy
 from outrate.metrics import Publisher, snapshot
 from outrate.reload import Reloader
 from outrate.trace import DEFAULT_MAX_BYTES, TraceWriter
+from vllm_integration.store import Store
 
 logger = logging.getLogger("vllm.outrate")
 
@@ -27,16 +30,22 @@ class EngineThreads:
         self.reloader: Reloader | None = None
         self.publisher: Publisher | None = None
         self.trace: TraceWriter | None = None
+        self.store: Store | None = None
 
     def stop(self) -> None:
-        for thread in (self.reloader, self.trace, self.publisher):
+        for thread in (self.reloader, self.store, self.trace, self.publisher):
             if thread is not None:
                 thread.stop()
 
 
-def start_engine_threads(scheduler: Any, settings: dict[str, Any]) -> EngineThreads:
+def start_engine_threads(
+    scheduler: Any, settings: dict[str, Any], store: Store | None = None
+) -> EngineThreads:
     threads = EngineThreads()
     box = scheduler.policy_box
+    if store is not None:
+        threads.store = store
+        store.start(lambda: box.current.sha256)  # heartbeats the policy in force
     if settings.get("reload", "watch") != "off" and "policy" in settings:
 
         def publish(new: CompiledPolicy) -> None:
@@ -68,7 +77,8 @@ def start_engine_threads(scheduler: Any, settings: dict[str, Any]) -> EngineThre
             reloads = None
             if reloader is not None:
                 reloads = {"applied": reloader.applied, "rejected": reloader.rejected}
-            return snapshot(scheduler.metrics, box.current, reloads=reloads)
+            lease = None if store is None else store.runner.metrics.snapshot()
+            return snapshot(scheduler.metrics, box.current, reloads=reloads, store=lease)
 
         threads.publisher = Publisher(settings["metrics_dir"], take, logger=logger)
         threads.publisher.publish()  # /metrics shows the policy before the first request
