@@ -55,6 +55,10 @@ class Deployment:
     max_num_active_seqs: int | None = None
     chunked_prefill: bool | None = None
     async_scheduling: bool | None = None
+    store: bool = False
+    """`--outrate-store` given: budgets are shared between engines."""
+    store_fallback: str | None = None
+    """`--outrate-store-fallback` (`share` when unset)."""
     model_kind: str | None = None
     """"multimodal", "encoder-decoder", "hybrid", "attention-free", "diffusion",
     or None (plain decoder-only text, or unknown from flags alone)."""
@@ -127,6 +131,10 @@ def _str(value: Any) -> str | None:
     return None if value is None else str(value)
 
 
+def _present_str(value: Any) -> bool:
+    return value is not None and str(value) != ""
+
+
 def _diffusion(value: Any) -> str | None:
     return "diffusion" if _present(value) else None
 
@@ -177,6 +185,8 @@ _FLAGS: dict[str, _Flag] = {
     "enable-chunked-prefill": _Flag("chunked_prefill", boolean=True),
     "async-scheduling": _Flag("async_scheduling", boolean=True),
     "diffusion-config": _Flag("model_kind", _diffusion),
+    "outrate-store": _Flag("store", _present_str),
+    "outrate-store-fallback": _Flag("store_fallback", _str),
 }
 _SHORT = {
     "sc": "speculative-config",

@@ -12,7 +12,7 @@ Codes are stable (tools and CI filter on them); never renumber, only add:
 - OR005 warning  anonymous requests unlimited while identified users are limited
 - OR006 warning  two user ids that look alike (equal after NFKC and case folding)
 - OR101 error    speculative decoding
-- OR102 error    data parallel size > 1
+- OR102 error    data parallel size > 1 without a budget store (--outrate-store)
 - OR103 error    pipeline parallel size > 1
 - OR104 error    a KV connector
 - OR105 error    an EC (encoder cache) connector
@@ -22,6 +22,8 @@ Codes are stable (tools and CI filter on them); never renumber, only add:
 - OR109 error    a model kind outrate cannot limit
 - OR111 warning  --max-num-active-seqs unset or not below --max-num-seqs
 - OR112 warning  chunked prefill disabled
+- OR113 warning  --outrate-store-fallback full: N engines may give N x the rate while
+                 the store is down
 """
 
 from __future__ import annotations
@@ -288,11 +290,11 @@ DEPLOYMENT_RULES: tuple[DeploymentRule, ...] = (
         "OR102",
         "error",
         "data_parallel_size",
-        lambda d: d.data_parallel_size > 1,
+        lambda d: d.data_parallel_size > 1 and not d.store,
         lambda d: (
-            f"data parallel size {d.data_parallel_size} is not supported: each "
+            f"data parallel size {d.data_parallel_size} needs a shared budget store: each "
             "data-parallel engine keeps its own budgets, so a user would get up to "
-            f"{d.data_parallel_size} times its rate"
+            f"{d.data_parallel_size} times its rate; pass --outrate-store redis://HOST:PORT/DB"
         ),
     ),
     DeploymentRule(
@@ -380,6 +382,17 @@ DEPLOYMENT_RULES: tuple[DeploymentRule, ...] = (
             "chunked prefill is disabled: a throttled user's prompt cannot prefill "
             "ahead while it waits for budget, so its whole prefill runs after the "
             "wait and adds to its time to first token"
+        ),
+    ),
+    DeploymentRule(
+        "OR113",
+        "warning",
+        "store_fallback",
+        lambda d: bool(d.store) and d.store_fallback == "full",
+        lambda d: (
+            "--outrate-store-fallback full: while the budget store is unreachable every "
+            "engine enforces each user's full rate, so with N engines a user may get up "
+            "to N times its rate; the default 'share' enforces rate/N on each"
         ),
     ),
 )

@@ -42,6 +42,7 @@ def register() -> None:
     def add_cli_args(parser: Any) -> Any:
         parser = stock_add(parser)
         add_outrate_args(parser)
+        _redact_store_url()
         return parser
 
     def from_cli_args(cls: Any, args: argparse.Namespace) -> Any:
@@ -49,6 +50,20 @@ def register() -> None:
 
     EngineArgs.add_cli_args = staticmethod(add_cli_args)  # type: ignore[method-assign]
     EngineArgs.from_cli_args = classmethod(from_cli_args)  # type: ignore[method-assign,assignment]
+
+
+def _redact_store_url() -> None:
+    """vLLM 0.32 logs every non-default argument at startup, except the names
+    in `api_utils._SENSITIVE_ARG_FIELDS`: add `outrate_store` there, so the
+    store URL (which may carry a password) is printed as `***`. Can go when
+    vLLM lets plugins mark their arguments sensitive."""
+    try:
+        from vllm.entrypoints.serve.utils import api_utils
+    except ImportError:  # another vLLM layout: nothing of ours to hide there
+        return
+    fields = api_utils._SENSITIVE_ARG_FIELDS
+    if "outrate_store" not in fields:
+        api_utils._SENSITIVE_ARG_FIELDS = frozenset({*fields, "outrate_store"})
 
 
 def add_outrate_args(parser: Any) -> None:
@@ -87,6 +102,29 @@ def add_outrate_args(parser: Any) -> None:
         help="Stop writing the trace at N bytes (default 256 MiB).",
     )
     group.add_argument(
+        "--outrate-store",
+        default=None,
+        metavar="URL",
+        help="Share each user's budget with every engine using the same Redis: "
+        "redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS (the password may instead "
+        "come from $OUTRATE_STORE_PASSWORD; it is never logged). Needed for "
+        "--data-parallel-size > 1.",
+    )
+    group.add_argument(
+        "--outrate-store-fallback",
+        choices=["share", "full"],
+        default=None,
+        help="While the store is unreachable each engine enforces rate/N (share, the "
+        "default; N = live engines when it was last seen) or the full rate (full).",
+    )
+    group.add_argument(
+        "--outrate-store-lease-ms",
+        type=int,
+        default=None,
+        metavar="MS",
+        help="Lease interval: one round trip to the store per MS per engine (default 20).",
+    )
+    group.add_argument(
         "--default-user-output-tokens-per-second",
         type=float,
         default=None,
@@ -118,7 +156,7 @@ def apply_outrate_args(engine_args: Any, args: argparse.Namespace) -> Any:
         if settings is None:
             return engine_args
         policy = compile_settings(settings)
-        for finding in check_deployment(deployment_from_engine_args(engine_args)):
+        for finding in check_deployment(deployment_from_engine_args(engine_args, settings)):
             logger.warning("outrate: %s", finding)
     except OutrateError as exc:
         raise SystemExit(f"outrate: {exc}") from exc
