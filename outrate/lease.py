@@ -296,7 +296,7 @@ class RedisLink:
     does not answer within `timeout_s` enforces its fallback instead.
     """
 
-    def __init__(self, url: str, password: str | None = None, timeout_s: float = 0.25) -> None:
+    def __init__(self, url: str, password: str | None = None, timeout_s: float = 0.5) -> None:
         import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry

@@ -70,8 +70,12 @@ DEMAND_TTL_S = 2.0
 DEMAND_REFRESH_NS = 500_000_000
 RETRY_S = 1.0
 """While the store is down, how often the lease thread tries again."""
-TIMEOUT_S = 0.25
-"""A round trip slower than this counts as the store being down."""
+TIMEOUT_S = 0.5
+"""A round trip slower than this fails."""
+DOWN_AFTER = 2
+"""Consecutive failed round trips before an engine falls back: one slow
+answer on a loaded machine (a starved process, not a slow store) is
+retried at the next round instead of switching modes."""
 FALLBACKS = ("share", "full")
 FULL = Fraction(1)
 
@@ -317,6 +321,7 @@ class LeaseRunner:
         self.heartbeat_ns = int(heartbeat_s * NS_PER_S)
         self.active: dict[SharedBucket, None] = {}
         self.up: bool | None = None  # None: not tried yet
+        self._fails = 0  # consecutive failed round trips
         self._ever_up = False
         self.period_ns = self.interval_ns
         self.last_rtt_ns = 0
@@ -331,7 +336,7 @@ class LeaseRunner:
     # -- lifecycle ---------------------------------------------------------------
 
     def start(self) -> None:
-        """Try the store once right here (at most `TIMEOUT_S`), so requests
+        """Try the store once right here (at most 2 x `TIMEOUT_S`), so requests
         arriving right after start are already shared, then keep leasing in
         the thread. An unreachable store is logged, and retried there."""
         self._try_connect()
@@ -476,6 +481,7 @@ class LeaseRunner:
             self._down(e)
             return False
         end = time.monotonic_ns()
+        self._fails = 0
         m = self.metrics
         m.round_trips += 1
         m.calls += len(plan)
@@ -536,6 +542,9 @@ class LeaseRunner:
         self.metrics.errors += 1
         if self.up is False:
             return
+        self._fails += 1
+        if self.up and self._fails < DOWN_AFTER:
+            return  # retried at the next round; credit held meanwhile still spends
         first = self.up is None
         self.up = False
         self.metrics.up = 0

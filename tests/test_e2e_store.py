@@ -217,8 +217,8 @@ def test_redis_down_then_back(replicas):
         m = replicas.metrics(i)
         assert metric(m, "outrate_store_up") == 1
         assert metric(m, "outrate_store_errors_total") >= 1
-        assert metric(m, 'outrate_store_transitions_total{to="down"}') == 1
-        assert metric(m, 'outrate_store_transitions_total{to="up"}') == 1
+        down_n = metric(m, 'outrate_store_transitions_total{to="down"}')
+        assert down_n >= 1 and metric(m, 'outrate_store_transitions_total{to="up"}') == down_n
         assert metric(m, "outrate_store_engines") == 2
         assert metric(m, "outrate_lease_seconds_count") > 10
         log = replicas.servers[i].log_path.read_text(errors="replace")

@@ -242,8 +242,10 @@ def test_lost_mid_run_falls_back_then_resumes_without_a_burst(tmp_path, caplog):
         assert bucket.credit >= 1
         server.stop()
         ra._last_beat = 0  # (a round with something to send)
-        assert not ra.round()  # the round trip fails: fallback
-        assert ra.metrics.up == 0 and ra.metrics.errors == 1
+        assert not ra.round()  # one failure is retried at the next round
+        assert ra.up and ra.metrics.errors == 1 and "lost" not in caplog.text
+        assert not ra.round()  # the second in a row: fallback
+        assert ra.metrics.up == 0 and ra.metrics.errors == 2
         assert ra.metrics.transitions["down"] == 1
         assert "lost" in caplog.text and "rate/2" in caplog.text
         settle(a)
@@ -253,7 +255,7 @@ def test_lost_mid_run_falls_back_then_resumes_without_a_burst(tmp_path, caplog):
         assert sum(a.take(bucket, now) for _ in range(10)) == 2  # local, rate/2
         caplog.clear()
         ra.round()  # further failures are counted, not logged again
-        assert ra.metrics.errors == 2 and "lost" not in caplog.text
+        assert ra.metrics.errors == 3 and "lost" not in caplog.text
         server.start()  # an empty Redis: every TAT forgotten
         ra._try_connect()
         assert ra.up and ra.metrics.transitions["up"] == 1 and "is back" in caplog.text
@@ -282,7 +284,7 @@ def test_a_slow_store_never_blocks_the_scheduler(tmp_path):
         time.sleep(0.1)
         server.pause()
         calls, slowest = 0, 0
-        t_end = time.monotonic() + 0.6
+        t_end = time.monotonic() + 1.5
         while time.monotonic() < t_end:
             t0 = time.perf_counter_ns()
             lim.take(b, time.monotonic_ns())
@@ -292,7 +294,7 @@ def test_a_slow_store_never_blocks_the_scheduler(tmp_path):
         assert runner.up is False and runner.metrics.errors >= 1
         print(f"{calls} takes while Redis was frozen, slowest {slowest / 1e3:.0f} us")
         assert calls > 1000
-        assert slowest < 100 * MS  # never a store timeout (250 ms) on this thread
+        assert slowest < 100 * MS  # never a store timeout (500 ms) on this thread
     finally:
         server.resume()
         runner.stop()

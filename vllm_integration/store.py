@@ -17,7 +17,7 @@ from typing import Any
 
 from outrate.compiler import CompiledPolicy
 from outrate.lease import RedisLink
-from outrate.shared import LEASE_INTERVAL_S, LeaseRunner, SharedLimiter
+from outrate.shared import LEASE_INTERVAL_S, TIMEOUT_S, LeaseRunner, SharedLimiter
 
 logger = logging.getLogger("vllm.outrate")
 
@@ -53,7 +53,7 @@ def open_store(policy: CompiledPolicy, settings: dict[str, Any], vllm_config: An
     )
     runner = LeaseRunner(
         limiter,
-        RedisLink(url),
+        RedisLink(url, timeout_s=TIMEOUT_S),
         policy_sha=lambda: policy.sha256,
         logger=logger,
         interval_s=interval_s,
