@@ -39,6 +39,7 @@ BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
 BUCKETS_NS = tuple(round(b * NS_PER_S) for b in BUCKETS_S)
 
 SNAPSHOT_FILE = "engine-metrics.json"
+"""One engine's snapshot; with data parallel, rank r writes `engine-metrics.dp<r>.json`."""
 PUBLISH_INTERVAL_S = 0.5
 
 DEFERRED_REASONS = ("max_streams", "budget")
@@ -272,8 +273,10 @@ class Publisher:
         take: Callable[[], dict[str, Any]],
         interval_s: float = PUBLISH_INTERVAL_S,
         logger: logging.Logger | None = None,
+        suffix: str = "",
     ) -> None:
-        self.path = os.path.join(directory, SNAPSHOT_FILE)
+        name = SNAPSHOT_FILE if not suffix else SNAPSHOT_FILE.replace(".json", f"{suffix}.json")
+        self.path = os.path.join(directory, name)
         self._take = take
         self._interval = interval_s
         self._stop = threading.Event()
@@ -308,12 +311,61 @@ class Publisher:
 
 
 def read_snapshot(directory: str) -> dict[str, Any] | None:
+    """The engines' newest snapshots, merged (data parallel: one per rank)."""
+    snaps = []
     try:
-        with open(os.path.join(directory, SNAPSHOT_FILE), encoding="utf-8") as f:
-            data: dict[str, Any] = json.load(f)
-            return data
-    except (OSError, ValueError):
+        names = sorted(n for n in os.listdir(directory) if n.startswith("engine-metrics"))
+    except OSError:
         return None
+    for name in names:
+        if not name.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(directory, name), encoding="utf-8") as f:
+                snaps.append(json.load(f))
+        except (OSError, ValueError):
+            continue
+    return merge_snapshots(snaps)
+
+
+def merge_snapshots(snaps: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """One picture of several engines serving one API server (data
+    parallel): counts and gauges per label add up; the store is up only if
+    every engine sees it; the policy shown is the first engine's."""
+    if not snaps:
+        return None
+    out = json.loads(json.dumps(snaps[0]))
+    for s in snaps[1:]:
+        out["displaced"] = out.get("displaced", 0) + s.get("displaced", 0)
+        for k, v in s.get("deferred", {}).items():
+            out["deferred"][k] = out["deferred"].get(k, 0) + v
+        for k, v in s.get("reloads", {}).items():  # every engine reloads the same file
+            out["reloads"][k] = max(out["reloads"].get(k, 0), v)
+        out["series"] = out.get("series", 0) + s.get("series", 0)
+        for label, row in s.get("labels", {}).items():
+            mine = out["labels"].get(label)
+            if mine is None:
+                out["labels"][label] = row
+                continue
+            for k in ("tokens", "shadow_over", "live", "held", "throttled_ns"):
+                mine[k] += row[k]
+            for k in ("wait", "interval"):
+                mine[k] = _add_hist(mine[k], row[k])
+        store, other = out.get("store"), s.get("store")
+        if store is not None and other is not None:
+            store["up"] = min(store["up"], other["up"])
+            for k in ("errors", "round_trips", "calls"):
+                store[k] += other[k]
+            for k in ("engines", "policy_mismatch"):
+                store[k] = max(store[k], other[k])
+            for k, v in other["transitions"].items():
+                store["transitions"][k] = store["transitions"].get(k, 0) + v
+            store["lease"] = _add_hist(store["lease"], other["lease"])
+    return out
+
+
+def _add_hist(a: list[Any], b: list[Any]) -> list[Any]:
+    return [[x + y for x, y in zip(a[0], b[0], strict=True)], a[1] + b[1]]
 
 
 def families(data: dict[str, Any] | None) -> Iterator[Any]:

@@ -212,7 +212,9 @@ def deployment_from_vllm_config(vc: Any, settings: dict[str, Any] | None = None)
         store=bool(settings.get("store")),
         store_fallback=settings.get("store_fallback"),
         speculative=vc.speculative_config is not None,
-        data_parallel_size=pc.data_parallel_size,
+        # vLLM resets it to 1 in each non-MoE data-parallel engine core; the
+        # plugin recorded the size asked for.
+        data_parallel_size=max(pc.data_parallel_size, settings.get("data_parallel_size") or 1),
         pipeline_parallel_size=pc.pipeline_parallel_size,
         tensor_parallel_size=pc.tensor_parallel_size,
         kv_connector=_connector(vc.kv_transfer_config),

@@ -161,6 +161,7 @@ def apply_outrate_args(engine_args: Any, args: argparse.Namespace) -> Any:
     except OutrateError as exc:
         raise SystemExit(f"outrate: {exc}") from exc
     engine_args.scheduler_cls = SCHEDULER_CLS
+    settings["data_parallel_size"] = engine_args.data_parallel_size or 1
     from vllm_integration.api import GUARD_MIDDLEWARE, install_request_guards
     from vllm_integration.metrics import install_metrics
 

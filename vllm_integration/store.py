@@ -43,7 +43,11 @@ def open_store(policy: CompiledPolicy, settings: dict[str, Any], vllm_config: An
     url = settings.get("store")
     if not url:
         return None
-    dp = getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_size", 1) or 1
+    # vLLM resets data_parallel_size to 1 in each non-MoE engine core: the
+    # plugin recorded the size asked for.
+    dp = settings.get("data_parallel_size") or getattr(
+        getattr(vllm_config, "parallel_config", None), "data_parallel_size", 1
+    )
     interval_s = float(settings.get("store_lease_ms") or LEASE_INTERVAL_S * 1000) / 1000
     limiter = SharedLimiter(
         policy,

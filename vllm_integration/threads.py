@@ -14,6 +14,7 @@ Each writes from its own daemon thread; the scheduler thread only counts.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from outrate.compiler import CompiledPolicy
@@ -38,11 +39,38 @@ class EngineThreads:
                 thread.stop()
 
 
+def dp_suffix(vllm_config: Any, settings: dict[str, Any] | None = None) -> str:
+    """`.dp<rank>` for a data-parallel engine, "" otherwise: each engine core
+    of a data-parallel deployment writes its own trace and metrics file.
+
+    vLLM 0.32 reconfigures each non-MoE data-parallel engine core as an
+    independent engine (`data_parallel_size = 1`) and keeps its rank only in
+    `data_parallel_index`; the size the user asked for comes from the
+    settings (the plugin records it)."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    size = (settings or {}).get("data_parallel_size") or getattr(pc, "data_parallel_size", 1)
+    if pc is None or (size or 1) <= 1:
+        return ""
+    rank = getattr(pc, "data_parallel_index", None)
+    if rank is None:
+        rank = getattr(pc, "data_parallel_rank", 0)
+    return f".dp{rank}"
+
+
+def rank_path(path: str, suffix: str) -> str:
+    """`trace.jsonl` -> `trace.dp1.jsonl`."""
+    if not suffix:
+        return path
+    root, ext = os.path.splitext(path)
+    return f"{root}{suffix}{ext}"
+
+
 def start_engine_threads(
     scheduler: Any, settings: dict[str, Any], store: Store | None = None
 ) -> EngineThreads:
     threads = EngineThreads()
     box = scheduler.policy_box
+    suffix = dp_suffix(getattr(scheduler, "vllm_config", None), settings)
     if store is not None:
         threads.store = store
         store.start(lambda: box.current.sha256)  # heartbeats the policy in force
@@ -61,15 +89,16 @@ def start_engine_threads(
         threads.reloader.start()
     if settings.get("trace"):
         policy = box.current
+        path = rank_path(settings["trace"], suffix)
         threads.trace = TraceWriter(
-            settings["trace"],
+            path,
             header={"policy": policy.sha256, "source": policy.source, "burst_ns": policy.burst_ns},
             max_bytes=int(settings.get("trace_max_bytes") or DEFAULT_MAX_BYTES),
             logger=logger,
         )
         scheduler.outrate_trace(threads.trace)
         threads.trace.start()
-        logger.info("outrate: writing the token trace to %s", settings["trace"])
+        logger.info("outrate: writing the token trace to %s", path)
     if settings.get("metrics_dir"):
 
         def take() -> dict[str, Any]:
@@ -80,7 +109,7 @@ def start_engine_threads(
             lease = None if store is None else store.runner.metrics.snapshot()
             return snapshot(scheduler.metrics, box.current, reloads=reloads, store=lease)
 
-        threads.publisher = Publisher(settings["metrics_dir"], take, logger=logger)
+        threads.publisher = Publisher(settings["metrics_dir"], take, logger=logger, suffix=suffix)
         threads.publisher.publish()  # /metrics shows the policy before the first request
         threads.publisher.start()
     return threads
