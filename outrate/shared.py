@@ -88,7 +88,7 @@ class SharedBucket(Bucket):
         "sent",
         "fair",
         "demand",
-        "called",
+        "reg_at",
         "leased",
         "reg",
         "share",
@@ -103,7 +103,7 @@ class SharedBucket(Bucket):
         self.sent = 0  # lease thread: released credit returned to Redis
         self.fair = 0  # lease thread: the last fair slice Redis computed
         self.demand = 0  # lease thread: the demand last reported
-        self.called = 0  # lease thread: when it last called for this bucket
+        self.reg_at = 0  # lease thread: when it last wrote its demand to Redis
         self.leased = False  # lease thread: in its active set (keep the bucket)
         self.reg = False  # lease thread: demand registered in Redis
         self.share = FULL  # lease thread: this engine's share of the user's demand
@@ -402,12 +402,12 @@ class LeaseRunner:
                 self._units[lim] = None
         return self._units[lim]
 
-    def _horizon_us(self, lim: Limit) -> int:
-        """The lease horizon: what one slice must last. The lease interval, or
-        the measured round-trip period when the store is slower than that,
-        at most the user's burst."""
+    def _horizon_us(self) -> int:
+        """The lease horizon H: what one slice must last until the next
+        answer. The lease interval, or the measured round-trip period when
+        rounds take longer (a slow store, tens of thousands of users), at
+        most 1 s: a slow store costs slack (rate * H), not throughput."""
         h = max(self.interval_ns, self.period_ns)
-        h = min(h, max(self.interval_ns, lim.burst_ns))
         return min(h // 1000, MAX_HORIZON_US)
 
     def plan(
@@ -443,15 +443,18 @@ class LeaseRunner:
                 continue
             d = min(pins, MAX_DEMAND)
             assert units is not None
-            if (
-                credit < max(1, b.fair)
-                or refund
-                or debt
-                or d != b.demand
-                or now - b.called > DEMAND_REFRESH_NS
-            ):
+            register = not b.reg or d != b.demand or now - b.reg_at > DEMAND_REFRESH_NS
+            if credit < max(1, b.fair) or refund or debt or register:
                 call = LeaseCall(
-                    b.key, units, d, max(credit, 0), MAX_TOKENS, refund, self._horizon_us(lim), debt
+                    b.key,
+                    units,
+                    d,
+                    max(credit, 0),
+                    MAX_TOKENS,
+                    refund,
+                    self._horizon_us(),
+                    debt,
+                    register,
                 )
                 out.append((b, call))
         return out
@@ -502,7 +505,8 @@ class LeaseRunner:
                     b.share = share  # the scheduler re-resolves its local limit
             b.demand = c.demand
             b.reg = c.demand > 0
-            b.called = start
+            if c.register:
+                b.reg_at = start
         if engines is not None:
             self._last_beat = start
             self._engines(engines)

@@ -183,6 +183,11 @@ def test_fair_slices_follow_demand(link):
     assert b.fair == 15 and b.demand == 4  # 3 of 4 streams: 3/4 of 20
     a = one(link, call("fay", lim, want=1000, demand=1, credit=20, horizon_us=horizon), engine="a")
     assert a.fair == 5 and a.granted == 0  # holds more than its slice already
+    # A call that does not re-register still counts this engine's demand once.
+    c = call("fay", lim, want=1000, demand=1, credit=20, horizon_us=horizon)._replace(
+        register=False
+    )
+    assert one(link, c, engine="a").demand == 4
     # An engine leaving (demand 0) hands its share back.
     one(link, call("fay", lim, want=0, demand=0), engine="b")
     a = one(link, call("fay", lim, want=1000, demand=1, credit=0, horizon_us=horizon), engine="a")
