@@ -230,10 +230,77 @@ def step_cost(url: str, quick: bool) -> list[tuple[str, int, float, float, float
     return rows
 
 
+def part_round_trips(url: str, seconds: float) -> None:
+    print("\n1. Lease round trips per engine (target 50/s), users at 100 tok/s")
+    print(
+        f"{'users':>7}  {'rt/s':>6}  {'calls/rt':>8}  {'p50 ms':>7}  {'p99 ms':>7}  "
+        f"{'tok/s/user':>10}"
+    )
+    for users in (1, 100, 10_000):
+        r = round_trips(url, users, seconds)
+        print(
+            f"{r['users']:>7}  {r['rt_per_s']:>6.1f}  {r['calls_per_rt']:>8.0f}  "
+            f"{r['p50_ms']:>7.2f}  {r['p99_ms']:>7.2f}  {r['tok_per_user_s']:>10.1f}",
+            flush=True,
+        )
+
+
+def part_first_credit(url: str, tries: int) -> int:
+    waits = first_credit(url, tries)
+    print(
+        f"\n2. A returning user's first credit: median {statistics.median(waits):.1f} ms, "
+        f"max {max(waits):.1f} ms (bound: one lease interval, 20 ms)"
+    )
+    return int(max(waits) > 20)
+
+
+def part_overshoot(url: str, seconds: float) -> int:
+    missed = 0
+    print("\n3. Overshoot: worst window minus (W + burst) * rate + 1, merged spends")
+    print(
+        f"{'engines':>7}  {'rate':>5}  {'tok/s':>6}  {'excess':>7}  {'slack':>6}  "
+        f"{'burst':>6}  {'min share':>9}"
+    )
+    for n, rate in ((2, 20), (4, 20), (4, 200), (4, 1000)):
+        o = overshoot(url, n, rate, seconds)
+        ok = o["excess"] <= o["slack"]
+        missed += not ok
+        print(
+            f"{n:>7}  {rate:>5}  {o['tok_per_s']:>6.1f}  {o['excess']:>+7.2f}  "
+            f"{o['slack']:>6.1f}  {o['burst_tokens']:>6.1f}  {o['min_share']:>9.2f}  "
+            f"{'PASS' if ok else 'FAIL'}",
+            flush=True,
+        )
+    return missed
+
+
+def part_step_cost(url: str, quick: bool) -> int:
+    missed = 0
+    print("\n4. Scheduler step cost, median us (16 users, all in decode, none throttled)")
+    print(
+        f"{'mode':>5}  {'R':>5}  {'no store':>8}  {'store':>8}  {'ratio':>6}  "
+        f"{'slow store ratio':>16}"
+    )
+    with contextlib.redirect_stdout(sys.stderr):
+        from vllm_harness import model_dir
+
+        model_dir()
+    for mode, r, plain, shared, ratio, slow in step_cost(url, quick):
+        ok = ratio <= TARGET_STEP and slow <= TARGET_STEP
+        missed += not ok
+        print(
+            f"{mode:>5}  {r:>5}  {plain:>8.0f}  {shared:>8.0f}  {ratio:>6.3f}  "
+            f"{slow:>16.3f}  {'PASS' if ok else 'FAIL'}",
+            flush=True,
+        )
+    return missed
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--quick", action="store_true", help="shorter runs, fewer cells")
     ap.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
+    ap.add_argument("--parts", default="1234", help="which parts to run, e.g. 4")
     args = ap.parse_args(argv)
     seconds = 1.5 if args.quick else 3.0
     missed = 0
@@ -241,53 +308,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         server = RedisServer(Path(tmp)).start()
         try:
             print(f"Redis: {server.binary} on 127.0.0.1:{server.port}")
-            print("\n1. Lease round trips per engine (interval 20 ms: target 50/s)")
-            print(f"{'users':>7}  {'rt/s':>6}  {'calls/rt':>8}  {'p50 ms':>7}  {'p99 ms':>7}")
-            for users in (1, 100, 10_000):
-                r = round_trips(server.url, users, seconds)
-                print(
-                    f"{r['users']:>7}  {r['rt_per_s']:>6.1f}  {r['calls_per_rt']:>8.0f}  "
-                    f"{r['p50_ms']:>7.2f}  {r['p99_ms']:>7.2f}",
-                    flush=True,
-                )
-            waits = first_credit(server.url, 10 if args.quick else 20)
-            print(
-                f"\n2. A returning user's first credit: median {statistics.median(waits):.1f} ms, "
-                f"max {max(waits):.1f} ms (bound: one lease interval, 20 ms)"
-            )
-            missed += max(waits) > 20
-            print("\n3. Overshoot: worst window minus (W + burst) * rate + 1, merged spends")
-            print(
-                f"{'engines':>7}  {'rate':>5}  {'tok/s':>6}  {'excess':>7}  {'slack':>6}  "
-                f"{'burst':>6}  {'min share':>9}"
-            )
-            for n, rate in ((2, 20), (4, 20), (4, 200), (4, 1000)):
-                o = overshoot(server.url, n, rate, seconds)
-                ok = o["excess"] <= o["slack"]
-                missed += not ok
-                print(
-                    f"{n:>7}  {rate:>5}  {o['tok_per_s']:>6.1f}  {o['excess']:>+7.2f}  "
-                    f"{o['slack']:>6.1f}  {o['burst_tokens']:>6.1f}  {o['min_share']:>9.2f}  "
-                    f"{'PASS' if ok else 'FAIL'}",
-                    flush=True,
-                )
-            print("\n4. Scheduler step cost, median us (16 users, all in decode, none throttled)")
-            print(
-                f"{'mode':>5}  {'R':>5}  {'no store':>8}  {'store':>8}  {'ratio':>6}  "
-                f"{'slow store ratio':>16}"
-            )
-            with contextlib.redirect_stdout(sys.stderr):
-                from vllm_harness import model_dir
-
-                model_dir()
-            for mode, r, plain, shared, ratio, slow in step_cost(server.url, args.quick):
-                ok = ratio <= TARGET_STEP and slow <= TARGET_STEP
-                missed += not ok
-                print(
-                    f"{mode:>5}  {r:>5}  {plain:>8.0f}  {shared:>8.0f}  {ratio:>6.3f}  "
-                    f"{slow:>16.3f}  {'PASS' if ok else 'FAIL'}",
-                    flush=True,
-                )
+            if "1" in args.parts:
+                part_round_trips(server.url, seconds)
+            if "2" in args.parts:
+                missed += part_first_credit(server.url, 10 if args.quick else 20)
+            if "3" in args.parts:
+                missed += part_overshoot(server.url, seconds)
+            if "4" in args.parts:
+                missed += part_step_cost(server.url, args.quick)
         finally:
             server.stop()
     return 1 if args.check and missed else 0

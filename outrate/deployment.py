@@ -131,8 +131,15 @@ def _str(value: Any) -> str | None:
     return None if value is None else str(value)
 
 
-def _present_str(value: Any) -> bool:
-    return value is not None and str(value) != ""
+def _store_url(value: Any) -> bool:
+    """`--outrate-store URL`: checked like the server checks it; only its
+    presence is kept (the URL may carry a password)."""
+    if value is None or str(value) == "":
+        return False
+    from outrate.lease import check_url
+
+    check_url(str(value))
+    return True
 
 
 def _diffusion(value: Any) -> str | None:
@@ -185,7 +192,7 @@ _FLAGS: dict[str, _Flag] = {
     "enable-chunked-prefill": _Flag("chunked_prefill", boolean=True),
     "async-scheduling": _Flag("async_scheduling", boolean=True),
     "diffusion-config": _Flag("model_kind", _diffusion),
-    "outrate-store": _Flag("store", _present_str),
+    "outrate-store": _Flag("store", _store_url),
     "outrate-store-fallback": _Flag("store_fallback", _str),
 }
 _SHORT = {

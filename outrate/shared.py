@@ -93,6 +93,7 @@ class SharedBucket(Bucket):
         "reg",
         "share",
         "used",
+        "seen",
     )
 
     def __init__(self, key: str, limit: Limit, gen: int) -> None:
@@ -108,6 +109,7 @@ class SharedBucket(Bucket):
         self.reg = False  # lease thread: demand registered in Redis
         self.share = FULL  # lease thread: this engine's share of the user's demand
         self.used: Fraction | None = None  # scheduler: the share its limit was resolved with
+        self.seen = 0  # lease thread: `spent` at its last round
 
     @property
     def credit(self) -> int:
@@ -444,7 +446,12 @@ class LeaseRunner:
             d = min(pins, MAX_DEMAND)
             assert units is not None
             register = not b.reg or d != b.demand or now - b.reg_at > DEMAND_REFRESH_NS
-            if credit < max(1, b.fair) or refund or debt or register:
+            # Low: below the slice, or (for users far from their rate) below
+            # twice what they spent since the last round.
+            spent = b.spent
+            low = credit < max(1, min(b.fair, 2 * (spent - b.seen) + 1))
+            b.seen = spent
+            if low or refund or debt or register:
                 call = LeaseCall(
                     b.key,
                     units,
