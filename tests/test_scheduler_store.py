@@ -20,8 +20,9 @@ from vllm_harness import Driver, make_request, make_scheduler  # noqa: E402
 
 from outrate.compiler import compile_policy  # noqa: E402
 from outrate.lease import RedisLink  # noqa: E402
+from outrate.lease_runner import LeaseRunner  # noqa: E402
 from outrate.loader import parse_policy  # noqa: E402
-from outrate.shared import LEASE_INTERVAL_S, LeaseRunner, SharedLimiter  # noqa: E402
+from outrate.shared import LEASE_INTERVAL_S, SharedLimiter  # noqa: E402
 from outrate.trace import engine_rate, max_window_excess  # noqa: E402
 
 pytestmark = pytest.mark.vllm

@@ -20,9 +20,10 @@ from redis_support import RedisServer  # noqa: E402
 
 from outrate.compiler import compile_policy  # noqa: E402
 from outrate.lease import RedisLink, user_keys  # noqa: E402
+from outrate.lease_runner import LeaseRunner  # noqa: E402
 from outrate.limiter import Limiter  # noqa: E402
 from outrate.loader import parse_policy  # noqa: E402
-from outrate.shared import LeaseRunner, SharedLimiter  # noqa: E402
+from outrate.shared import SharedLimiter  # noqa: E402
 from outrate.trace import max_window_excess  # noqa: E402
 
 MS = 1_000_000

@@ -17,7 +17,8 @@ from typing import Any
 
 from outrate.compiler import CompiledPolicy
 from outrate.lease import RedisLink
-from outrate.shared import LEASE_INTERVAL_S, TIMEOUT_S, LeaseRunner, SharedLimiter
+from outrate.lease_runner import TIMEOUT_S, LeaseRunner
+from outrate.shared import LEASE_INTERVAL_S, SharedLimiter
 
 logger = logging.getLogger("vllm.outrate")
 
