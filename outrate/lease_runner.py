@@ -38,6 +38,10 @@ RETRY_S = 1.0
 """While the store is down, how often the lease thread tries again."""
 TIMEOUT_S = 0.5
 """A round trip slower than this fails."""
+GRACE_NS = int((RETRY_S + HEARTBEAT_S + ENGINE_TTL_S) * NS_PER_S)
+"""After the store is back, each engine stays within rate/N until the
+heartbeats show every engine back, at most this long (the others retry once
+a second; a dead one's heartbeat expires)."""
 DOWN_AFTER = 2
 """Consecutive failed round trips before an engine falls back: one slow
 answer on a loaded machine (a starved process, not a slow store) is
@@ -76,6 +80,7 @@ class LeaseRunner:
         self.active: dict[SharedBucket, None] = {}
         self.up: bool | None = None  # None: not tried yet
         self._fails = 0  # consecutive failed round trips
+        self._grace_end = 0
         self._ever_up = False
         self.period_ns = self.interval_ns
         self.last_rtt_ns = 0
@@ -273,7 +278,10 @@ class LeaseRunner:
 
     def _engines(self, engines: list[tuple[str, str]]) -> None:
         n = max(1, len(engines))
-        self.limiter.engines = n
+        lim = self.limiter
+        if lim.want_grace and (n >= lim.fallback_n or time.monotonic_ns() > self._grace_end):
+            lim.want_grace = False  # every engine is back (or had its chance)
+        lim.engines = n
         self.metrics.engines = n
         mine = self.policy_sha()
         other = frozenset(f"{e} ({sha[:12]})" for e, sha in engines if sha != mine)
@@ -341,6 +349,9 @@ class LeaseRunner:
         if not self.round(debts):
             return
         self.metrics.up = 1
+        if was_down:
+            self.limiter.want_grace = True
+            self._grace_end = time.monotonic_ns() + GRACE_NS
         self.limiter.want_shared = True
         if was_down:
             self.metrics.transitions["up"] += 1

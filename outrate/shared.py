@@ -111,6 +111,10 @@ class SharedLimiter(Limiter):
         """Applied mode (scheduler thread): True spends leased credit."""
         self.want_shared = False
         """Requested mode (lease thread); applied at the next step boundary."""
+        self.grace = False
+        """Applied: just back from the fallback, still within rate/N per engine."""
+        self.want_grace = False
+        """Requested by the lease thread; applied with the mode."""
         self.engines = max(1, engines_hint)
         """Live engines by the last heartbeat (lease thread)."""
         self.fallback_n = self.engines
@@ -137,11 +141,20 @@ class SharedLimiter(Limiter):
         share = sb.used = sb.share
         if lim.rate is None:
             return lim
+        split = self.fallback == "share" and self.fallback_n > 1
         if not self.shared:
-            if self.fallback == "full" or self.fallback_n <= 1:
+            if not split:
                 return lim
             share = Fraction(1, self.fallback_n)
-        if share >= 1:
+        elif self.grace and split:
+            # Just back from the fallback: other engines may still be in
+            # theirs (they retry once a second), spending rate/N each without
+            # Redis knowing. Until they are back, stay within rate/N too.
+            share = min(share, Fraction(1, self.fallback_n))
+        return self._scale(lim, share)
+
+    def _scale(self, lim: Limit, share: Fraction) -> Limit:
+        if share >= 1 or lim.rate is None:
             return lim
         key = (lim, share)
         scaled = self._scaled.get(key)
@@ -166,7 +179,11 @@ class SharedLimiter(Limiter):
         keeps its debt in tokens (Limiter._refresh)."""
         want = self.want_shared
         if want == self.shared:
+            if self.want_grace != self.grace:
+                self.grace = self.want_grace
+                self._gen += 1
             return
+        self.grace = self.want_grace
         if not want:
             for b in list(self._buckets.values()):
                 sb: SharedBucket = b  # type: ignore[assignment]
@@ -183,7 +200,7 @@ class SharedLimiter(Limiter):
     # -- the scheduler's verbs -------------------------------------------------
 
     def pin(self, user: str) -> Bucket:
-        if self.want_shared is not self.shared:
+        if self.want_shared is not self.shared or self.want_grace is not self.grace:
             self._apply_mode()
         b = super().pin(user)
         if b.pins == 1:
@@ -251,7 +268,7 @@ class SharedLimiter(Limiter):
         return n
 
     def cleanup(self, now: int | None = None, budget: int = 64) -> int:
-        if self.want_shared is not self.shared:
+        if self.want_shared is not self.shared or self.want_grace is not self.grace:
             self._apply_mode()
         settle = self.settle
         while settle:

@@ -67,8 +67,17 @@ def replicas(tmp_path_factory):
     policy.write_text(POLICY)
     model = build(REPO / "models" / "tiny-llama")
     servers, traces = [], []
+    # Each worker on its own core: with the default binding both replicas'
+    # model workers share core 0, and one replica's step stalled for 1 s
+    # while the other's ran (seen in the merged trace).
     for i, (url, env) in enumerate(
-        [(redis.url, {}), (redis.bare_url, {"OUTRATE_STORE_PASSWORD": PASSWORD})]
+        [
+            (redis.url, {"VLLM_CPU_OMP_THREADS_BIND": "0"}),
+            (
+                redis.bare_url,
+                {"OUTRATE_STORE_PASSWORD": PASSWORD, "VLLM_CPU_OMP_THREADS_BIND": "1"},
+            ),
+        ]
     ):
         trace = root / f"trace-{i}.jsonl"
         argv = outrate_serve_argv(
@@ -138,26 +147,35 @@ def test_no_password_in_any_log(replicas):
 
 
 def test_one_user_on_two_replicas_gets_one_rate(replicas):
-    """alice: 4 streams, 2 per replica, 40 tokens each. Her tokens summed over
+    """alice: 4 streams, 2 per replica, 50 tokens each. Her tokens summed over
     both engines stay within (W + burst) * rate + 1 + slack in every window
     and reach 0.95 x the rate; an unlimited user beside her is unaffected."""
     since = time.monotonic_ns()
-    streams = run_split(replicas, [[("alice", 2, 40), ("free", 1, 400)], [("alice", 2, 40)]])
+    streams = run_split(replicas, [[("alice", 2, 50), ("free", 1, 400)], [("alice", 2, 50)]])
     assert_complete(streams)
     merged = replicas.steps("alice", since)
     per = [sum(k for _, k in replicas.steps("alice", since, which=i)) for i in range(2)]
     excess = max_window_excess(merged, RATE, BURST_NS)
     rate = engine_rate(merged)
     free = engine_rate(replicas.steps("free", since))
+    lease = [
+        (
+            metric(replicas.metrics(i), "outrate_store_errors_total"),
+            metric(replicas.metrics(i), "outrate_lease_seconds_count"),
+            metric(replicas.metrics(i), "outrate_lease_seconds_sum"),
+        )
+        for i in range(2)
+    ]
     print(
         f"alice over 2 replicas: {per} tokens, {rate:.2f} tok/s, worst window {excess:+.2f} "
-        f"(slack {SLACK:.1f}); free user beside her {free:.0f} tok/s"
+        f"(slack {SLACK:.1f}); free user beside her {free:.0f} tok/s; store errors, round "
+        f"trips, mean round trip: {[(e, n, round(t / max(n, 1) * 1000, 2)) for e, n, t in lease]}"
     )
-    assert sum(per) == 160
+    assert sum(per) == 200
     assert excess <= SLACK
     assert rate >= 0.95 * RATE
-    assert min(per) >= 0.35 * 160  # both replicas' streams progress
-    assert free > 100
+    assert min(per) >= 0.35 * 200  # both replicas' streams progress
+    assert free > 3 * RATE  # not throttled (its absolute speed is the VM's load)
 
 
 def test_one_user_on_one_replica_still_gets_the_rate(replicas):
@@ -174,7 +192,9 @@ def test_one_user_on_one_replica_still_gets_the_rate(replicas):
 
 def test_redis_down_then_back(replicas):
     """Stop Redis mid-run, start it again: every request completes; while it
-    is down each replica enforces rate/2; afterwards the shared rate is back."""
+    is down each replica enforces rate/2; afterwards the shared rate is back,
+    and the whole run stays within the bound (the replicas reconnect up to a
+    second apart: the first one back stays at rate/2 until the other is)."""
     since = time.monotonic_ns()
     marks: dict[str, int] = {}
 

@@ -221,7 +221,9 @@ def test_unreachable_at_start_then_shared_when_it_answers(tmp_path, caplog):
         assert runner.up and runner.metrics.up == 1
         assert "sharing budgets through" in caplog.text
         settle(lim)
-        assert lim.shared and lim.limit_of(b, now).rate == 20
+        # Shared now, but within rate/2 until the heartbeats show the other
+        # engine (it may still be in its fallback) or the grace ends.
+        assert lim.shared and lim.grace and lim.limit_of(b, now).rate == 10
     finally:
         runner.stop()
         server.stop()
@@ -262,7 +264,13 @@ def test_lost_mid_run_falls_back_then_resumes_without_a_burst(tmp_path, caplog):
         assert ra.up and ra.metrics.transitions["up"] == 1 and "is back" in caplog.text
         # The debt spent during the outage was carried over: no burst now.
         settle(a)
-        assert a.shared
+        assert a.shared and a.grace  # b may still be in its fallback: stay at rate/2
+        assert a.limit_of(bucket, time.monotonic_ns()).rate == 10
+        for r in (rb, ra):  # b is back too: the heartbeats show both
+            r._last_beat = 0
+            r.round()
+        settle(a)
+        assert not a.grace and a.limit_of(bucket, time.monotonic_ns()).rate == 20
         tat = int(server.client().get(user_keys("alice")[0]))
         now_us = server.client().time()
         now_us = now_us[0] * 1_000_000 + now_us[1]
