@@ -12,6 +12,11 @@ lazily. It patches two static/class methods of vLLM 0.32's `EngineArgs`:
   `additional_config["outrate"]`, and adds outrate's identity guard to
   `--middleware` (vllm_integration/api.py).
 
+And one module global of vLLM 0.32's `entrypoints.serve.utils.api_utils`:
+`_SENSITIVE_ARG_FIELDS` gains `outrate_store`, so the startup log line of
+non-default arguments shows the store URL (which may carry a password) as
+`***` (`_redact_store_url`).
+
 Without the flags nothing changes: no scheduler is swapped, no hook installed.
 """
 
