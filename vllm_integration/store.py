@@ -46,14 +46,13 @@ def open_store(policy: CompiledPolicy, settings: dict[str, Any], vllm_config: An
         return None
     # vLLM resets data_parallel_size to 1 in each non-MoE engine core: the
     # plugin recorded the size asked for.
-    dp = settings.get("data_parallel_size") or getattr(
-        getattr(vllm_config, "parallel_config", None), "data_parallel_size", 1
-    )
+    pc = getattr(vllm_config, "parallel_config", None)
+    dp = int(settings.get("data_parallel_size") or getattr(pc, "data_parallel_size", 1) or 1)
     interval_s = float(settings.get("store_lease_ms") or LEASE_INTERVAL_S * 1000) / 1000
     limiter = SharedLimiter(
         policy,
         fallback=settings.get("store_fallback") or "share",
-        engines_hint=int(dp),
+        engines_hint=dp,
         interval_s=interval_s,
     )
     runner = LeaseRunner(
