@@ -25,8 +25,8 @@ from fractions import Fraction
 
 from outrate.lease import MAX_DEMAND, MAX_HORIZON_US, MAX_TOKENS, LeaseCall, RedisLink, Units
 from outrate.limiter import NS_PER_S, Limit
-from outrate.metrics import StoreMetrics
 from outrate.shared import LEASE_INTERVAL_S, SharedBucket, SharedLimiter
+from outrate.store_metrics import StoreMetrics
 
 HEARTBEAT_S = 1.0
 ENGINE_TTL_S = 3.0

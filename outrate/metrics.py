@@ -23,13 +23,14 @@ import logging
 import os
 import threading
 import time
-from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from outrate.compiler import CompiledPolicy
+from outrate.histogram import Histogram, add_json, cumulative
 from outrate.identity import ANONYMOUS
 from outrate.limiter import NS_PER_S, Limit
+from outrate.store_metrics import merge_store, store_families
 
 OTHER = "other"
 """Label of per-user series past `metrics.max_series`."""
@@ -43,63 +44,6 @@ SNAPSHOT_FILE = "engine-metrics.json"
 PUBLISH_INTERVAL_S = 0.5
 
 DEFERRED_REASONS = ("max_streams", "budget")
-
-
-LEASE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
-"""Upper bounds of `outrate_lease_seconds` (a round trip to the budget store)."""
-
-
-class Histogram:
-    """Counts per bucket (the last is +Inf) and the sum, in ns. `count` is the
-    sum of the buckets, so a snapshot is always self-consistent."""
-
-    __slots__ = ("buckets", "sum_ns", "bounds")
-
-    def __init__(self, bounds: tuple[int, ...] = BUCKETS_NS) -> None:
-        self.bounds = bounds
-        self.buckets = [0] * (len(bounds) + 1)
-        self.sum_ns = 0
-
-    def observe(self, ns: int, n: int = 1) -> None:
-        self.buckets[bisect_left(self.bounds, ns)] += n
-        self.sum_ns += ns * n
-
-    def unobserve(self, ns: int) -> None:
-        """Take back one `observe(ns)` (a refunded token's interval)."""
-        self.observe(ns, -1)
-
-
-class StoreMetrics:
-    """The budget store as one engine sees it (`--outrate-store`). Written by
-    the lease thread only; read by the publisher."""
-
-    def __init__(self) -> None:
-        self.up = 0
-        """1 while the store answers and budgets are shared; 0 in fallback."""
-        self.errors = 0
-        """Failed round trips (connection errors, timeouts, script errors)."""
-        self.transitions = {"down": 0, "up": 0}
-        self.lease = Histogram(tuple(round(b * NS_PER_S) for b in LEASE_BUCKETS_S))
-        """Duration of each lease round trip (all users, one pipeline)."""
-        self.round_trips = 0
-        self.calls = 0
-        """Lease calls (one per user and round that needed credit)."""
-        self.engines = 0
-        """Live engines by the last heartbeat (this one included)."""
-        self.policy_mismatch = 0
-        """Live engines whose policy sha256 differs from this engine's."""
-
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            "up": self.up,
-            "errors": self.errors,
-            "transitions": dict(self.transitions),
-            "lease": [list(self.lease.buckets), self.lease.sum_ns],
-            "round_trips": self.round_trips,
-            "calls": self.calls,
-            "engines": self.engines,
-            "policy_mismatch": self.policy_mismatch,
-        }
 
 
 class LabelMetrics:
@@ -126,8 +70,8 @@ class LabelMetrics:
         self.held = 0  # requests held for budget now
         self.held_since_sum = 0  # sum of their hold start times (ns)
         self.throttled_ns = 0  # request-ns of holds that ended
-        self.wait = Histogram()  # duration of each hold
-        self.interval = Histogram()  # time between consecutive charged tokens
+        self.wait = Histogram(BUCKETS_NS)  # duration of each hold
+        self.interval = Histogram(BUCKETS_NS)  # time between consecutive charged tokens
 
     def hold(self, since: int) -> None:
         self.held += 1
@@ -248,8 +192,8 @@ def _row(m: LabelMetrics, lim: Limit | None, now: int) -> dict[str, Any]:
         "live": m.live,
         "held": m.held,
         "throttled_ns": m.throttled_total_ns(now),
-        "wait": [list(m.wait.buckets), m.wait.sum_ns],
-        "interval": [list(m.interval.buckets), m.interval.sum_ns],
+        "wait": m.wait.to_json(),
+        "interval": m.interval.to_json(),
         "rate": None if lim is None else (-1 if lim.rate is None else float(lim.rate)),
         "mode": None if lim is None else ("shadow" if lim.shadow else "enforce"),
     }
@@ -334,7 +278,7 @@ def merge_snapshots(snaps: list[dict[str, Any]]) -> dict[str, Any] | None:
     every engine sees it; the policy shown is the first engine's."""
     if not snaps:
         return None
-    out = json.loads(json.dumps(snaps[0]))
+    out: dict[str, Any] = json.loads(json.dumps(snaps[0]))
     for s in snaps[1:]:
         out["displaced"] = out.get("displaced", 0) + s.get("displaced", 0)
         for k, v in s.get("deferred", {}).items():
@@ -350,22 +294,10 @@ def merge_snapshots(snaps: list[dict[str, Any]]) -> dict[str, Any] | None:
             for k in ("tokens", "shadow_over", "live", "held", "throttled_ns"):
                 mine[k] += row[k]
             for k in ("wait", "interval"):
-                mine[k] = _add_hist(mine[k], row[k])
-        store, other = out.get("store"), s.get("store")
-        if store is not None and other is not None:
-            store["up"] = min(store["up"], other["up"])
-            for k in ("errors", "round_trips", "calls"):
-                store[k] += other[k]
-            for k in ("engines", "policy_mismatch"):
-                store[k] = max(store[k], other[k])
-            for k, v in other["transitions"].items():
-                store["transitions"][k] = store["transitions"].get(k, 0) + v
-            store["lease"] = _add_hist(store["lease"], other["lease"])
+                mine[k] = add_json(mine[k], row[k])
+        if out.get("store") is not None and s.get("store") is not None:
+            merge_store(out["store"], s["store"])
     return out
-
-
-def _add_hist(a: list[Any], b: list[Any]) -> list[Any]:
-    return [[x + y for x, y in zip(a[0], b[0], strict=True)], a[1] + b[1]]
 
 
 def families(data: dict[str, Any] | None) -> Iterator[Any]:
@@ -426,7 +358,7 @@ def families(data: dict[str, Any] | None) -> Iterator[Any]:
             r = float("inf") if v["rate"] < 0 else v["rate"]
             rate.add_metric([label, v["mode"]], r)
         for fam, (counts, sum_ns) in ((wait, v["wait"]), (interval, v["interval"])):
-            fam.add_metric([label], _cumulative(counts), sum_ns / NS_PER_S)
+            fam.add_metric([label], cumulative(counts, BUCKETS_S), sum_ns / NS_PER_S)
     yield from (tokens, over, held, live, throttled, rate, wait, interval)
     displaced = CounterMetricFamily(
         "outrate_displaced", "Held requests preempted so a user with budget could run."
@@ -455,59 +387,7 @@ def families(data: dict[str, Any] | None) -> Iterator[Any]:
     yield info
     store = data.get("store")
     if store is not None:
-        yield from _store_families(store)
-
-
-def _store_families(store: dict[str, Any]) -> Iterator[Any]:
-    from prometheus_client.core import (
-        CounterMetricFamily,
-        GaugeMetricFamily,
-        HistogramMetricFamily,
-    )
-
-    up = GaugeMetricFamily(
-        "outrate_store_up", "1 while the budget store answers and budgets are shared."
-    )
-    up.add_metric([], store["up"])
-    errors = CounterMetricFamily("outrate_store_errors", "Failed round trips to the budget store.")
-    errors.add_metric([], store["errors"])
-    transitions = CounterMetricFamily(
-        "outrate_store_transitions",
-        "Switches to the local fallback (down) and back to shared budgets (up).",
-        labels=["to"],
-    )
-    for to in ("down", "up"):
-        transitions.add_metric([to], store["transitions"].get(to, 0))
-    lease = HistogramMetricFamily(
-        "outrate_lease_seconds", "Duration of one lease round trip (every user, one pipeline)."
-    )
-    counts, sum_ns = store["lease"]
-    lease.add_metric([], _cumulative(counts, LEASE_BUCKETS_S), sum_ns / NS_PER_S)
-    calls = CounterMetricFamily(
-        "outrate_lease_calls", "Per-user lease calls sent to the budget store."
-    )
-    calls.add_metric([], store["calls"])
-    engines = GaugeMetricFamily(
-        "outrate_store_engines", "Live engines sharing the store, by the last heartbeat."
-    )
-    engines.add_metric([], store["engines"])
-    mismatch = GaugeMetricFamily(
-        "outrate_store_policy_mismatch",
-        "Live engines whose policy sha256 differs from this engine's.",
-    )
-    mismatch.add_metric([], store["policy_mismatch"])
-    yield from (up, errors, transitions, lease, calls, engines, mismatch)
-
-
-def _cumulative(
-    counts: list[int], bounds_s: tuple[float, ...] = BUCKETS_S
-) -> list[tuple[str, int]]:
-    out = []
-    total = 0
-    for bound, n in zip((*(f"{b:g}" for b in bounds_s), "+Inf"), counts, strict=True):
-        total += n
-        out.append((bound, total))
-    return out
+        yield from store_families(store)
 
 
 class SnapshotCollector:

@@ -37,12 +37,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 from fractions import Fraction
-from typing import TYPE_CHECKING
 
 from outrate.limiter import NS_PER_S, Bucket, Limit, Limiter, LimitSource
-
-if TYPE_CHECKING:
-    from outrate.compiler import CompiledPolicy
 
 LEASE_INTERVAL_S = 0.02
 """One round trip per 20 ms: a fifth of the default 100 ms burst, so four
@@ -97,7 +93,7 @@ class SharedLimiter(Limiter):
 
     def __init__(
         self,
-        policy: CompiledPolicy,
+        policy: LimitSource,
         clock: Callable[[], int] = time.monotonic_ns,
         fallback: str = "share",
         engines_hint: int = 1,

@@ -12,6 +12,7 @@ CORE = Path(__file__).resolve().parent.parent / "outrate"
 
 LAYERS: dict[str, int] = {
     "units": 0,  # formatting only: imports nothing
+    "histogram": 0,  # imports nothing
     # leaves
     "errors": 1,
     "identity": 1,
@@ -20,6 +21,10 @@ LAYERS: dict[str, int] = {
     "vllm_flags": 1,
     "policy_file": 2,
     "store": 2,
+    "lease": 2,  # the Lua scripts and the Redis link
+    "shared": 2,  # SharedLimiter: a second BudgetStore
+    "store_metrics": 2,
+    "lease_runner": 3,
     "policy": 2,
     "compose": 3,
     "deployment": 3,

@@ -349,7 +349,8 @@ def test_a_returning_user_gets_credit_within_one_lease_interval(fresh):
 
 
 def test_store_metrics_reach_prometheus_families():
-    from outrate.metrics import Metrics, StoreMetrics, families, snapshot
+    from outrate.metrics import Metrics, families, snapshot
+    from outrate.store_metrics import StoreMetrics
 
     store = StoreMetrics()
     store.up, store.errors, store.engines = 1, 3, 2
@@ -374,17 +375,17 @@ def test_store_metrics_reach_prometheus_families():
 def test_data_parallel_engines_write_their_own_files_and_metrics_merge(tmp_path):
     """With --data-parallel-size N each engine core writes its own trace and
     metrics snapshot (`.dp<rank>`); /metrics shows their sum."""
-    from outrate.metrics import Metrics, StoreMetrics, read_snapshot, snapshot, write_snapshot
+    from outrate.metrics import Metrics, read_snapshot, snapshot, write_snapshot
+    from outrate.store_metrics import StoreMetrics
 
     pol = policy()
     snaps = []
     for rank in range(2):
-        m = Metrics()
-        m.store = StoreMetrics()
-        m.store.up, m.store.engines, m.store.errors = rank, 2, 1  # rank 0 sees no store
+        m, store = Metrics(), StoreMetrics()
+        store.up, store.engines, store.errors = rank, 2, 1  # rank 0 sees no store
         m.record("alice").tokens = 10 + rank
         m.record("alice").interval.observe(5 * MS)
-        snaps.append(snapshot(m, pol))
+        snaps.append(snapshot(m, pol, store=store.snapshot()))
         write_snapshot(str(tmp_path / f"engine-metrics.dp{rank}.json"), snaps[-1])
     merged = read_snapshot(str(tmp_path))
     assert merged is not None
