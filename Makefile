@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_scheduler.py
 	$(BIN)/python benchmarks/bench_metrics.py
 	$(BIN)/python benchmarks/bench_reload.py
+	$(BIN)/python benchmarks/bench_store.py
 	$(BIN)/python benchmarks/bench_e2e.py
 
 lint: $(STAMP)

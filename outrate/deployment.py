@@ -56,6 +56,10 @@ class Deployment:
     max_num_active_seqs: int | None = None
     chunked_prefill: bool | None = None
     async_scheduling: bool | None = None
+    store: bool = False
+    """`--outrate-store` given: budgets are shared between engines."""
+    store_fallback: str | None = None
+    """`--outrate-store-fallback` (`share` when unset)."""
     model_kind: str | None = None
     """"multimodal", "encoder-decoder", "hybrid", "attention-free", "diffusion",
     or None (plain decoder-only text, or unknown from flags alone)."""
@@ -162,6 +166,17 @@ def _api_key(value: Any) -> bool:
     return value is not None and value is not False and value != ""
 
 
+def _store_url(value: Any) -> bool:
+    """`--outrate-store URL`: checked like the server checks it; only its
+    presence is kept (the URL may carry a password)."""
+    if value is None or str(value) == "":
+        return False
+    from outrate.lease import check_url
+
+    check_url(str(value))
+    return True
+
+
 def _diffusion(value: Any) -> str | None:
     return "diffusion" if _present(value) else None
 
@@ -215,6 +230,8 @@ _FLAGS: dict[str, _Flag] = {
     "host": _Flag("host", _str),
     "uds": _Flag("uds", _str),
     "api-key": _Flag("api_key", _api_key),
+    "outrate-store": _Flag("store", _store_url),
+    "outrate-store-fallback": _Flag("store_fallback", _str),
 }
 _SHORT = {
     "sc": "speculative-config",

@@ -181,6 +181,9 @@ class LimitSource(Protocol):
 class Limiter:
     """The per-user table. One per engine; only the scheduler thread mutates it."""
 
+    _bucket_cls: type[Bucket] = Bucket
+    """What `bucket` creates (a shared store's buckets carry its credit)."""
+
     def __init__(self, policy: LimitSource, clock: Callable[[], int] = time.monotonic_ns) -> None:
         self._policy = policy
         self._gen = 0
@@ -212,14 +215,22 @@ class Limiter:
         self._swaps.append((self._gen, now, policy))
         self._policy = policy
 
+    def _local(self, b: Bucket, lim: Limit) -> Limit:
+        """The limit this table enforces for `b`'s user where the policy says
+        `lim`: the same here; a shared store scales it by its engine's share."""
+        return lim
+
     def _refresh(self, b: Bucket, now: int) -> None:
+        at = now  # the limit in force applies from the last swap `b` missed, else now
         swaps = self._swaps
         if swaps and swaps[0][0] <= b.gen + 1:
-            for gen, at, policy in swaps:  # every swap since the bucket's generation
+            last = len(swaps) - 1
+            for i, (gen, t, policy) in enumerate(swaps):  # every swap since b's generation
                 if gen > b.gen:
-                    self._convert(b, policy.limit_for(b.key), now if at is None else min(at, now))
-        else:
-            self._convert(b, self._policy.limit_for(b.key), now)
+                    at = now if t is None else min(t, now)
+                    if i < last:
+                        self._convert(b, self._local(b, policy.limit_for(b.key)), at)
+        self._convert(b, self._local(b, self._policy.limit_for(b.key)), at)
         b.gen = self._gen
 
     @staticmethod
@@ -242,7 +253,7 @@ class Limiter:
         """The user's bucket, created on first use."""
         b = self._buckets.get(user)
         if b is None:
-            b = Bucket(user, self._policy.limit_for(user), self._gen)
+            b = self._bucket_cls(user, self._policy.limit_for(user), self._gen)
             self._buckets[user] = b
             self._sweep.append(user)
         return b
@@ -356,12 +367,16 @@ class Limiter:
         for _ in range(min(budget, len(sweep))):
             key = sweep.popleft()
             b = buckets[key]
-            if b.pins == 0 and b.tat <= now * b.limit.scale:
+            if b.pins == 0 and self._forgettable(b, now):
                 del buckets[key]
                 removed += 1
             else:
                 sweep.append(key)
         return removed
+
+    def _forgettable(self, b: Bucket, now: int) -> bool:
+        """An unpinned bucket whose TAT is not ahead of `now` holds nothing."""
+        return b.tat <= now * b.limit.scale
 
     def __len__(self) -> int:
         return len(self._buckets)

@@ -13,7 +13,7 @@ Codes are stable (tools and CI filter on them); never renumber, only add:
 - OR006 warning  two user ids that look alike (equal after NFKC and case folding)
 - OR007 warning  identity source api_key with a keys file that lists no key
 - OR101 error    speculative decoding
-- OR102 error    data parallel size > 1
+- OR102 error    data parallel size > 1 without a budget store (--outrate-store)
 - OR103 error    pipeline parallel size > 1
 - OR104 error    a KV connector
 - OR105 error    an EC (encoder cache) connector
@@ -25,6 +25,8 @@ Codes are stable (tools and CI filter on them); never renumber, only add:
 - OR112 warning  chunked prefill disabled
 - OR113 warning  identity source body on a server other clients can reach
 - OR114 error    identity source api_key together with vLLM's own --api-key
+- OR115 warning  --outrate-store-fallback full: N engines may give N x the rate while
+                 the store is down
 """
 
 from __future__ import annotations

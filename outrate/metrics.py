@@ -23,13 +23,14 @@ import logging
 import os
 import threading
 import time
-from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from outrate.compiler import CompiledPolicy
+from outrate.histogram import Histogram, add_json, cumulative
 from outrate.identity import ANONYMOUS
 from outrate.limiter import NS_PER_S, Limit
+from outrate.store_metrics import merge_store, store_families
 
 OTHER = "other"
 """Label of per-user series past `metrics.max_series`."""
@@ -39,28 +40,10 @@ BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
 BUCKETS_NS = tuple(round(b * NS_PER_S) for b in BUCKETS_S)
 
 SNAPSHOT_FILE = "engine-metrics.json"
+"""One engine's snapshot; with data parallel, rank r writes `engine-metrics.dp<r>.json`."""
 PUBLISH_INTERVAL_S = 0.5
 
 DEFERRED_REASONS = ("max_streams", "budget")
-
-
-class Histogram:
-    """Counts per bucket (the last is +Inf) and the sum, in ns. `count` is the
-    sum of the buckets, so a snapshot is always self-consistent."""
-
-    __slots__ = ("buckets", "sum_ns")
-
-    def __init__(self) -> None:
-        self.buckets = [0] * (len(BUCKETS_NS) + 1)
-        self.sum_ns = 0
-
-    def observe(self, ns: int, n: int = 1) -> None:
-        self.buckets[bisect_left(BUCKETS_NS, ns)] += n
-        self.sum_ns += ns * n
-
-    def unobserve(self, ns: int) -> None:
-        """Take back one `observe(ns)` (a refunded token's interval)."""
-        self.observe(ns, -1)
 
 
 class LabelMetrics:
@@ -87,8 +70,8 @@ class LabelMetrics:
         self.held = 0  # requests held for budget now
         self.held_since_sum = 0  # sum of their hold start times (ns)
         self.throttled_ns = 0  # request-ns of holds that ended
-        self.wait = Histogram()  # duration of each hold
-        self.interval = Histogram()  # time between consecutive charged tokens
+        self.wait = Histogram(BUCKETS_NS)  # duration of each hold
+        self.interval = Histogram(BUCKETS_NS)  # time between consecutive charged tokens
 
     def hold(self, since: int) -> None:
         self.held += 1
@@ -171,9 +154,11 @@ def snapshot(
     policy: CompiledPolicy,
     now: int | None = None,
     reloads: dict[str, int] | None = None,
+    store: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A JSON-able picture of `metrics` (and of the reloader's counts, which
-    live on the reloader). Safe to call from another thread."""
+    live on the reloader, and the budget store's, `StoreMetrics.snapshot()`,
+    which live on the lease thread). Safe to call from another thread."""
     now = time.monotonic_ns() if now is None else now
     labels = {}
     for m in list(metrics.labels.values()):
@@ -185,7 +170,7 @@ def snapshot(
         if label not in labels:
             lim = limit_of_label(label, policy)
             labels[label] = _row(empty, lim, now)
-    return {
+    out: dict[str, Any] = {
         "pid": os.getpid(),
         "monotonic_ns": now,
         "policy": {"sha256": policy.sha256, "source": policy.source},
@@ -195,6 +180,9 @@ def snapshot(
         "series": metrics.n_series,
         "labels": labels,
     }
+    if store is not None:
+        out["store"] = store
+    return out
 
 
 def _row(m: LabelMetrics, lim: Limit | None, now: int) -> dict[str, Any]:
@@ -204,8 +192,8 @@ def _row(m: LabelMetrics, lim: Limit | None, now: int) -> dict[str, Any]:
         "live": m.live,
         "held": m.held,
         "throttled_ns": m.throttled_total_ns(now),
-        "wait": [list(m.wait.buckets), m.wait.sum_ns],
-        "interval": [list(m.interval.buckets), m.interval.sum_ns],
+        "wait": m.wait.to_json(),
+        "interval": m.interval.to_json(),
         "rate": None if lim is None else (-1 if lim.rate is None else float(lim.rate)),
         "mode": None if lim is None else ("shadow" if lim.shadow else "enforce"),
     }
@@ -229,8 +217,10 @@ class Publisher:
         take: Callable[[], dict[str, Any]],
         interval_s: float = PUBLISH_INTERVAL_S,
         logger: logging.Logger | None = None,
+        suffix: str = "",
     ) -> None:
-        self.path = os.path.join(directory, SNAPSHOT_FILE)
+        name = SNAPSHOT_FILE if not suffix else SNAPSHOT_FILE.replace(".json", f"{suffix}.json")
+        self.path = os.path.join(directory, name)
         self._take = take
         self._interval = interval_s
         self._stop = threading.Event()
@@ -265,12 +255,49 @@ class Publisher:
 
 
 def read_snapshot(directory: str) -> dict[str, Any] | None:
+    """The engines' newest snapshots, merged (data parallel: one per rank)."""
+    snaps = []
     try:
-        with open(os.path.join(directory, SNAPSHOT_FILE), encoding="utf-8") as f:
-            data: dict[str, Any] = json.load(f)
-            return data
-    except (OSError, ValueError):
+        names = sorted(n for n in os.listdir(directory) if n.startswith("engine-metrics"))
+    except OSError:
         return None
+    for name in names:
+        if not name.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(directory, name), encoding="utf-8") as f:
+                snaps.append(json.load(f))
+        except (OSError, ValueError):
+            continue
+    return merge_snapshots(snaps)
+
+
+def merge_snapshots(snaps: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """One picture of several engines serving one API server (data
+    parallel): counts and gauges per label add up; the store is up only if
+    every engine sees it; the policy shown is the first engine's."""
+    if not snaps:
+        return None
+    out: dict[str, Any] = json.loads(json.dumps(snaps[0]))
+    for s in snaps[1:]:
+        out["displaced"] = out.get("displaced", 0) + s.get("displaced", 0)
+        for k, v in s.get("deferred", {}).items():
+            out["deferred"][k] = out["deferred"].get(k, 0) + v
+        for k, v in s.get("reloads", {}).items():  # every engine reloads the same file
+            out["reloads"][k] = max(out["reloads"].get(k, 0), v)
+        out["series"] = out.get("series", 0) + s.get("series", 0)
+        for label, row in s.get("labels", {}).items():
+            mine = out["labels"].get(label)
+            if mine is None:
+                out["labels"][label] = row
+                continue
+            for k in ("tokens", "shadow_over", "live", "held", "throttled_ns"):
+                mine[k] += row[k]
+            for k in ("wait", "interval"):
+                mine[k] = add_json(mine[k], row[k])
+        if out.get("store") is not None and s.get("store") is not None:
+            merge_store(out["store"], s["store"])
+    return out
 
 
 def families(data: dict[str, Any] | None) -> Iterator[Any]:
@@ -331,7 +358,7 @@ def families(data: dict[str, Any] | None) -> Iterator[Any]:
             r = float("inf") if v["rate"] < 0 else v["rate"]
             rate.add_metric([label, v["mode"]], r)
         for fam, (counts, sum_ns) in ((wait, v["wait"]), (interval, v["interval"])):
-            fam.add_metric([label], _cumulative(counts), sum_ns / NS_PER_S)
+            fam.add_metric([label], cumulative(counts, BUCKETS_S), sum_ns / NS_PER_S)
     yield from (tokens, over, held, live, throttled, rate, wait, interval)
     displaced = CounterMetricFamily(
         "outrate_displaced", "Held requests preempted so a user with budget could run."
@@ -358,15 +385,9 @@ def families(data: dict[str, Any] | None) -> Iterator[Any]:
     policy = data.get("policy", {})
     info.add_metric([policy.get("sha256", ""), policy.get("source", "")], 1)
     yield info
-
-
-def _cumulative(counts: list[int]) -> list[tuple[str, int]]:
-    out = []
-    total = 0
-    for bound, n in zip((*(f"{b:g}" for b in BUCKETS_S), "+Inf"), counts, strict=True):
-        total += n
-        out.append((bound, total))
-    return out
+    store = data.get("store")
+    if store is not None:
+        yield from store_families(store)
 
 
 class SnapshotCollector:

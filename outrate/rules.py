@@ -81,11 +81,11 @@ DEPLOYMENT_RULES: tuple[DeploymentRule, ...] = (
         "OR102",
         "error",
         "data_parallel_size",
-        lambda d: d.data_parallel_size > 1,
+        lambda d: d.data_parallel_size > 1 and not d.store,
         lambda d: (
-            f"data parallel size {d.data_parallel_size} is not supported: each "
+            f"data parallel size {d.data_parallel_size} needs a shared budget store: each "
             "data-parallel engine keeps its own budgets, so a user would get up to "
-            f"{d.data_parallel_size} times its rate"
+            f"{d.data_parallel_size} times its rate; pass --outrate-store redis://HOST:PORT/DB"
         ),
     ),
     DeploymentRule(
@@ -173,6 +173,17 @@ DEPLOYMENT_RULES: tuple[DeploymentRule, ...] = (
             "chunked prefill is disabled: a throttled user's prompt cannot prefill "
             "ahead while it waits for budget, so its whole prefill runs after the "
             "wait and adds to its time to first token"
+        ),
+    ),
+    DeploymentRule(
+        "OR115",
+        "warning",
+        "store_fallback",
+        lambda d: bool(d.store) and d.store_fallback == "full",
+        lambda d: (
+            "--outrate-store-fallback full: while the budget store is unreachable every "
+            "engine enforces each user's full rate, so with N engines a user may get up "
+            "to N times its rate; the default 'share' enforces rate/N on each"
         ),
     ),
 )

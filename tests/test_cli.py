@@ -101,7 +101,14 @@ def test_lint_with_serve_args_after_double_dash() -> None:
         "--max-num-active-seqs", "8",
     )  # fmt: skip
     assert code == 1
-    assert err.startswith("-dp: OR102 error: data parallel size 2 is not supported: ")
+    assert err.startswith("-dp: OR102 error: data parallel size 2 needs a shared budget store: ")
+    # with a store, data parallel is fine
+    code, _, err = run(
+        "lint", POLICIES / "demo.yaml", "--", "serve", "/models/tiny", "-dp", "2",
+        "--max-num-active-seqs", "8", "--outrate-store", "redis://:secret@10.0.0.5:6379/0",
+        "--host", "127.0.0.1",
+    )  # fmt: skip
+    assert (code, err) == (0, "")
     # config first, then the args override it
     code, _, err = run(
         "lint", POLICIES / "demo.yaml", "--vllm-config", DEPLOY / "no_chunked_prefill.yaml",

@@ -12,6 +12,7 @@ CORE = Path(__file__).resolve().parent.parent / "outrate"
 
 LAYERS: dict[str, int] = {
     "units": 0,  # formatting only: imports nothing
+    "histogram": 0,  # imports nothing
     # leaves
     "errors": 1,
     "identity": 1,
@@ -21,6 +22,10 @@ LAYERS: dict[str, int] = {
     "policy_file": 2,
     "gate": 2,  # the API server's per-request identity decision
     "store": 2,
+    "lease": 2,  # the Lua scripts and the Redis link
+    "shared": 2,  # SharedLimiter: a second BudgetStore
+    "store_metrics": 2,
+    "lease_runner": 3,
     "values": 2,  # the format's scalars: rates, durations, ids
     "policy": 3,
     "compose": 3,

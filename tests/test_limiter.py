@@ -2,9 +2,10 @@
 
 The property tests marked `@every_store` (agreement with GCRA, the window
 bound, the greedy rate, refunds, policy swaps, available/ready_at) talk only
-to the `BudgetStore` protocol and run against every store in `STORES`: a new
-store (a shared one) adds its factory there and must pass them. The rest test
-the in-memory `Limiter`'s own API (keyed verbs, stats, cleanup, export).
+to the `BudgetStore` protocol and run against every store in `STORES`: the
+in-memory `Limiter`, and the shared `SharedLimiter` both leased and in its
+fallback. The rest test the in-memory `Limiter`'s own API (keyed verbs,
+stats, cleanup, export).
 
 No test sleeps: every call passes `now` (ns) explicitly or reads a fake clock.
 Bounds are checked in exact arithmetic (Fractions over the rate as written),
@@ -30,6 +31,7 @@ from outrate.identity import ANONYMOUS
 from outrate.limiter import NS_PER_S, Bucket, Limit, Limiter, gcra
 from outrate.loader import parse_policy
 from outrate.pipeline import policy_from_flags
+from outrate.shared import SharedLimiter
 from outrate.store import BudgetStore
 
 SETTINGS = settings(max_examples=200, deadline=None)
@@ -100,7 +102,33 @@ def memory_store(policy: CompiledPolicy) -> BudgetStore:
     return Limiter(policy, clock=_no_clock)
 
 
-STORES: dict[str, Callable[[CompiledPolicy], BudgetStore]] = {"memory": memory_store}
+class _Leased(SharedLimiter):
+    """A shared store whose lease thread has always answered with ample credit:
+    credit never binds, so its local GCRA alone decides (Redis's side, the
+    credit, is tested against a real server in test_shared.py)."""
+
+    def pin(self, user: str) -> Bucket:
+        b = super().pin(user)
+        b.granted = 1 << 40  # type: ignore[attr-defined]
+        return b
+
+
+def shared_store(policy: CompiledPolicy) -> BudgetStore:
+    store = _Leased(policy, clock=_no_clock)
+    store.want_shared = True  # applied at the first pin, as after the lease thread's first round
+    return store
+
+
+def shared_store_down(policy: CompiledPolicy) -> BudgetStore:
+    """A shared store that never reached Redis, alone (N = 1): its fallback."""
+    return SharedLimiter(policy, clock=_no_clock, engines_hint=1)
+
+
+STORES: dict[str, Callable[[CompiledPolicy], BudgetStore]] = {
+    "memory": memory_store,
+    "shared": shared_store,
+    "shared-down": shared_store_down,
+}
 """Every BudgetStore the scheduler can run on, by name."""
 
 every_store = pytest.mark.parametrize("make_store", list(STORES.values()), ids=list(STORES))

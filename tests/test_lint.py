@@ -111,6 +111,24 @@ def test_rule_from_command_line(code: str, fixture: str, line: int, argvs: list[
         assert findings[0].location == argv[0].partition("=")[0]
 
 
+def test_data_parallel_is_fine_with_a_store() -> None:
+    dep = deployment_from_args(["-dp", "2", "--outrate-store", "redis://:pw@h:6379/0"])
+    assert dep.store and dep.data_parallel_size == 2
+    assert "OR102" not in {f.code for f in lint_deployment(dep)}
+    assert "OR102" in {f.code for f in lint_deployment(deployment_from_args(["-dp", "2"]))}
+    full = deployment_from_args(
+        ["-dp", "2", "--outrate-store", "redis://h/0", "--outrate-store-fallback", "full"]
+    )
+    (or115,) = [f for f in lint_deployment(full) if f.code == "OR115"]
+    assert or115.severity == "warning" and or115.location == "--outrate-store-fallback"
+    assert "up to N times its rate" in or115.message
+    # The store URL (and its password) never appears in a finding.
+    assert all("pw" not in str(f) for f in lint_deployment(dep))
+    with pytest.raises(DeploymentError, match="--outrate-store: .*must be a redis://") as exc:
+        deployment_from_args(["--outrate-store", "http://:pw@h:6379"])
+    assert "pw" not in str(exc.value)
+
+
 def test_severities_and_reasons() -> None:
     findings = {
         f.code: f
@@ -137,6 +155,7 @@ def test_severities_and_reasons() -> None:
         "the per-user limiter"
     )
     assert "a user would get up to 2 times its rate" in findings["OR102"].message
+    assert "pass --outrate-store redis://HOST:PORT/DB" in findings["OR102"].message
     assert "pipeline parallel size 3 is not supported" in findings["OR103"].message
     assert "KV connector 'NixlConnector' is not supported" in findings["OR104"].message
     assert "scheduler class 'vllm.v1.core.sched.scheduler.Scheduler'" in findings["OR108"].message

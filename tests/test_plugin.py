@@ -38,6 +38,9 @@ def test_flags_are_listed_in_vllm_help(parser):
         "--outrate-reload",
         "--default-user-output-tokens-per-second",
         "--user-output-tokens-per-second",
+        "--outrate-store",
+        "--outrate-store-fallback",
+        "--outrate-store-lease-ms",
     ):
         assert flag in text
 
@@ -55,6 +58,37 @@ def test_policy_flag_selects_the_scheduler_and_travels_to_the_engine(parser):
     assert settings["policy"].endswith("policies/demo.yaml")
     assert settings["reload"] == "watch"
     assert compile_settings(settings).limit_for("user-a").rate == 20
+
+
+def test_store_flags_travel_without_the_password(parser, monkeypatch, caplog):
+    from outrate.lease import PASSWORD_ENV
+
+    monkeypatch.delenv(PASSWORD_ENV, raising=False)
+    ea = engine_args(
+        parser,
+        "--outrate-policy",
+        "policies/demo.yaml",
+        "--outrate-store",
+        "redis://:s3cret@127.0.0.1:6379/2",
+        "--data-parallel-size",
+        "2",
+        "--outrate-store-fallback",
+        "full",
+    )
+    settings = ea.additional_config[CONFIG_KEY]
+    assert settings["store"] == "redis://127.0.0.1:6379/2"
+    assert settings["store_fallback"] == "full"
+    assert "s3cret" not in repr(ea.additional_config)
+    import os
+
+    assert os.environ[PASSWORD_ENV] == "s3cret"  # the engine core inherits it
+    assert "s3cret" not in caplog.text
+    # vLLM's "non-default args" log line redacts the whole URL.
+    from vllm.entrypoints.serve.utils import api_utils
+
+    assert api_utils.redact_sensitive_args({"outrate_store": "redis://:s3cret@h/0"}) == {
+        "outrate_store": "***"
+    }
 
 
 def test_seed_flags_make_an_in_memory_policy(parser):
@@ -93,6 +127,14 @@ def test_seed_flags_make_an_in_memory_policy(parser):
             "--user-output-tokens-per-second:1:1: users.a: must be > 0",
         ),
         (["--outrate-policy", "policies/demo.yaml", "--data-parallel-size", "2"], "OR102 error"),
+        (
+            ["--outrate-policy", "policies/demo.yaml", "--outrate-store", "http://h:6379"],
+            "must be a redis://HOST:PORT/DB",
+        ),
+        (
+            ["--outrate-policy", "policies/demo.yaml", "--outrate-store-fallback", "full"],
+            "need --outrate-store",
+        ),
         (
             ["--outrate-policy", "policies/demo.yaml", "--pipeline-parallel-size", "2"],
             "OR103 error",

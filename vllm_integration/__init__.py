@@ -76,7 +76,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "Scheduler.shutdown",
         "scheduler.py",
-        "stop outrate's engine-core threads (reloader, metrics, trace)",
+        "stop outrate's engine-core threads (reloader, metrics, trace, lease)",
         "never: it only adds to stock",
     ),
     Patch(
@@ -92,6 +92,13 @@ PATCHES: tuple[Patch, ...] = (
         "--outrate-* flags in vLLM's own parser; validate the policy and the "
         "deployment, select the scheduler, carry settings in additional_config",
         "vLLM plugins can declare CLI flags",
+    ),
+    Patch(
+        "serve.utils.api_utils._SENSITIVE_ARG_FIELDS (a frozenset, extended)",
+        "plugin.py",
+        "vLLM logs every non-default argument at startup: the --outrate-store URL "
+        "(which may carry a password) is printed as ***",
+        "vLLM lets plugins mark their arguments sensitive",
     ),
     Patch(
         "OpenAI request models: to_sampling_params / to_beam_search_params",

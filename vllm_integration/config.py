@@ -16,8 +16,10 @@ from outrate.compiler import CompiledPolicy
 from outrate.deployment import Deployment
 from outrate.errors import OutrateError, PolicyError, Problem
 from outrate.identity import IdentityConfig
+from outrate.lease import PASSWORD_ENV, check_url, split_password
 from outrate.pipeline import load_compiled, policy_from_flags
 from outrate.rules import API_KEY_CONFLICT, Finding, lint_deployment, lint_exposure
+from outrate.shared import FALLBACKS
 
 CONFIG_KEY = "outrate"
 SCHEDULER_CLS = "vllm_integration.scheduler.outrate_scheduler"
@@ -47,6 +49,7 @@ def outrate_settings(args: Any) -> dict[str, Any] | None:
             "or --user-output-tokens-per-second: put those limits in the policy file"
         )
     settings: dict[str, Any] = {"reload": getattr(args, "outrate_reload", "watch") or "watch"}
+    settings.update(store_settings(args))
     trace = getattr(args, "outrate_trace", None)
     if trace is not None:
         settings["trace"] = os.path.abspath(trace)
@@ -61,6 +64,36 @@ def outrate_settings(args: Any) -> dict[str, Any] | None:
         settings["default_rate"] = default
         settings["user_rates"] = users if users is None or isinstance(users, dict) else str(users)
     return settings
+
+
+def store_settings(args: Any) -> dict[str, Any]:
+    """`--outrate-store` and friends. The URL's password never goes into the
+    settings (they travel inside vLLM's config, which vLLM hashes and may
+    print): it moves to the environment variable the engine core inherits."""
+    url = getattr(args, "outrate_store", None)
+    fallback = getattr(args, "outrate_store_fallback", None) or "share"
+    lease_ms = getattr(args, "outrate_store_lease_ms", None)
+    if not url:
+        if getattr(args, "outrate_store_fallback", None) or lease_ms is not None:
+            raise OutrateError(
+                "--outrate-store-fallback and --outrate-store-lease-ms need --outrate-store"
+            )
+        return {}
+    try:
+        check_url(url)
+    except ValueError as e:
+        raise OutrateError(str(e)) from e
+    if fallback not in FALLBACKS:
+        raise OutrateError(f"--outrate-store-fallback must be one of {', '.join(FALLBACKS)}")
+    bare, password = split_password(url)
+    if password is not None:
+        os.environ[PASSWORD_ENV] = password  # inherited by the engine-core process
+    out: dict[str, Any] = {"store": bare, "store_fallback": fallback}
+    if lease_ms is not None:
+        if not 1 <= lease_ms <= 1000:
+            raise OutrateError(f"--outrate-store-lease-ms must be in 1..1000, got {lease_ms}")
+        out["store_lease_ms"] = lease_ms
+    return out
 
 
 def compile_settings(settings: dict[str, Any]) -> CompiledPolicy:
@@ -121,7 +154,7 @@ def policy_from_vllm_config(vllm_config: Any) -> tuple[CompiledPolicy, dict[str,
             "the outrate scheduler was selected but no policy was given: "
             "start vLLM with --outrate-policy PATH"
         )
-    check_deployment(deployment_from_vllm_config(vllm_config))
+    check_deployment(deployment_from_vllm_config(vllm_config, settings))
     return compile_settings(settings), settings
 
 
@@ -175,9 +208,12 @@ def _scheduler_cls(value: Any) -> str | None:
     return f"{value.__module__}.{value.__qualname__}"
 
 
-def deployment_from_engine_args(ea: Any) -> Deployment:
+def deployment_from_engine_args(ea: Any, settings: dict[str, Any] | None = None) -> Deployment:
     """API-server side: the deployment as the user asked for it."""
+    settings = settings or {}
     return Deployment(
+        store=bool(settings.get("store")),
+        store_fallback=settings.get("store_fallback"),
         speculative=bool(ea.speculative_config),
         data_parallel_size=ea.data_parallel_size or 1,
         pipeline_parallel_size=ea.pipeline_parallel_size or 1,
@@ -212,12 +248,17 @@ def _model_kind(mc: Any) -> str | None:
     return None
 
 
-def deployment_from_vllm_config(vc: Any) -> Deployment:
+def deployment_from_vllm_config(vc: Any, settings: dict[str, Any] | None = None) -> Deployment:
     """Engine side: the deployment as vLLM finally configured it."""
     pc, sc, cc = vc.parallel_config, vc.scheduler_config, vc.cache_config
+    settings = settings or {}
     return Deployment(
+        store=bool(settings.get("store")),
+        store_fallback=settings.get("store_fallback"),
         speculative=vc.speculative_config is not None,
-        data_parallel_size=pc.data_parallel_size,
+        # vLLM resets it to 1 in each non-MoE data-parallel engine core; the
+        # plugin recorded the size asked for.
+        data_parallel_size=max(pc.data_parallel_size, settings.get("data_parallel_size") or 1),
         pipeline_parallel_size=pc.pipeline_parallel_size,
         tensor_parallel_size=pc.tensor_parallel_size,
         kv_connector=_connector(vc.kv_transfer_config),

@@ -13,6 +13,11 @@ lazily. It patches two static/class methods of vLLM 0.32's `EngineArgs`:
   `--middleware` (vllm_integration/api.py), handing it the policy's
   `identity:` section (vllm_integration/identity.py).
 
+And one module global of vLLM 0.32's `entrypoints.serve.utils.api_utils`:
+`_SENSITIVE_ARG_FIELDS` gains `outrate_store`, so the startup log line of
+non-default arguments shows the store URL (which may carry a password) as
+`***` (`_redact_store_url`).
+
 Without the flags nothing changes: no scheduler is swapped, no hook installed.
 """
 
@@ -45,6 +50,7 @@ def register() -> None:
     def add_cli_args(parser: Any) -> Any:
         parser = stock_add(parser)
         add_outrate_args(parser)
+        _redact_store_url()
         return parser
 
     def from_cli_args(cls: Any, args: argparse.Namespace) -> Any:
@@ -52,6 +58,20 @@ def register() -> None:
 
     EngineArgs.add_cli_args = staticmethod(add_cli_args)  # type: ignore[method-assign]
     EngineArgs.from_cli_args = classmethod(from_cli_args)  # type: ignore[method-assign,assignment]
+
+
+def _redact_store_url() -> None:
+    """vLLM 0.32 logs every non-default argument at startup, except the names
+    in `api_utils._SENSITIVE_ARG_FIELDS`: add `outrate_store` there, so the
+    store URL (which may carry a password) is printed as `***`. Can go when
+    vLLM lets plugins mark their arguments sensitive."""
+    try:
+        from vllm.entrypoints.serve.utils import api_utils
+    except ImportError:  # another vLLM layout: nothing of ours to hide there
+        return
+    fields = api_utils._SENSITIVE_ARG_FIELDS
+    if "outrate_store" not in fields:
+        api_utils._SENSITIVE_ARG_FIELDS = frozenset({*fields, "outrate_store"})
 
 
 def add_outrate_args(parser: Any) -> None:
@@ -91,6 +111,29 @@ def add_outrate_args(parser: Any) -> None:
         help="Stop writing the trace at N bytes (default 256 MiB).",
     )
     group.add_argument(
+        "--outrate-store",
+        default=None,
+        metavar="URL",
+        help="Share each user's budget with every engine using the same Redis: "
+        "redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS (the password may instead "
+        "come from $OUTRATE_STORE_PASSWORD; it is never logged). Needed for "
+        "--data-parallel-size > 1.",
+    )
+    group.add_argument(
+        "--outrate-store-fallback",
+        choices=["share", "full"],
+        default=None,
+        help="While the store is unreachable each engine enforces rate/N (share, the "
+        "default; N = live engines when it was last seen) or the full rate (full).",
+    )
+    group.add_argument(
+        "--outrate-store-lease-ms",
+        type=int,
+        default=None,
+        metavar="MS",
+        help="Lease interval: one round trip to the store per MS per engine (default 20).",
+    )
+    group.add_argument(
         "--default-user-output-tokens-per-second",
         type=float,
         default=None,
@@ -127,12 +170,13 @@ def apply_outrate_args(engine_args: Any, args: argparse.Namespace) -> Any:
         exposure = exposure_from_args(args)
         settings["vllm_api_key"] = exposure is not None and exposure.api_key
         policy = compile_settings(settings)
-        findings = check_deployment(deployment_from_engine_args(engine_args))
+        findings = check_deployment(deployment_from_engine_args(engine_args, settings))
         for finding in findings + check_exposure(policy.identity, exposure):
             logger.warning("outrate: %s", finding)
     except OutrateError as exc:
         raise SystemExit(f"outrate: {exc}") from exc
     engine_args.scheduler_cls = SCHEDULER_CLS
+    settings["data_parallel_size"] = engine_args.data_parallel_size or 1
     from vllm_integration.api import GUARD_MIDDLEWARE, install_request_guards
     from vllm_integration.identity import configure_gate
     from vllm_integration.metrics import install_metrics

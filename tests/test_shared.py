@@ -1,0 +1,410 @@
+"""SharedLimiter and its lease thread against a real redis-server: the same
+decisions as Limiter without a store, credit spent and handed back, two
+engines sharing one budget within the stated bound, and every fault: a store
+unreachable at start, lost mid-run, back without a burst, slow."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("redis")
+
+from redis_support import RedisServer  # noqa: E402
+
+from outrate.compiler import compile_policy  # noqa: E402
+from outrate.lease import RedisLink, user_keys  # noqa: E402
+from outrate.lease_runner import LeaseRunner  # noqa: E402
+from outrate.limiter import Limiter  # noqa: E402
+from outrate.loader import parse_policy  # noqa: E402
+from outrate.shared import SharedLimiter  # noqa: E402
+from outrate.trace import max_window_excess  # noqa: E402
+
+MS = 1_000_000
+S = 1_000_000_000
+
+POLICY = "version: 1\ndefault: unlimited\nburst: 100ms\nusers:\n  alice: 20\n  bob: 100\n"
+
+
+def policy(text: str = POLICY, sha: str = "sha-a"):
+    return compile_policy(parse_policy(text, "t.yaml"), "t.yaml", sha)
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def fresh(redis_server):
+    redis_server.client().flushall()
+    return redis_server
+
+
+def engine(url, pol=None, name="e1", start=False, **kw):
+    pol = pol or policy()
+    lim = SharedLimiter(pol, **{k: v for k, v in kw.items() if k in ("fallback", "engines_hint")})
+    runner = LeaseRunner(
+        lim,
+        RedisLink(url),
+        policy_sha=lambda: pol.sha256,
+        engine=name,
+        **{k: v for k, v in kw.items() if k in ("interval_s", "retry_s", "heartbeat_s")},
+    )
+    if start:
+        runner.start()
+    else:
+        runner._try_connect()  # one synchronous attempt; rounds are driven by the test
+    return lim, runner
+
+
+def settle(lim: SharedLimiter) -> None:
+    """What the scheduler does between steps: apply a mode switch, release."""
+    lim.cleanup(time.monotonic_ns(), 0)
+
+
+# -- without a store: exactly the Limiter ------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["take", "back", "ready", "avail"]), st.integers(0, 60 * MS)),
+        max_size=80,
+    ),
+    st.sampled_from(["share", "full"]),
+)
+def test_without_a_store_the_decisions_are_the_limiters(ops, fallback):
+    """Never connected and one engine: SharedLimiter is Limiter, verb for verb."""
+    pol = policy()
+    a, b = Limiter(pol), SharedLimiter(pol, fallback=fallback)
+    ba, bb = a.pin("alice"), b.pin("alice")
+    now = 10 * S
+    taken = 0
+    for op, gap in ops:
+        now += gap
+        if op == "take":
+            r = a.take(ba, now)
+            assert b.take(bb, now) == r
+            taken += r
+        elif op == "back" and taken:
+            a.give_back(ba, now)
+            b.give_back(bb, now)
+            taken -= 1
+        elif op == "ready":
+            assert a.ready_at(ba, now) == b.ready_at(bb, now)
+        else:
+            assert a.available(ba, now) == b.available(bb, now)
+
+
+def test_credit_is_spent_given_back_and_never_overdrawn():
+    lim = SharedLimiter(policy())
+    lim.want_shared = True
+    settle(lim)
+    b = lim.pin("alice")
+    now = 10 * S
+    assert not lim.take(b, now)  # no credit yet
+    assert lim.available(b, now) == 0 and lim.ready_at(b, now) > now
+    b.granted += 2
+    assert lim.available(b, now) == 2
+    assert lim.take(b, now) and lim.take(b, now)
+    assert not lim.take(b, now)  # the local burst has room; the credit has none
+    lim.give_back(b, now)
+    assert b.credit == 1 and lim.take(b, now)
+    bob = lim.pin("nobody")  # unlimited users never need credit
+    assert all(lim.take(bob, now) for _ in range(100))
+    b.granted += 5
+    lim.unpin(b)  # the user's last request left: its credit is handed back
+    assert b.credit == 0 and b.released == 5
+
+
+# -- with a store ------------------------------------------------------------------
+
+
+def test_credit_is_leased_and_handed_back(fresh):
+    lim, runner = engine(fresh.url)
+    assert runner.up and lim.want_shared
+    settle(lim)
+    assert lim.shared
+    b = lim.pin("bob")
+    assert runner.round()
+    assert b.credit == 2 == b.fair  # 100 tok/s x 20 ms
+    assert fresh.client().hget(user_keys("bob")[1], "e1").startswith(b"1:")
+    now = time.monotonic_ns()
+    assert lim.take(b, now) and lim.take(b, now) and not lim.take(b, now)
+    lim.unpin(b)
+    assert runner.round()  # demand 0: deregisters, nothing left to return
+    assert fresh.client().exists(user_keys("bob")[1]) == 0
+    # A user who leaves holding credit gets it back to Redis.
+    b = lim.pin("bob")
+    runner.round()
+    assert b.credit == 2
+    lim.unpin(b)
+    assert b.released == 2
+    tat_before = int(fresh.client().get(user_keys("bob")[0]))
+    runner.round()
+    assert b.sent == 2
+    tat = fresh.client().get(user_keys("bob")[0])
+    assert tat is None or int(tat) <= tat_before - 2 * 10_000
+    runner.round()
+    assert b not in runner.active and not b.leased  # settled: cleanup may forget it
+    runner.stop()
+
+
+def greedy(lim: SharedLimiter, user: str, until: float, out: list, streams: int = 2) -> None:
+    """A scheduler-like loop: every ~2 ms, take up to one token per stream."""
+    b = lim.pin(user)
+    while time.monotonic() < until:
+        now = time.monotonic_ns()
+        k = sum(lim.take(b, now) for _ in range(streams))
+        if k:
+            out.append((now, k))
+        lim.cleanup(now, 4)
+        time.sleep(0.002)
+    lim.unpin(b)
+
+
+def test_two_engines_share_one_budget_within_the_bound(fresh):
+    """alice (20 tok/s) with two streams on each of two engines: the sum
+    obeys (W + burst) * rate + 1 + slack, slack = rate * H + N, and each
+    engine gets a fair part."""
+    engines = [engine(fresh.url, name=f"e{i}", start=True) for i in range(2)]
+    until = time.monotonic() + 3.0
+    outs: list[list] = [[], []]
+    threads = [
+        threading.Thread(target=greedy, args=(lim, "alice", until, outs[i]))
+        for i, (lim, _) in enumerate(engines)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for _, runner in engines:
+        runner.stop()
+    merged = sorted(outs[0] + outs[1])
+    total = sum(k for _, k in merged)
+    span = (merged[-1][0] - merged[0][0]) / S
+    slack = 20 * 0.02 + 2
+    excess = max_window_excess(merged, 20, 100 * MS)
+    print(f"tokens {[sum(k for _, k in o) for o in outs]} in {span:.2f} s, excess {excess:.2f}")
+    assert excess <= slack
+    assert (total - 1) / span >= 0.9 * 20
+    assert min(sum(k for _, k in o) for o in outs) >= 0.35 * total
+
+
+def test_unreachable_at_start_then_shared_when_it_answers(tmp_path, caplog):
+    """The engine starts without its store, enforces rate/N, and shares as
+    soon as the store answers."""
+    server = RedisServer(tmp_path)  # not started: nothing listens on its port
+    caplog.set_level(logging.INFO, logger="vllm.outrate")
+    lim, runner = engine(server.url, engines_hint=2, start=True, retry_s=0.1)
+    try:
+        assert runner.up is False and runner.metrics.up == 0
+        assert "unreachable at start" in caplog.text
+        assert "rate/2" in caplog.text
+        b = lim.pin("alice")
+        now = 10 * S
+        assert lim.limit_of(b, now).rate == 10  # 20 tok/s shared by 2 engines
+        assert sum(lim.take(b, now) for _ in range(10)) == 2  # 1 + 100 ms x 10 tok/s
+        server.start()
+        deadline = time.monotonic() + 5
+        while not runner.up and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert runner.up and runner.metrics.up == 1
+        assert "sharing budgets through" in caplog.text
+        settle(lim)
+        # Shared now, but within rate/2 until the heartbeats show the other
+        # engine (it may still be in its fallback) or the grace ends.
+        assert lim.shared and lim.grace and lim.limit_of(b, now).rate == 10
+    finally:
+        runner.stop()
+        server.stop()
+    assert server.password is None  # (the URL carried none to leak)
+
+
+def test_lost_mid_run_falls_back_then_resumes_without_a_burst(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="vllm.outrate")
+    server = RedisServer(tmp_path).start()
+    a, ra = engine(server.url, name="a")
+    b_lim, rb = engine(server.url, name="b")
+    try:
+        ra._last_beat = 0
+        ra.round()  # a heartbeat: two live engines
+        assert a.engines == 2
+        settle(a)
+        bucket = a.pin("alice")
+        ra.round()
+        assert bucket.credit >= 1
+        server.stop()
+        ra._last_beat = 0  # (a round with something to send)
+        assert not ra.round()  # one failure is retried at the next round
+        assert ra.up and ra.metrics.errors == 1 and "lost" not in caplog.text
+        assert not ra.round()  # the second in a row: fallback
+        assert ra.metrics.up == 0 and ra.metrics.errors == 2
+        assert ra.metrics.transitions["down"] == 1
+        assert "lost" in caplog.text and "rate/2" in caplog.text
+        settle(a)
+        assert not a.shared and bucket.credit == 0  # pre-outage credit dropped
+        now = time.monotonic_ns()
+        assert a.limit_of(bucket, now).rate == 10
+        assert sum(a.take(bucket, now) for _ in range(10)) == 2  # local, rate/2
+        caplog.clear()
+        ra.round()  # further failures are counted, not logged again
+        assert ra.metrics.errors == 3 and "lost" not in caplog.text
+        server.start()  # an empty Redis: every TAT forgotten
+        ra._try_connect()
+        assert ra.up and ra.metrics.transitions["up"] == 1 and "is back" in caplog.text
+        # The debt spent during the outage was carried over: no burst now.
+        settle(a)
+        assert a.shared and a.grace  # b may still be in its fallback: stay at rate/2
+        assert a.limit_of(bucket, time.monotonic_ns()).rate == 10
+        for r in (rb, ra):  # b is back too: the heartbeats show both
+            r._last_beat = 0
+            r.round()
+        settle(a)
+        assert not a.grace and a.limit_of(bucket, time.monotonic_ns()).rate == 20
+        tat = int(server.client().get(user_keys("alice")[0]))
+        now_us = server.client().time()
+        now_us = now_us[0] * 1_000_000 + now_us[1]
+        assert tat - now_us >= 100_000 - 20_000  # the burst is spent
+        assert bucket.credit <= 1
+    finally:
+        ra.stop()
+        rb.stop()
+        server.stop()
+
+
+def test_a_slow_store_never_blocks_the_scheduler(tmp_path):
+    """Redis frozen (SIGSTOP): the lease thread's round trip hangs until its
+    timeout; the scheduler's takes keep running meanwhile, and the engine
+    falls back."""
+    server = RedisServer(tmp_path).start()
+    lim, runner = engine(server.url, start=True)
+    try:
+        b = lim.pin("bob")
+        time.sleep(0.1)
+        server.pause()
+        calls, slowest = 0, 0
+        t_end = time.monotonic() + 1.5
+        while time.monotonic() < t_end:
+            t0 = time.perf_counter_ns()
+            lim.take(b, time.monotonic_ns())
+            lim.cleanup(time.monotonic_ns(), 4)
+            slowest = max(slowest, time.perf_counter_ns() - t0)
+            calls += 1
+        assert runner.up is False and runner.metrics.errors >= 1
+        print(f"{calls} takes while Redis was frozen, slowest {slowest / 1e3:.0f} us")
+        assert calls > 1000
+        assert slowest < 100 * MS  # never a store timeout (500 ms) on this thread
+    finally:
+        server.resume()
+        runner.stop()
+        server.stop()
+
+
+def test_engines_with_another_policy_are_reported(fresh, caplog):
+    caplog.set_level(logging.INFO, logger="vllm.outrate")
+    a, ra = engine(fresh.url, policy(sha="sha-one"), name="a")
+    b, rb = engine(fresh.url, policy(sha="sha-two"), name="b")
+    ra._last_beat = 0
+    ra.round()
+    assert ra.metrics.policy_mismatch == 1 and ra.metrics.engines == 2
+    assert "another policy" in caplog.text and "b (sha-two" in caplog.text
+    caplog.clear()
+    ra._last_beat = 0
+    ra.round()
+    assert "another policy" not in caplog.text  # logged once per change
+    ra.stop()
+    rb.stop()
+
+
+def test_a_returning_user_gets_credit_within_one_lease_interval(fresh):
+    """A new user's arrival wakes the lease thread: its first credit comes in
+    well under one interval (here 100 ms), not at the next tick."""
+    lim, runner = engine(fresh.url, start=True, interval_s=0.1)
+    settle(lim)
+    waits = []
+    try:
+        for i in range(5):
+            time.sleep(random.random() * 0.1)
+            t0 = time.monotonic()
+            b = lim.pin("alice" if i % 2 else "bob")
+            while b.credit <= 0 and time.monotonic() - t0 < 1:
+                time.sleep(0.0005)
+            waits.append(time.monotonic() - t0)
+            lim.unpin(b)
+            settle(lim)
+    finally:
+        runner.stop()
+    print("first credit after", [f"{w * 1000:.1f} ms" for w in waits])
+    assert max(waits) < 0.1
+
+
+def test_store_metrics_reach_prometheus_families():
+    from outrate.metrics import Metrics, families, snapshot
+    from outrate.store_metrics import StoreMetrics
+
+    store = StoreMetrics()
+    store.up, store.errors, store.engines = 1, 3, 2
+    store.transitions["down"] = 1
+    store.lease.observe(700_000)  # 0.7 ms
+    fams = {f.name: f for f in families(snapshot(Metrics(), policy(), store=store.snapshot()))}
+    for name in (
+        "outrate_store_up",
+        "outrate_store_errors",
+        "outrate_store_transitions",
+        "outrate_lease_seconds",
+        "outrate_store_engines",
+        "outrate_store_policy_mismatch",
+    ):
+        assert name in fams
+    assert fams["outrate_store_errors"].samples[0].value == 3
+    lease = {s.labels.get("le"): s.value for s in fams["outrate_lease_seconds"].samples}
+    assert lease["0.0005"] == 0 and lease["0.001"] == 1
+    assert "outrate_store_up" not in {f.name for f in families(snapshot(Metrics(), policy()))}
+
+
+def test_data_parallel_engines_write_their_own_files_and_metrics_merge(tmp_path):
+    """With --data-parallel-size N each engine core writes its own trace and
+    metrics snapshot (`.dp<rank>`); /metrics shows their sum."""
+    from outrate.metrics import Metrics, read_snapshot, snapshot, write_snapshot
+    from outrate.store_metrics import StoreMetrics
+
+    pol = policy()
+    snaps = []
+    for rank in range(2):
+        m, store = Metrics(), StoreMetrics()
+        store.up, store.engines, store.errors = rank, 2, 1  # rank 0 sees no store
+        m.record("alice").tokens = 10 + rank
+        m.record("alice").interval.observe(5 * MS)
+        snaps.append(snapshot(m, pol, store=store.snapshot()))
+        write_snapshot(str(tmp_path / f"engine-metrics.dp{rank}.json"), snaps[-1])
+    merged = read_snapshot(str(tmp_path))
+    assert merged is not None
+    assert merged["labels"]["alice"]["tokens"] == 21
+    assert sum(merged["labels"]["alice"]["interval"][0]) == 2
+    assert merged["store"]["up"] == 0 and merged["store"]["errors"] == 2
+    assert merged["store"]["engines"] == 2
+    pytest.importorskip("vllm")
+    from vllm_integration.threads import dp_suffix, rank_path
+
+    class PC:
+        data_parallel_size = 2
+        data_parallel_index = 1
+
+    class VC:
+        parallel_config = PC()
+
+    assert dp_suffix(VC()) == ".dp1" and dp_suffix(None) == ""
+    PC.data_parallel_size = 1  # what vLLM leaves in a non-MoE data-parallel engine core
+    assert dp_suffix(VC()) == ""
+    assert dp_suffix(VC(), {"data_parallel_size": 2}) == ".dp1"
+    assert rank_path("/x/trace.jsonl", ".dp1") == "/x/trace.dp1.jsonl"

@@ -1,0 +1,65 @@
+"""The engine core's side of `--outrate-store`: a `SharedLimiter` for the
+scheduler and its lease thread, built from the settings the plugin put in
+`additional_config["outrate"]` (`store`, `store_fallback`). The password
+never travels in the settings (vLLM hashes and may print the config): the
+plugin moves it to the environment variable `OUTRATE_STORE_PASSWORD`, which
+the engine-core process inherits.
+
+The scheduler sees only the limiter (a `BudgetStore`); the lease thread is
+one of the engine threads (threads.py), started and stopped with them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from outrate.compiler import CompiledPolicy
+from outrate.lease import RedisLink
+from outrate.lease_runner import TIMEOUT_S, LeaseRunner
+from outrate.shared import LEASE_INTERVAL_S, SharedLimiter
+
+logger = logging.getLogger("vllm.outrate")
+
+
+class Store:
+    """A shared limiter and the thread that keeps its credit topped up."""
+
+    def __init__(self, limiter: SharedLimiter, runner: LeaseRunner) -> None:
+        self.limiter = limiter
+        self.runner = runner
+
+    def start(self, policy_sha: Callable[[], str]) -> None:
+        """After `outrate_configure`: heartbeat the policy in force, start leasing."""
+        self.runner.policy_sha = policy_sha
+        self.runner.start()
+
+    def stop(self) -> None:
+        self.runner.stop()
+
+
+def open_store(policy: CompiledPolicy, settings: dict[str, Any], vllm_config: Any) -> Store | None:
+    """None without `--outrate-store`: the engine keeps today's `Limiter`."""
+    url = settings.get("store")
+    if not url:
+        return None
+    # vLLM resets data_parallel_size to 1 in each non-MoE engine core: the
+    # plugin recorded the size asked for.
+    pc = getattr(vllm_config, "parallel_config", None)
+    dp = int(settings.get("data_parallel_size") or getattr(pc, "data_parallel_size", 1) or 1)
+    interval_s = float(settings.get("store_lease_ms") or LEASE_INTERVAL_S * 1000) / 1000
+    limiter = SharedLimiter(
+        policy,
+        fallback=settings.get("store_fallback") or "share",
+        engines_hint=dp,
+        interval_s=interval_s,
+    )
+    runner = LeaseRunner(
+        limiter,
+        RedisLink(url, timeout_s=TIMEOUT_S),
+        policy_sha=lambda: policy.sha256,
+        logger=logger,
+        interval_s=interval_s,
+    )
+    return Store(limiter, runner)
