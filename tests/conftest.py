@@ -43,3 +43,14 @@ def _no_identity_state_leaks():
     identity = sys.modules.get("vllm_integration.identity")
     if identity is not None:
         identity.reset_gate()
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    """A real redis-server (redis_support.py), one per test module: modules
+    reuse user names, so each gets a clean server."""
+    from redis_support import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()

@@ -32,13 +32,6 @@ from outrate.trace import max_window_excess  # noqa: E402
 MS = 1_000_000
 
 
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
-
-
 @pytest.fixture
 def link(redis_server):
     redis_server.client().flushall()

@@ -15,7 +15,6 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("redis")
 
-from redis_support import RedisServer  # noqa: E402
 from vllm_harness import Driver, make_request, make_scheduler  # noqa: E402
 
 from outrate.compiler import compile_policy  # noqa: E402
@@ -50,13 +49,6 @@ class Recorder:
             if n:
                 out.append((t, n))
         return out
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
 
 
 def shared_scheduler(kind: str, url: str, name: str):

@@ -36,13 +36,6 @@ def policy(text: str = POLICY, sha: str = "sha-a"):
     return compile_policy(parse_policy(text, "t.yaml"), "t.yaml", sha)
 
 
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
-
-
 @pytest.fixture
 def fresh(redis_server):
     redis_server.client().flushall()
