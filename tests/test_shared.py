@@ -208,11 +208,13 @@ def test_unreachable_at_start_then_shared_when_it_answers(tmp_path, caplog):
         assert lim.limit_of(b, now).rate == 10  # 20 tok/s shared by 2 engines
         assert sum(lim.take(b, now) for _ in range(10)) == 2  # 1 + 100 ms x 10 tok/s
         server.start()
+        # The lease thread sets `up` before its first round and logs after it:
+        # wait for the log line, the last thing it does.
         deadline = time.monotonic() + 5
-        while not runner.up and time.monotonic() < deadline:
+        while "sharing budgets through" not in caplog.text and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert runner.up and runner.metrics.up == 1
         assert "sharing budgets through" in caplog.text
+        assert runner.up and runner.metrics.up == 1
         settle(lim)
         # Shared now, but within rate/2 until the heartbeats show the other
         # engine (it may still be in its fallback) or the grace ends.
