@@ -314,6 +314,9 @@ def test_net_charges_equal_tokens_emitted_under_kv_pressure(priority, seed, monk
         d.step()
         check_invariants(s)
     d.run_until_done()
-    assert s.stats["refunded"] > 0 or seed  # KV pressure makes refunds happen
+    # KV pressure makes refunds happen: hundreds with priority preemption (its
+    # victims are often charged in the same step); without it only a few
+    # allocation failures, zero in some hash orders, so only the former is asserted.
+    assert s.stats["refunded"] > 0 or not priority
     for user in ("hog", "vip", "u1", "u2"):
         assert net.get(user, 0) == d.tokens_of(user), user
