@@ -104,9 +104,12 @@ def test_metrics_on_vllm_metrics_agree_with_the_engine_trace(server):
     limits = samples["outrate_limit_tokens_per_second"]
     assert limits[(("limit", "slow"), ("mode", "enforce"))] == 20
     assert limits[(("limit", "default"), ("mode", "enforce"))] == float("inf")
-    (info,) = samples["outrate_policy_info"]
+    # (A test before may have just restored the file: the reload lags by <= 1 s.)
     digest = hashlib.sha256(Path(server.policy_path).read_bytes()).hexdigest()
-    assert dict(info) == {"sha256": digest, "source": str(server.policy_path)}
+    policy_info = {"sha256": digest, "source": str(server.policy_path)}
+    wait_for(lambda: [dict(i) for i in scrape(server)["outrate_policy_info"]] == [policy_info])
+    (info,) = scrape(server)["outrate_policy_info"]
+    assert dict(info) == policy_info
     # One token-interval observation per token after each request's first.
     intervals = by_limit(samples, "outrate_token_interval_seconds_count")
     assert 0 < intervals["acc-100-1"] < expected["acc-100-1"]

@@ -186,7 +186,9 @@ def server(tmp_path_factory):
     proc.workdir = workdir
     proc.log = Log(proc.log_path)
     proc.marker = 0
-    answer = client(proc.base_url).completions.create(model="tiny", prompt="warm", max_tokens=8)
+    answer = client(proc.base_url).completions.create(
+        model="tiny", prompt="warm", max_tokens=8, extra_body={"ignore_eos": True}
+    )
     assert answer.usage.completion_tokens == 8
     proc.rss_at_start = engine_rss(proc)
     yield proc
@@ -301,7 +303,7 @@ def test_a_live_reload_refuses_every_case_and_keeps_serving(server, case: str) -
     wait_rejected(server, expected_lines(case, server.live))
     answer = client(server.base_url).completions.create(
         model="tiny", prompt="still there?", max_tokens=4,
-        extra_body={"vllm_xargs": {"output_rate_user": "alice"}},
+        extra_body={"ignore_eos": True, "vllm_xargs": {"output_rate_user": "alice"}},
     )  # fmt: skip
     assert answer.usage.completion_tokens == 4
     restore_good_policy(server)  # a later valid edit applies (a FIFO used to block it)
