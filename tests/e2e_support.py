@@ -113,22 +113,42 @@ def step_intervals(server, user: str, since_ns: int, beside: str | None = None, 
 
 def check_pacing(server, streams, user, limit, since_ns, report):
     """The contract, on the engine's record: the GCRA bound in every window,
-    at least 0.95 x limit first to last; the client's view is only reported."""
+    and first to last at least 0.95 x what the engine could give: the limit,
+    or fewer when the engine ran fewer steps than that (one token per stream
+    per step: on two busy cores a 1-stream 100 tok/s user needs 100 steps/s,
+    which is the machine's limit, not the limiter's). The client's view is
+    only reported."""
     steps = engine_steps(server, user, since_ns)
     tokens = sum(k for _, k in steps)
     excess = engine_excess(steps, limit, BURST_NS)
     rate = engine_rate(steps)
+    n_streams = sum(1 for s in streams if s.user == user)
+    capacity = n_streams * step_rate(server, user, since_ns)
     ur = user_rate(streams, user)
     client_excess = max_window_excess(token_times(streams, user), limit, BURST_S)
     report.append(
-        f"{user}: engine {tokens} tokens at {rate:.2f} tok/s, worst window {excess:+.2f} "
-        f"tokens vs the bound, largest gap {largest_gap_s(steps) * 1000:.0f} ms; "
-        f"client {ur.tokens} tokens at {ur.rate:.2f} tok/s, worst window {client_excess:+.1f}"
+        f"{user}: engine {tokens} tokens at {rate:.2f} tok/s (the engine's steps allowed "
+        f"{capacity:.0f}), worst window {excess:+.2f} tokens vs the bound, largest gap "
+        f"{largest_gap_s(steps) * 1000:.0f} ms; client {ur.tokens} tokens at {ur.rate:.2f} "
+        f"tok/s, worst window {client_excess:+.1f}"
     )
     assert tokens == ur.tokens, report  # every token the client got was charged once
     assert excess <= 1e-6, report
-    assert rate >= 0.95 * limit, report
+    assert rate >= 0.95 * min(limit, capacity), report
     return steps
+
+
+def step_rate(server, user: str, since_ns: int) -> float:
+    """Scheduler steps per second between `user`'s first and last charged step
+    (the trace numbers every step, whether it is written or not)."""
+    key = "__anonymous__" if user is None else user
+    mine = [
+        r for r in read_trace(server.trace_path)
+        if "step" in r and r["t"] >= since_ns and key in r.get("charged", {})
+    ]  # fmt: skip
+    if len(mine) < 2:
+        return float("inf")
+    return (mine[-1]["step"] - mine[0]["step"]) / ((mine[-1]["t"] - mine[0]["t"]) / 1e9)
 
 
 def assert_complete(streams: list[Stream]) -> None:
