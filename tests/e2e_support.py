@@ -70,12 +70,29 @@ def start_server(tmp_path_factory):
     return proc
 
 
-def engine_steps(server, user: str | None, since_ns: int = 0, until_ns: int | None = None):
-    """(t, tokens) per step that charged `user`, from the engine's trace. The
-    trace is written every 100 ms: wait until it has caught up with `expect`."""
+def _key(user: str | None) -> str:
+    return "__anonymous__" if user is None else user
+
+
+def trace_steps(server, since_ns: int = 0) -> list[dict]:
+    """The trace's step lines from `since_ns` on. The trace is written every
+    100 ms: wait until it has caught up first."""
     time.sleep(0.3)
-    key = "__anonymous__" if user is None else user
-    return user_tokens(read_trace(server.trace_path), key, since_ns, until_ns)
+    return [r for r in read_trace(server.trace_path) if "step" in r and r["t"] >= since_ns]
+
+
+def engine_steps(server, user: str | None, since_ns: int = 0, until_ns: int | None = None):
+    """(t, tokens) per step that charged `user`, from the engine's trace."""
+    return user_tokens(trace_steps(server, since_ns), _key(user), since_ns, until_ns)
+
+
+def step_rate(lines: list[dict], user: str | None) -> float:
+    """Scheduler steps per second between `user`'s first and last charged step
+    in `lines` (the trace numbers every step, whether it is written or not)."""
+    mine = [r for r in lines if _key(user) in r.get("charged", {})]
+    if len(mine) < 2:
+        return float("inf")
+    return (mine[-1]["step"] - mine[0]["step"]) / ((mine[-1]["t"] - mine[0]["t"]) / 1e9)
 
 
 def step_intervals(server, user: str, since_ns: int, beside: str | None = None, margin: int = 2):
@@ -84,8 +101,7 @@ def step_intervals(server, user: str, since_ns: int, beside: str | None = None, 
     token did not serve it). With `beside`, only the intervals while `beside`
     had a request held and did nothing (no charge, hold or release) within
     `margin` steps: what held requests cost a step."""
-    time.sleep(0.3)
-    lines = [r for r in read_trace(server.trace_path) if "step" in r and r["t"] >= since_ns]
+    lines = trace_steps(server, since_ns)
     mine = [r for r in lines if user in r.get("charged", {})]
     skipped = mine[-1]["step"] - mine[0]["step"] + 1 - len(mine) if mine else 0
     held_at: dict[int, int] = {}
@@ -118,12 +134,13 @@ def check_pacing(server, streams, user, limit, since_ns, report):
     per step: on two busy cores a 1-stream 100 tok/s user needs 100 steps/s,
     which is the machine's limit, not the limiter's). The client's view is
     only reported."""
-    steps = engine_steps(server, user, since_ns)
+    lines = trace_steps(server, since_ns)
+    steps = user_tokens(lines, _key(user))
     tokens = sum(k for _, k in steps)
     excess = engine_excess(steps, limit, BURST_NS)
     rate = engine_rate(steps)
     n_streams = sum(1 for s in streams if s.user == user)
-    capacity = n_streams * step_rate(server, user, since_ns)
+    capacity = n_streams * step_rate(lines, user)
     ur = user_rate(streams, user)
     client_excess = max_window_excess(token_times(streams, user), limit, BURST_S)
     report.append(
@@ -136,19 +153,6 @@ def check_pacing(server, streams, user, limit, since_ns, report):
     assert excess <= 1e-6, report
     assert rate >= 0.95 * min(limit, capacity), report
     return steps
-
-
-def step_rate(server, user: str, since_ns: int) -> float:
-    """Scheduler steps per second between `user`'s first and last charged step
-    (the trace numbers every step, whether it is written or not)."""
-    key = "__anonymous__" if user is None else user
-    mine = [
-        r for r in read_trace(server.trace_path)
-        if "step" in r and r["t"] >= since_ns and key in r.get("charged", {})
-    ]  # fmt: skip
-    if len(mine) < 2:
-        return float("inf")
-    return (mine[-1]["step"] - mine[0]["step"]) / ((mine[-1]["t"] - mine[0]["t"]) / 1e9)
 
 
 def assert_complete(streams: list[Stream]) -> None:
