@@ -122,37 +122,44 @@ _GLOB = re.compile(r"[*?\[]")
 
 
 def _pattern_findings(policy: Policy, where: _Where) -> list[Finding]:
+    """OR003/OR004 in one pass: each pattern meets a dict of those before it,
+    the first all-'*' one, and (literal ids only) the globs before it."""
     out = []
-    patterns = [m.pattern for m in policy.match]
-    for j, later in enumerate(patterns):
+    first_at: dict[str, int] = {}
+    star: int | None = None
+    globs: list[tuple[int, str]] = []
+    for j, rule in enumerate(policy.match):
+        later = rule.pattern
         literal = _GLOB.search(later) is None
-        for i, earlier in enumerate(patterns[:j]):
-            if (
-                earlier == later
-                or set(earlier) == {"*"}
-                or (literal and fnmatchcase(later, earlier))
-            ):
-                out.append(
-                    Finding(
-                        "OR003",
-                        "warning",
-                        f"pattern '{later}' can never match: match[{i}] '{earlier}' "
-                        "comes first and matches every id it would (first match wins)",
-                        where("match", j, "pattern"),
-                    )
+        earliest = [i for i in (first_at.get(later), star) if i is not None]
+        if literal:
+            earliest += [next((i for i, g in globs if fnmatchcase(later, g)), j)]
+        i = min(earliest, default=j)
+        if i < j:
+            out.append(
+                Finding(
+                    "OR003",
+                    "warning",
+                    f"pattern '{later}' can never match: match[{i}] '{policy.match[i].pattern}' "
+                    "comes first and matches every id it would (first match wins)",
+                    where("match", j, "pattern"),
                 )
-                break
-        else:
-            if literal:
-                out.append(
-                    Finding(
-                        "OR004",
-                        "warning",
-                        f"pattern '{later}' has no wildcard (*, ?, [...]) so it matches "
-                        "one user id only; list that user under 'users' instead",
-                        where("match", j, "pattern"),
-                    )
+            )
+        elif literal:
+            out.append(
+                Finding(
+                    "OR004",
+                    "warning",
+                    f"pattern '{later}' has no wildcard (*, ?, [...]) so it matches "
+                    "one user id only; list that user under 'users' instead",
+                    where("match", j, "pattern"),
                 )
+            )
+        first_at.setdefault(later, j)
+        if star is None and set(later) == {"*"}:
+            star = j
+        if not literal:
+            globs.append((j, later))
     return out
 
 

@@ -6,9 +6,13 @@ flags and a `--config` YAML file (tests/fixtures/deploy/), with its location.
 
 from __future__ import annotations
 
+import re
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from outrate.compiler import CompiledPolicy, compile_policy
 from outrate.deployment import (
@@ -23,6 +27,7 @@ from outrate.limiter import Limit
 from outrate.lint import lint_all, lint_policy
 from outrate.loader import parse_policy
 from outrate.pipeline import load_compiled, policy_from_flags
+from outrate.policy import MAX_PATTERNS
 from outrate.rules import REJECTED_MODEL_KINDS, Finding, lint_deployment
 
 DEPLOY = Path(__file__).parent / "fixtures" / "deploy"
@@ -433,6 +438,70 @@ def test_shadowed_patterns() -> None:
         "id it would (first match wins)"
     )
     assert "match[4] '*'" in findings[2].message
+
+
+def _pairwise_findings(patterns: list[str]) -> list[tuple[str, int, int | None]]:
+    """OR003/OR004 by their definition: each pattern against every earlier one."""
+    out: list[tuple[str, int, int | None]] = []
+    for j, later in enumerate(patterns):
+        literal = not any(c in later for c in "*?[")
+        for i, earlier in enumerate(patterns[:j]):
+            if (
+                earlier == later
+                or set(earlier) == {"*"}
+                or (literal and fnmatchcase(later, earlier))
+            ):
+                out.append(("OR003", j, i))
+                break
+        else:
+            if literal:
+                out.append(("OR004", j, None))
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.sampled_from(["a*", "a?", "*", "**", "ab", "a[bc]", "b*", "ac", "abc", "*c"]),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_pattern_findings_agree_with_the_pairwise_definition(patterns: list[str]) -> None:
+    text = "version: 1\ndefault: 5\nmatch:\n" + "".join(
+        f"  - {{pattern: '{p}', rate: 1}}\n" for p in patterns
+    )
+    found = []
+    for f in lint_text(text):
+        j = int(f.location.split(":")[1]) - 4
+        shadow = re.search(r"match\[(\d+)\]", f.message)
+        found.append((f.code, j, int(shadow.group(1)) if shadow else None))
+    assert found == _pairwise_findings(patterns)
+
+
+def test_a_thousand_patterns_lint_in_linear_passes() -> None:
+    """At the cap (MAX_PATTERNS), half of them shadowed: one pass, not pairs of pairs."""
+    n = MAX_PATTERNS // 2
+    text = (
+        "version: 1\ndefault: 5\nmatch:\n"
+        + "".join(f"  - {{pattern: 'team-{i}/*', rate: 1}}\n" for i in range(n))
+        + "".join(f"  - {{pattern: 'team-{i}/x', rate: 1}}\n" for i in range(n))
+    )
+    findings = lint_text(text)
+    assert [f.code for f in findings] == ["OR003"] * n
+    assert f"match[{n - 1}] 'team-{n - 1}/*'" in findings[-1].message
+
+
+def test_more_patterns_than_the_cap_is_a_located_error() -> None:
+    text = "version: 1\ndefault: 5\nmatch:\n" + "".join(
+        f"  - {{pattern: 't{i}-*', rate: 1}}\n" for i in range(MAX_PATTERNS + 1)
+    )
+    with pytest.raises(OutrateError) as e:
+        parse_policy(text, "p.yaml")
+    assert str(e.value) == (
+        f"p.yaml:4:3: match: at most {MAX_PATTERNS} patterns (got {MAX_PATTERNS + 1}): list "
+        "individual users under 'users:' (a tier gives many of them one limit)"
+    )
 
 
 def test_pattern_without_wildcard() -> None:
