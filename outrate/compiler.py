@@ -194,6 +194,17 @@ def compile_identity(policy: Policy, keys: KeyTable | None = None) -> IdentityCo
     )
 
 
+RULE_LABELS = ("default", "anonymous", "other")
+"""Metrics labels of the rules themselves (`other`: users past the series cap);
+tiers are `tier:NAME` and patterns `match:PATTERN`."""
+
+
+def is_rule_label(user_id: str) -> bool:
+    """Whether `user_id`, as a metrics label, would be read as a rule's label
+    (a user named `default` or `tier:gold` would share that rule's series)."""
+    return user_id in RULE_LABELS or user_id.startswith(("tier:", "match:"))
+
+
 def compile_policy(
     policy: Policy, source: str, sha256: str = "", keys: KeyTable | None = None
 ) -> CompiledPolicy:
@@ -239,4 +250,4 @@ def compile_policy(
     )
 
 
-__all__ = ["CompiledPolicy", "compile_identity", "compile_policy"]
+__all__ = ["CompiledPolicy", "compile_identity", "compile_policy", "is_rule_label"]

@@ -12,6 +12,7 @@ Codes are stable (tools and CI filter on them); never renumber, only add:
 - OR005 warning  anonymous requests unlimited while identified users are limited
 - OR006 warning  two user ids that look alike (equal after NFKC and case folding)
 - OR007 warning  identity source api_key with a keys file that lists no key
+- OR008 warning  a user id that is also a rule's metrics label (default, tier:NAME, ...)
 - OR101 error    speculative decoding
 - OR102 error    data parallel size > 1 without a budget store (--outrate-store)
 - OR103 error    pipeline parallel size > 1
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
 
-from outrate.compiler import CompiledPolicy, compile_policy
+from outrate.compiler import CompiledPolicy, compile_policy, is_rule_label
 from outrate.deployment import Deployment
 from outrate.errors import PolicyError, Problem
 from outrate.pipeline import load_compiled
@@ -211,6 +212,23 @@ def _lookalike_findings(policy: Policy, where: _Where) -> list[Finding]:
     return out
 
 
+def _label_findings(policy: Policy, where: _Where) -> list[Finding]:
+    """A listed user's metrics series is labelled with its id: `default` or
+    `tier:gold` would be added into that rule's series."""
+    return [
+        Finding(
+            "OR008",
+            "warning",
+            f"user id {shown(uid)} is also the metrics label of a rule "
+            "(default, anonymous, other, tier:NAME or match:PATTERN): its series and "
+            "the rule's add up in one; rename the user",
+            where("users", uid),
+        )
+        for uid in policy.users
+        if is_rule_label(uid)
+    ]
+
+
 def _keys_finding(compiled: CompiledPolicy, where: _Where) -> list[Finding]:
     identity = compiled.identity
     if identity.source != "api_key" or identity.keys is None or len(identity.keys):
@@ -243,6 +261,7 @@ def lint_policy(compiled_or_policy: CompiledPolicy | Policy) -> list[Finding]:
         out += _tier_findings(policy, where)
         out += _pattern_findings(policy, where)
         out += _lookalike_findings(policy, where)
+        out += _label_findings(policy, where)
     out += _anonymous_finding(policy, compiled, where)
     out += _keys_finding(compiled, where)
     return out

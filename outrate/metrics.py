@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from outrate.compiler import CompiledPolicy
+from outrate.compiler import CompiledPolicy, is_rule_label
 from outrate.histogram import Histogram, add_json, cumulative
 from outrate.identity import ANONYMOUS
 from outrate.limiter import NS_PER_S, Limit
@@ -114,7 +114,7 @@ class Metrics:
             return "anonymous"
         if user in policy.users:
             return user  # listed: bounded by the policy itself
-        if policy.wants_series(user):
+        if policy.wants_series(user) and not is_rule_label(user):  # else: its rule's
             series = self._series
             if user in series:
                 return user

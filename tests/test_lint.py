@@ -515,6 +515,21 @@ def test_pattern_without_wildcard() -> None:
     )
 
 
+def test_a_user_id_that_is_a_rule_label() -> None:
+    findings = lint_text(
+        "version: 1\ndefault: 5\nusers:\n  default: 1\n  'tier:gold': 2\n  bob: 3\n"
+    )
+    assert [(f.code, f.location) for f in findings] == [
+        ("OR008", "p.yaml:4:12"),
+        ("OR008", "p.yaml:5:16"),
+    ]
+    assert findings[0].message == (
+        "user id 'default' is also the metrics label of a rule (default, anonymous, "
+        "other, tier:NAME or match:PATTERN): its series and the rule's add up in one; "
+        "rename the user"
+    )
+
+
 def test_anonymous_unlimited() -> None:
     (finding,) = lint_text("version: 1\ndefault: 5\nanonymous: unlimited\n")
     assert finding.code == "OR005" and finding.location == "p.yaml:3:12"

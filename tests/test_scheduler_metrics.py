@@ -202,6 +202,26 @@ def test_a_million_users_make_a_bounded_number_of_series():
     }
 
 
+def test_a_user_named_like_a_rule_never_adds_into_the_rule_series():
+    """A per_user glob matching `default` or `tier:gold` must not give that id
+    a series of its own: its label would be read as the rule's."""
+    pol = policy(
+        "version: 1\ndefault: 5\nmetrics: {per_user: ['*'], max_series: 100}\n"
+        "tiers:\n  gold: 50\nmatch:\n  - {pattern: 'g*', tier: gold}\n"
+    )
+    m = Metrics()
+    named = ["default", "anonymous", "other", "tier:gold", "match:g*", "bob"]
+    assert [m.label_of(u, pol) for u in named] == [
+        "default",
+        "default",
+        "default",
+        "default",
+        "default",
+        "bob",
+    ]
+    assert m.label_of("gina", pol) == "gina" and m.n_series == 2
+
+
 def test_cardinality_through_the_scheduler_and_the_snapshot():
     clock = FakeClock()
     pol = policy("version: 1\ndefault: 100\nmetrics: {per_user: ['*'], max_series: 5}\n")
