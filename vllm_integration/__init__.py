@@ -127,6 +127,13 @@ PATCHES: tuple[Patch, ...] = (
         "SchedulerStats carries plugin data",
     ),
     Patch(
+        "prometheus_client.multiprocess.MultiProcessCollector.collect (API servers only)",
+        "metrics.py",
+        "with --api-server-count > 1 /metrics is a registry holding only this collector "
+        "(made per scrape by the instrumentator): outrate's families are added to it",
+        "SchedulerStats carries plugin data",
+    ),
+    Patch(
         "shm_broadcast.sched_yield (only with OUTRATE_SHM_SPIN_SLEEP_US)",
         "cpu_spin.py",
         "the engine core's busy wait starved delivery on 2-core CPU machines",

@@ -8,14 +8,22 @@ the newest snapshot on each scrape.
 
 Patches vLLM 0.32's `vllm.entrypoints.serve.instrumentator.metrics.
 get_prometheus_registry` (the registry `/metrics` serves): the collector is
-added to whatever registry vLLM picks, the global one or, in Prometheus
-multiprocess mode, the per-app one. Can go when vLLM has a way for plugins to
+added to the registry vLLM picks. In Prometheus multiprocess mode (vLLM turns
+it on with `--api-server-count > 1`) /metrics is answered by the
+instrumentator from a registry it makes per scrape, holding one
+`MultiProcessCollector` and nothing else: that class's `collect` yields
+outrate's families after its own (and the per-app registry, which holds one
+too, does not get the collector a second time). Each API-server process vLLM
+spawns installs this from the plugin's `register()`, reading the directory its
+parent made (`DIR_ENV`). Tested on a real server in
+tests/test_e2e_api_servers.py. Can go when vLLM has a way for plugins to
 export engine-core metrics (its `SchedulerStats` has no field for them).
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import shutil
 import tempfile
 from typing import Any
@@ -24,19 +32,59 @@ from outrate.metrics import SnapshotCollector
 
 _collector: SnapshotCollector | None = None
 
+DIR_ENV = "OUTRATE_METRICS_DIR"
+"""`<pid>:<directory>`, set by the process that made the directory. With
+`--api-server-count N > 1` vLLM spawns N API-server processes, and each parses
+the flags again (so `install_metrics` runs in each): they must read the
+directory the engine core writes, not make one of their own."""
+
+
+def _parents_directory() -> str | None:
+    """The directory our parent made, if it made one (a variable inherited from
+    further up, or left in a shell, belongs to another server)."""
+    pid, _, directory = os.environ.get(DIR_ENV, "").partition(":")
+    if pid == str(os.getppid()) and os.path.isdir(directory):
+        return directory
+    return None
+
+
+def install_in_spawned_api_server() -> None:
+    """In an API-server process vLLM spawned (`--api-server-count > 1`, process
+    name `ApiServer_<i>`): serve the directory our parent made. Runs from the
+    plugin's `register()`, which vLLM calls there before it builds the app and
+    mounts /metrics (the flags are parsed there before the plugin is loaded,
+    so `apply_outrate_args` never runs in such a process)."""
+    import multiprocessing
+
+    if multiprocessing.current_process().name.startswith("ApiServer_") and _parents_directory():
+        install_metrics()
+
 
 def install_metrics() -> str:
-    """Create the snapshot directory and serve it on /metrics; idempotent.
-    Returns the directory for the engine core."""
+    """Create the snapshot directory (or take the parent's) and serve it on
+    /metrics; idempotent. Returns the directory for the engine core."""
     global _collector
     if _collector is not None:
         return _collector.directory
-    directory = tempfile.mkdtemp(prefix="outrate-metrics-")
-    atexit.register(shutil.rmtree, directory, True)
-    _collector = SnapshotCollector(directory)
-    from prometheus_client import REGISTRY
+    directory = _parents_directory()
+    if directory is None:
+        directory = tempfile.mkdtemp(prefix="outrate-metrics-")
+        atexit.register(shutil.rmtree, directory, True)  # only its maker removes it
+        os.environ[DIR_ENV] = f"{os.getpid()}:{directory}"  # for the API servers it spawns
+    collector = _collector = SnapshotCollector(directory)
+    from prometheus_client import REGISTRY, multiprocess
 
-    REGISTRY.register(_collector)
+    REGISTRY.register(collector)
+    # Multiprocess mode (vLLM sets PROMETHEUS_MULTIPROC_DIR with more than one
+    # API server): /metrics is served by the instrumentator from a registry it
+    # makes per scrape, holding one MultiProcessCollector and nothing else.
+    stock_collect: Any = multiprocess.MultiProcessCollector.collect
+
+    def collect(self: Any) -> Any:
+        yield from stock_collect(self)
+        yield from collector.collect()
+
+    multiprocess.MultiProcessCollector.collect = collect  # type: ignore[method-assign]
     try:
         from vllm.entrypoints.serve.instrumentator import metrics as instrumentator
     except ImportError:  # another vLLM layout: the global registry is all we have
@@ -45,8 +93,8 @@ def install_metrics() -> str:
 
     def get_prometheus_registry() -> Any:
         registry = stock()
-        if registry is not REGISTRY:
-            registry.register(_collector)
+        if registry is not REGISTRY and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            registry.register(collector)  # a multiprocess one has it already (above)
         return registry
 
     setattr(instrumentator, "get_prometheus_registry", get_prometheus_registry)  # noqa: B010

@@ -42,6 +42,9 @@ def register() -> None:
     from vllm_integration.cpu_spin import install_spin_sleep
 
     install_spin_sleep()  # only with OUTRATE_SHM_SPIN_SLEEP_US set (see cpu_spin.py)
+    from vllm_integration.metrics import install_in_spawned_api_server
+
+    install_in_spawned_api_server()  # --api-server-count > 1: /metrics in each of them
     from vllm.engine.arg_utils import EngineArgs
 
     stock_add = EngineArgs.add_cli_args
