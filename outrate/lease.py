@@ -117,7 +117,12 @@ if reg and last > now then
   redis.call('PEXPIRE', KEYS[2], ceil_div(last - now, 1000))
 end
 -- The grant: this engine's fair slice of one horizon, less what it holds,
--- at most `want`, as many tokens as conform now.
+-- at most `want`, as many tokens as conform by now + max(burst, horizon).
+-- The slice must carry the engine until its next answer, one horizon away:
+-- granting only what conforms now would cap a user at a burst per round
+-- trip once round trips outlast the burst. The engine paces its spending
+-- locally, so tokens granted ahead are not spent ahead.
+local reach = math.max(tol, horizon)
 local granted = 0
 local fair = want
 if dem > 0 then
@@ -129,7 +134,7 @@ if dem > 0 then
   local ask = fair - credit
   if ask > 0 then
     local base = math.max(tat, now)
-    local room = now + tol - base
+    local room = now + reach - base
     if room >= 0 then
       local k = floor_div(room * p, num) + 1
       if k > ask then k = ask end
@@ -145,7 +150,7 @@ if tat ~= tat0 then
     redis.call('DEL', KEYS[1])
   end
 end
-local wait = tat - tol - now
+local wait = tat - reach - now
 if wait < 0 then wait = 0 end
 return {granted, fair, wait, total, now}
 """
@@ -209,7 +214,7 @@ class Units(NamedTuple):
         num = US_PER_S * q
         tol_us = limit.burst_ns // 1000
         # Largest products the script forms: k * num (k <= MAX_TOKENS),
-        # horizon * p * demand, room * p (room <= tol).
+        # horizon * p * demand, room * p (room <= max(tol, horizon)).
         if (
             MAX_TOKENS * num >= MAX_EXACT
             or MAX_HORIZON_US * p * MAX_DEMAND >= MAX_EXACT
@@ -228,7 +233,7 @@ class Grant(NamedTuple):
     fair: int
     """This engine's fair slice for the horizon (tokens)."""
     wait_us: int
-    """Until the next token conforms in Redis (0: now)."""
+    """Until a call would be granted a token again (0: now)."""
     demand: int
     """Every engine's demand for the user (live requests)."""
     now_us: int

@@ -78,13 +78,45 @@ def test_grants_follow_server_time(link, redis_server):
     room = second.now_us + u.tol_us - tat
     assert second.granted == room * u.p // u.num + 1  # tokens that conform at server now
     assert 5 <= second.granted <= 7
+    # With a horizon past the burst, what conforms by server now + H.
+    tat += second.granted * 10_000
+    time.sleep(0.031)
+    h = 400_000
+    third = one(link, call("bob", lim, want=10_000, horizon_us=h))
+    assert third.fair == 40
+    room = third.now_us + h - tat
+    assert third.granted == min(40, room * u.p // u.num + 1)
+    assert 33 <= third.granted <= 40
 
 
-def test_eight_threads_never_exceed_the_bound(redis_server):
+def test_a_call_grants_what_conforms_within_the_horizon(link):
+    """A slow engine (horizon 500 ms, past the 100 ms burst) gets credit for
+    its whole horizon in one call, not only what conforms now; what it holds
+    is then spoken for, so a second engine gets only what conforms since."""
+    lim = Limit(100, 100 * MS)
+    u = Units.of(lim)
+    h = 500_000
+    g = one(link, call("hope", lim, want=10_000, horizon_us=h), engine="a")
+    assert g.fair == 50 and g.granted == 50  # rate x H, less than 1 + (H x rate)
+    assert g.wait_us == 0  # one more token conforms within the horizon
+    g = one(link, call("hope", lim, want=10_000, horizon_us=h), engine="b")
+    assert g.granted <= 2 and g.demand == 2
+    # Without a horizon (or one inside the burst) a call grants what conforms now.
+    g = one(link, call("ida", lim, want=10_000, horizon_us=50_000))
+    assert g.granted == 5  # the slice: 100 tok/s x 50 ms
+    g = one(link, call("jay", lim, want=10_000))
+    assert g.granted == capacity(lim)
+    assert u.tol_us == 100_000
+
+
+@pytest.mark.parametrize("horizon_us", [0, 300_000])
+def test_eight_threads_never_exceed_the_bound(redis_server, horizon_us):
     """8 engines' lease threads hammer one user: every grant, stamped with the
-    server time the script saw, stays within (W + burst) * rate + 1."""
+    server time the script saw, stays within (W + max(burst, H)) * rate + 1
+    (H: the longest horizon any call carried)."""
     redis_server.client().flushall()
     lim = Limit(200, 100 * MS)
+    reach_ns = max(100 * MS, horizon_us * 1000)
     grants: list[tuple[int, int]] = []
     lock = threading.Lock()
     stop = time.monotonic() + 1.5
@@ -94,7 +126,9 @@ def test_eight_threads_never_exceed_the_bound(redis_server):
         rng = random.Random(i)
         mine = []
         while time.monotonic() < stop:
-            g = one(lk, call("carol", lim, want=rng.randint(1, 12)), engine=f"e{i}")
+            h = rng.randint(0, horizon_us)
+            want = rng.randint(1, 12 + h // 5000)
+            g = one(lk, call("carol", lim, want=want, horizon_us=h), engine=f"e{i}")
             if g.granted:
                 mine.append((g.now_us * 1000, g.granted))
             time.sleep(rng.random() * 0.004)
@@ -111,7 +145,7 @@ def test_eight_threads_never_exceed_the_bound(redis_server):
     total = sum(k for _, k in grants)
     span = (grants[-1][0] - grants[0][0]) / 1e9
     t0 = grants[0][0]  # relative times: epoch nanoseconds lose the fraction in a float
-    assert max_window_excess([(t - t0, k) for t, k in grants], 200, 100 * MS) <= 1e-9
+    assert max_window_excess([(t - t0, k) for t, k in grants], 200, reach_ns) <= 1e-9
     assert total >= 0.9 * 200 * span  # and the rate was actually handed out
 
 
@@ -129,9 +163,11 @@ def test_a_refund_never_creates_tokens(link):
     assert one(link, call("dan", lim, want=10_000)).granted in (1, 2, 3)
 
 
-def test_refunded_tokens_never_exceed_the_bound_over_time(redis_server):
+@pytest.mark.parametrize("horizon_us", [0, 250_000])
+def test_refunded_tokens_never_exceed_the_bound_over_time(redis_server, horizon_us):
     """Grants and refunds interleaved from 4 threads: what was kept (granted
-    minus refunded) obeys the bound over every window."""
+    minus refunded) obeys the bound over every window, with the reach
+    max(burst, H) in place of the burst."""
     redis_server.client().flushall()
     lim = Limit(100, 100 * MS)
     events: list[tuple[int, int]] = []
@@ -145,8 +181,9 @@ def test_refunded_tokens_never_exceed_the_bound_over_time(redis_server):
         mine = []
         while time.monotonic() < stop:
             back = rng.randint(0, held) if rng.random() < 0.3 else 0
-            g = one(lk, call("erin", lim, want=held + rng.randint(0, 6), credit=held - back,
-                             refund=back), engine=f"e{i}")  # fmt: skip
+            g = one(lk, call("erin", lim, want=held + rng.randint(0, 6 + horizon_us // 10_000),
+                             credit=held - back, refund=back, horizon_us=horizon_us),
+                    engine=f"e{i}")  # fmt: skip
             held = held - back + g.granted
             # A token is "kept" when granted; a refund takes it back at the
             # refund's time (it was never spent): net per call.
@@ -166,7 +203,8 @@ def test_refunded_tokens_never_exceed_the_bound_over_time(redis_server):
         t.join()
     events.sort()
     t0 = events[0][0]
-    assert max_window_excess([(t - t0, k) for t, k in events], 100, 100 * MS) <= 1e-9
+    reach_ns = max(100 * MS, horizon_us * 1000)
+    assert max_window_excess([(t - t0, k) for t, k in events], 100, reach_ns) <= 1e-9
 
 
 def test_fair_slices_follow_demand(link):

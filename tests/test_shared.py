@@ -23,7 +23,7 @@ from outrate.lease_runner import TIMEOUT_S, LeaseRunner  # noqa: E402
 from outrate.limiter import Limiter  # noqa: E402
 from outrate.loader import parse_policy  # noqa: E402
 from outrate.shared import SharedLimiter  # noqa: E402
-from outrate.trace import max_window_excess  # noqa: E402
+from outrate.trace import engine_rate, max_window_excess  # noqa: E402
 
 MS = 1_000_000
 S = 1_000_000_000
@@ -190,6 +190,37 @@ def test_two_engines_share_one_budget_within_the_bound(fresh):
     assert excess <= slack
     assert (total - 1) / span >= 0.9 * 20
     assert min(sum(k for _, k in o) for o in outs) >= 0.35 * total
+
+
+def test_slow_rounds_keep_the_users_rate(fresh):
+    """Round trips of ~250 ms (2.5 bursts): the slice is rate x H with H the
+    measured period plus a round trip, and a call grants what conforms
+    within H, so bob
+    (100 tok/s, burst 100 ms) keeps his rate; the overshoot stays within
+    S = rate * (H + max(0, H - burst)) + N. Before the horizon reach a call
+    granted only what conformed at once (11 tokens per round: ~40 tok/s)."""
+    lim, runner = engine(fresh.url)
+    stock = runner.link.round_trip
+
+    def slow(*a, **kw):
+        time.sleep(0.25)  # a slow store (or a long round): the GIL is released
+        return stock(*a, **kw)
+
+    runner.link.round_trip = slow
+    runner._thread.start()
+    settle(lim)
+    out: list = []
+    greedy(lim, "bob", time.monotonic() + 3.0, out, 4)
+    runner.stop()
+    h = runner.max_horizon_us / 1e6
+    slack = 100 * (h + max(0.0, h - 0.1)) + 1
+    excess = max_window_excess(out, 100, 100 * MS)
+    late = [x for x in out if x[0] >= out[0][0] + S]  # after the first slow rounds
+    rate = engine_rate(late)
+    print(f"H {h * 1000:.0f} ms: {rate:.1f} tok/s after 1 s, excess {excess:+.2f} (S {slack:.1f})")
+    assert h > 0.4  # back-to-back rounds: H is two of them
+    assert excess <= slack
+    assert rate >= 0.85 * 100
 
 
 def test_unreachable_at_start_then_shared_when_it_answers(tmp_path, caplog):
