@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+import zlib
 from fractions import Fraction
 
 import pytest
@@ -18,10 +19,14 @@ from redis_support import RedisServer  # noqa: E402
 
 from outrate.lease import (  # noqa: E402
     ENGINES_KEY,
+    GROUPS,
+    MAX_BATCH,
     LeaseCall,
     RedisLink,
     Units,
+    batches,
     engine_key,
+    group_of,
     redact_url,
     split_password,
     user_keys,
@@ -244,13 +249,48 @@ def test_recovery_debt_never_grants_a_burst(link):
 
 
 def test_keys_are_cluster_safe():
-    for user in ["alice", "team-x/bob", "{evil}", "a}b{c", "ünï", "%7B", "x" * 256]:
+    users = ["alice", "team-x/bob", "{evil}", "a}b{c", "ünï", "%7B", "x" * 256, ":t:x"]
+    users += [f"user-{i}" for i in range(2000)]
+    for user in users:
         tat, dem = user_keys(user)
         assert key_slot(tat.encode()) == key_slot(dem.encode())
+        assert key_slot(tat.encode()) == key_slot(f"outrate:{{g:{group_of(user)}}}".encode())
         assert tat != dem
-    assert user_keys("{a}") != user_keys("%7Ba%7D")  # escaping is injective
-    assert len({key_slot(user_keys(f"user-{i}")[0].encode()) for i in range(200)}) > 100
+    assert len({user_keys(u) for u in users}) == len(users)  # one pair per user
+    assert {group_of(u) for u in users} == set(range(GROUPS))  # users spread over every group
+    assert len({key_slot(user_keys(f"user-{i}")[0].encode()) for i in range(2000)}) == GROUPS
     assert key_slot(ENGINES_KEY.encode()) == key_slot(engine_key("e-1").encode())
+    assert group_of("alice") == zlib.crc32(b"alice") % GROUPS  # any engine, any language
+
+
+def test_every_script_call_touches_one_slot():
+    """A round's calls are batched by group: every key of one script call is
+    in one slot, and no call carries more than MAX_BATCH users."""
+    lim = Limit(10, 100 * MS)
+    calls = [call(f"user-{i}", lim, want=1) for i in range(3 * MAX_BATCH * GROUPS // 2)]
+    calls += [call("alice", lim, want=1)]
+    seen = []
+    for batch in batches(calls):
+        assert 1 <= len(batch) <= MAX_BATCH
+        slots = {key_slot(k.encode()) for i in batch for k in user_keys(calls[i].user)}
+        assert len(slots) == 1
+        seen += batch
+    assert sorted(seen) == list(range(len(calls)))
+
+
+def test_a_round_of_many_users_is_a_few_script_calls(link, redis_server):
+    """2,000 users in one round trip: at most one script call per group (and
+    MAX_BATCH), each user's grant back in call order, each user's own state."""
+    lim = Limit(100, 100 * MS)
+    calls = [call(f"u{i}", lim, want=1 + i % 7, demand=1 + i % 3) for i in range(2000)]
+    grants, _ = link.round_trip("e1", calls, demand_ttl_us=2_000_000)
+    assert link.script_calls <= GROUPS
+    assert [g.granted for g in grants] == [1 + i % 7 for i in range(2000)]
+    assert [g.demand for g in grants] == [1 + i % 3 for i in range(2000)]
+    assert len({g.now_us for g in grants}) <= link.script_calls
+    r = redis_server.client()
+    assert r.get(user_keys("u5")[1]).endswith(b":e1\n")
+    assert all(r.pttl(k) != -1 for k in r.scan_iter("outrate:*"))  # state expires on its own
 
 
 def test_scripts_survive_a_script_flush(link, redis_server):

@@ -129,7 +129,8 @@ def test_credit_is_leased_and_handed_back(fresh):
     b = lim.pin("bob")
     assert runner.round()
     assert b.credit == 2 == b.fair  # 100 tok/s x 20 ms
-    assert fresh.client().hget(user_keys("bob")[1], "e1").startswith(b"1:")
+    demand = fresh.client().get(user_keys("bob")[1])
+    assert demand.startswith(b"1:") and demand.endswith(b":e1\n")
     now = time.monotonic_ns()
     assert lim.take(b, now) and lim.take(b, now) and not lim.take(b, now)
     lim.unpin(b)
