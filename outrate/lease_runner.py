@@ -90,6 +90,7 @@ class LeaseRunner:
         self._last_start = 0
         self._mismatch: frozenset[str] = frozenset()
         self._units: dict[Limit, Units | None] = {}
+        self._units_by_id: dict[int, tuple[Limit, Units | None]] = {}
         self._stopping = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="outrate-lease", daemon=True)
@@ -155,12 +156,21 @@ class LeaseRunner:
                 active[b] = None
 
     def _units_of(self, lim: Limit) -> Units | None:
+        # By identity first: a Limit's hash (its Fractions) costs ~2 us, and
+        # a round asks once per user. The entry keeps `lim` alive, so its id
+        # is not reused while cached.
+        hit = self._units_by_id.get(id(lim))
+        if hit is not None and hit[0] is lim:
+            return hit[1]
         if lim not in self._units:
             try:
                 self._units[lim] = Units.of(lim) if lim.rate is not None else None
             except ValueError as e:
                 self.log.warning("outrate: %s: kept local, not shared: %s", lim.rule, e)
                 self._units[lim] = None
+        if len(self._units_by_id) > 10_000:
+            self._units_by_id.clear()
+        self._units_by_id[id(lim)] = (lim, self._units[lim])
         return self._units[lim]
 
     def _horizon_us(self) -> int:
@@ -174,10 +184,7 @@ class LeaseRunner:
         not throughput. With the period alone, back-to-back rounds granted
         every other round's need: ~60% of the rate in the slow-rounds test."""
         h = max(self.interval_ns, self.period_ns + self.last_rtt_ns)
-        us = min(h // 1000, MAX_HORIZON_US)
-        if us > self.max_horizon_us:
-            self.max_horizon_us = us
-        return us
+        return min(h // 1000, MAX_HORIZON_US)
 
     def plan(
         self, now: int, debts: dict[SharedBucket, int] | None = None
@@ -186,6 +193,7 @@ class LeaseRunner:
         changed or must be renewed, credit to hand back."""
         self._drain_arrivals()
         policy = self.limiter.policy
+        horizon = self._horizon_us()
         out = []
         for b in list(self.active):
             lim = policy.limit_for(b.key)
@@ -226,11 +234,13 @@ class LeaseRunner:
                     max(credit, 0),
                     MAX_TOKENS,
                     refund,
-                    self._horizon_us(),
+                    horizon,
                     debt,
                     register,
                 )
                 out.append((b, call))
+                if horizon > self.max_horizon_us:
+                    self.max_horizon_us = horizon
         return out
 
     def _drop(self, b: SharedBucket) -> None:

@@ -10,10 +10,12 @@ every integer they form stays below 2**53 (Lua numbers are doubles;
 LEASE_SCRIPT = """
 -- One call leases for every user of one group (one hash tag: one slot).
 -- KEYS: per user i, KEYS[2i-1] its TAT and KEYS[2i] its demand.
--- ARGV[1] engine, ARGV[2] demand_ttl_us, then 10 per user: demand, credit,
---   want, refund, p, num, tol_us, horizon_us, debt_us,
---   register (0: this engine's demand entry is fresh, leave it).
--- Returns granted, fair, wait_us, total demand per user, then server now.
+-- ARGV[1] engine, ARGV[2] demand_ttl_us, then one per user, ten integers
+--   separated by spaces: demand credit want refund p num tol_us horizon_us
+--   debt_us register (0: this engine's demand entry is fresh, leave it).
+-- Returns one string: granted fair wait_us total_demand per user, then the
+-- server's now (one string: a reply of 40,000 integers costs the client
+-- more to read than the script costs Redis).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local eid = ARGV[1]
@@ -27,19 +29,18 @@ local function ceil_div(a, b)
 end
 local state = redis.call('MGET', unpack(KEYS))
 local out = {}
+local n = 0
+local args = '^(%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) ([01])$'
 for i = 1, #KEYS / 2 do
   local tkey, dkey = KEYS[2 * i - 1], KEYS[2 * i]
-  local a = 2 + (i - 1) * 10
-  local dem = tonumber(ARGV[a + 1])
-  local credit = tonumber(ARGV[a + 2])
-  local want = tonumber(ARGV[a + 3])
-  local refund = tonumber(ARGV[a + 4])
-  local p = tonumber(ARGV[a + 5])
-  local num = tonumber(ARGV[a + 6])
-  local tol = tonumber(ARGV[a + 7])
-  local horizon = tonumber(ARGV[a + 8])
-  local debt = tonumber(ARGV[a + 9])
-  local reg = ARGV[a + 10] ~= '0'
+  local dem, credit, want, refund, p, num, tol, horizon, debt, reg =
+    string.match(ARGV[2 + i], args)
+  if not reg then
+    return redis.error_reply('outrate lease: bad arguments for ' .. tkey)
+  end
+  dem, credit, want, refund = tonumber(dem), tonumber(credit), tonumber(want), tonumber(refund)
+  p, num, tol, horizon = tonumber(p), tonumber(num), tonumber(tol), tonumber(horizon)
+  debt, reg = tonumber(debt), reg == '1'
   local tat0 = tonumber(state[2 * i - 1] or '0')
   local tat = tat0
   -- Unused credit comes back first; a refund can at most fill the bucket.
@@ -117,13 +118,11 @@ for i = 1, #KEYS / 2 do
   end
   local wait = tat - reach - now
   if wait < 0 then wait = 0 end
-  out[#out + 1] = granted
-  out[#out + 1] = fair
-  out[#out + 1] = wait
-  out[#out + 1] = total
+  out[n + 1], out[n + 2], out[n + 3], out[n + 4] = granted, fair, wait, total
+  n = n + 4
 end
-out[#out + 1] = now
-return out
+out[n + 1] = string.format('%.0f', now)
+return table.concat(out, ' ')
 """
 
 HEARTBEAT_SCRIPT = """

@@ -293,6 +293,17 @@ def test_a_round_of_many_users_is_a_few_script_calls(link, redis_server):
     assert all(r.pttl(k) != -1 for k in r.scan_iter("outrate:*"))  # state expires on its own
 
 
+def test_a_malformed_call_is_refused_not_misread(link):
+    """A user's arguments are one string of non-negative integers; anything
+    else is an error reply naming the user's key, never a guess."""
+    from redis.exceptions import ResponseError
+
+    lim = Limit(10, 100 * MS)
+    with pytest.raises(ResponseError, match="bad arguments for outrate:.*:t:kim"):
+        one(link, call("kim", lim, want=1, refund=-1))
+    assert one(link, call("kim", lim, want=1)).granted == 1
+
+
 def test_scripts_survive_a_script_flush(link, redis_server):
     lim = Limit(10, 100 * MS)
     assert one(link, call("jo", lim, want=1)).granted == 1
