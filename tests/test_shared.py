@@ -167,8 +167,9 @@ def greedy(lim: SharedLimiter, user: str, until: float, out: list, streams: int 
 
 def test_two_engines_share_one_budget_within_the_bound(fresh):
     """alice (20 tok/s) with two streams on each of two engines: the sum
-    obeys (W + burst) * rate + 1 + slack, slack = rate * H + N, and each
-    engine gets a fair part."""
+    obeys (W + burst) * rate + 1 + slack, slack = rate * H + N with H the
+    20 ms interval (a little under S, whose H adds a round trip: stricter),
+    and each engine gets a fair part."""
     engines = [engine(fresh.url, name=f"e{i}", start=True) for i in range(2)]
     until = time.monotonic() + 3.0
     outs: list[list] = [[], []]
