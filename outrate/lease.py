@@ -274,7 +274,7 @@ class RedisLink:
             break
         self.script_calls += len(groups)
         grants: list[Grant | None] = [None] * len(calls)
-        for g, r in zip(groups, replies, strict=False):
+        for g, r in zip(groups, replies[: len(groups)], strict=True):
             *v, now = map(int, r.split())
             for j, i in enumerate(g):
                 k = 4 * j

@@ -28,6 +28,14 @@ local function ceil_div(a, b)
   return q
 end
 local state = redis.call('MGET', unpack(KEYS))
+-- What this call wrote, by key: a user twice in one call (never sent, but
+-- cheap to rule out) must see its first grant, not the MGET's snapshot.
+local written = {}
+local function current(key, j)
+  local w = written[key]
+  if w == nil then return state[j] end
+  return w
+end
 local out = {}
 local n = 0
 local args = '^(%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) ([01])$'
@@ -41,7 +49,7 @@ for i = 1, #KEYS / 2 do
   dem, credit, want, refund = tonumber(dem), tonumber(credit), tonumber(want), tonumber(refund)
   p, num, tol, horizon = tonumber(p), tonumber(num), tonumber(tol), tonumber(horizon)
   debt, reg = tonumber(debt), reg == '1'
-  local tat0 = tonumber(state[2 * i - 1] or '0')
+  local tat0 = tonumber(current(tkey, 2 * i - 1) or '0')
   local tat = tat0
   -- Unused credit comes back first; a refund can at most fill the bucket.
   if refund > 0 then
@@ -56,7 +64,7 @@ for i = 1, #KEYS / 2 do
   -- go; this engine's is rewritten when it registers, dropped at demand 0.
   local total, last, changed = 0, 0, false
   local kept = {}
-  for d, xs, e in string.gmatch(state[2 * i] or '', '(%d+):(%d+):([^\\n]*)\\n') do
+  for d, xs, e in string.gmatch(current(dkey, 2 * i) or '', '(%d+):(%d+):([^\\n]*)\\n') do
     local x = tonumber(xs)
     if x <= now or (e == eid and (reg or dem == 0)) then
       changed = true
@@ -77,8 +85,10 @@ for i = 1, #KEYS / 2 do
   end
   if changed then
     if #kept > 0 then
-      redis.call('SET', dkey, table.concat(kept), 'PX', ceil_div(last - now, 1000))
+      written[dkey] = table.concat(kept)
+      redis.call('SET', dkey, written[dkey], 'PX', ceil_div(last - now, 1000))
     else
+      written[dkey] = false
       redis.call('DEL', dkey)
     end
   end
@@ -111,8 +121,10 @@ for i = 1, #KEYS / 2 do
   end
   if tat ~= tat0 then
     if tat > now then
-      redis.call('SET', tkey, string.format('%.0f', tat), 'PX', ceil_div(tat - now, 1000))
+      written[tkey] = string.format('%.0f', tat)
+      redis.call('SET', tkey, written[tkey], 'PX', ceil_div(tat - now, 1000))
     else
+      written[tkey] = false
       redis.call('DEL', tkey)
     end
   end

@@ -293,6 +293,15 @@ def test_a_round_of_many_users_is_a_few_script_calls(link, redis_server):
     assert all(r.pttl(k) != -1 for k in r.scan_iter("outrate:*"))  # state expires on its own
 
 
+def test_a_user_twice_in_one_script_call_is_granted_once(link):
+    """One script call reads every user's state with one MGET; a user twice
+    in it still sees its first grant (the runner never sends that, but a
+    snapshot must not be able to grant twice)."""
+    lim = Limit(100, 100 * MS)
+    grants, _ = link.round_trip("e1", [call("liv", lim, want=10_000)] * 2, 2_000_000)
+    assert [g.granted for g in grants] == [capacity(lim), 0]
+
+
 def test_a_malformed_call_is_refused_not_misread(link):
     """A user's arguments are one string of non-negative integers; anything
     else is an error reply naming the user's key, never a guess."""
