@@ -64,7 +64,8 @@ every engine sharing a store must agree). Enough for the groups to spread
 over a cluster's shards, few enough that a round needs few script calls."""
 MAX_BATCH = 256
 """Most users one script call serves: Redis runs a script alone, so one call
-holds it for ~1 ms at most."""
+holds it for a few ms at most (11-17 us of Redis CPU per user measured on a
+busy 2-core VM)."""
 
 PASSWORD_ENV = "OUTRATE_STORE_PASSWORD"
 """Where the engine reads the store's password when the URL carries none."""

@@ -60,8 +60,9 @@ for i = 1, #KEYS / 2 do
   if debt > 0 then
     tat = math.max(tat, math.min(math.max(tat, now) + debt, now + tol))
   end
-  -- Demand: one line `demand:expiry_us:engine` per engine. Expired lines
-  -- go; this engine's is rewritten when it registers, dropped at demand 0.
+  -- Demand: one line `demand:expiry_us:engine` per engine (engine ids,
+  -- host:pid:suffix, hold no newline). Expired lines go; this engine's is
+  -- rewritten when it registers, dropped at demand 0.
   local total, last, changed = 0, 0, false
   local kept = {}
   for d, xs, e in string.gmatch(current(dkey, 2 * i) or '', '(%d+):(%d+):([^\\n]*)\\n') do
