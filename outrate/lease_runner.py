@@ -360,6 +360,12 @@ class LeaseRunner:
             self._down(e)
             return
         was_down = self.up is False
+        # An outage is not a round period: measured across it, the first
+        # round back would lease up to a second ahead (H is capped at 1 s)
+        # on top of the debt. Rounds start again at the interval.
+        self._last_start = 0
+        self.period_ns = self.interval_ns
+        self.last_rtt_ns = 0
         debts = None
         if was_down:
             debts = self._debts()

@@ -287,7 +287,19 @@ def test_lost_mid_run_falls_back_then_resumes_without_a_burst(tmp_path, caplog):
         ra.round()  # further failures are counted, not logged again
         assert ra.metrics.errors == 3 and "lost" not in caplog.text
         server.start()  # an empty Redis: every TAT forgotten
+        horizons = []
+        stock = ra.link.round_trip
+
+        def seen(engine, calls, *a, **kw):
+            horizons.extend(c.horizon_us for c in calls if c.demand)
+            return stock(engine, calls, *a, **kw)
+
+        ra.link.round_trip = seen
+        ra._last_start -= int(0.3 * S)  # as if the outage had lasted 0.3 s longer
         ra._try_connect()
+        # The outage was no round period: the first round back leases for
+        # one interval (20 ms), not for the outage (~0.3 s here, up to 1 s).
+        assert horizons == [20_000]
         assert ra.up and ra.metrics.transitions["up"] == 1 and "is back" in caplog.text
         # The debt spent during the outage was carried over: no burst now.
         settle(a)
