@@ -19,10 +19,12 @@ by the lease thread.
 
 The bound (README "Several engines"): in any window W a user's tokens summed
 over all engines stay within `(W + burst) * rate + 1 + S`, where S is the
-credit outstanding at the window's start. An engine holds at most its fair
+credit outstanding at the window's start plus what Redis grants ahead of
+now. An engine holds at most its fair
 slice `max(1, ceil(rate * H * d_e / D))` (H the lease horizon, d_e its
-requests of the user, D everyone's), so S <= rate * H + N for N engines
-serving the user.
+requests of the user, D everyone's), and a lease call grants what conforms
+within max(burst, H), so S = rate * (H + max(0, H - burst)) + N for N
+engines serving the user (docs/DESIGN-store.md, "The bound").
 
 When the store cannot be reached the scheduler keeps going on local GCRA
 alone, at `rate / N` per engine (N: live engines at the last heartbeat) or

@@ -21,6 +21,8 @@ def test_bench_store_parts_run(tmp_path):
     try:
         rt = bench.round_trips(server.url, 50, 0.5)
         assert rt["calls_per_rt"] >= 1 and rt["rt_per_s"] > 5
+        assert 1 <= rt["scripts_per_rt"] <= rt["calls_per_rt"]
+        assert rt["excess"] <= rt["slack"]
         assert rt["tok_per_user_s"] > 0
         waits = bench.first_credit(server.url, 3)
         assert all(w < 1000 for w in waits)

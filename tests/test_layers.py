@@ -22,7 +22,8 @@ LAYERS: dict[str, int] = {
     "policy_file": 2,
     "gate": 2,  # the API server's per-request identity decision
     "store": 2,
-    "lease": 2,  # the Lua scripts and the Redis link
+    "lease_scripts": 1,  # the Lua scripts: text only
+    "lease": 2,  # the key layout and the Redis link
     "shared": 2,  # SharedLimiter: a second BudgetStore
     "store_metrics": 2,
     "lease_runner": 3,

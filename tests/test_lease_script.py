@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+import zlib
 from fractions import Fraction
 
 import pytest
@@ -18,10 +19,14 @@ from redis_support import RedisServer  # noqa: E402
 
 from outrate.lease import (  # noqa: E402
     ENGINES_KEY,
+    GROUPS,
+    MAX_BATCH,
     LeaseCall,
     RedisLink,
     Units,
+    batches,
     engine_key,
+    group_of,
     redact_url,
     split_password,
     user_keys,
@@ -78,13 +83,47 @@ def test_grants_follow_server_time(link, redis_server):
     room = second.now_us + u.tol_us - tat
     assert second.granted == room * u.p // u.num + 1  # tokens that conform at server now
     assert 5 <= second.granted <= 7
+    # With a horizon past the burst, what conforms by server now + H.
+    tat += second.granted * 10_000
+    time.sleep(0.031)
+    h = 400_000
+    third = one(link, call("bob", lim, want=10_000, horizon_us=h))
+    assert third.fair == 40
+    room = third.now_us + h - tat
+    assert third.granted == min(40, room * u.p // u.num + 1)
+    assert 33 <= third.granted <= 40
 
 
-def test_eight_threads_never_exceed_the_bound(redis_server):
+def test_a_call_grants_what_conforms_within_the_horizon(link):
+    """A slow engine (horizon 500 ms, past the 100 ms burst) gets credit for
+    its whole horizon in one call, not only what conforms now; what it holds
+    is then spoken for, so a second engine gets only what conforms since."""
+    lim = Limit(100, 100 * MS)
+    u = Units.of(lim)
+    h = 500_000
+    a = one(link, call("hope", lim, want=10_000, horizon_us=h), engine="a")
+    assert a.fair == 50 and a.granted == 50  # rate x H, less than 1 + (H x rate)
+    assert a.wait_us == 0  # one more token conforms within the horizon
+    g = one(link, call("hope", lim, want=10_000, horizon_us=h), engine="b")
+    assert g.fair == 25 and g.demand == 2
+    # The TAT is a's now + 500 ms: b gets what conformed since, by server time.
+    assert g.granted == min(25, (g.now_us - a.now_us) * u.p // u.num + 1)
+    # Without a horizon (or one inside the burst) a call grants what conforms now.
+    g = one(link, call("ida", lim, want=10_000, horizon_us=50_000))
+    assert g.granted == 5  # the slice: 100 tok/s x 50 ms
+    g = one(link, call("jay", lim, want=10_000))
+    assert g.granted == capacity(lim)
+    assert u.tol_us == 100_000
+
+
+@pytest.mark.parametrize("horizon_us", [0, 300_000])
+def test_eight_threads_never_exceed_the_bound(redis_server, horizon_us):
     """8 engines' lease threads hammer one user: every grant, stamped with the
-    server time the script saw, stays within (W + burst) * rate + 1."""
+    server time the script saw, stays within (W + max(burst, H)) * rate + 1
+    (H: the longest horizon any call carried)."""
     redis_server.client().flushall()
     lim = Limit(200, 100 * MS)
+    reach_ns = max(100 * MS, horizon_us * 1000)
     grants: list[tuple[int, int]] = []
     lock = threading.Lock()
     stop = time.monotonic() + 1.5
@@ -94,7 +133,9 @@ def test_eight_threads_never_exceed_the_bound(redis_server):
         rng = random.Random(i)
         mine = []
         while time.monotonic() < stop:
-            g = one(lk, call("carol", lim, want=rng.randint(1, 12)), engine=f"e{i}")
+            h = rng.randint(0, horizon_us)
+            want = rng.randint(1, 12 + h // 5000)
+            g = one(lk, call("carol", lim, want=want, horizon_us=h), engine=f"e{i}")
             if g.granted:
                 mine.append((g.now_us * 1000, g.granted))
             time.sleep(rng.random() * 0.004)
@@ -111,7 +152,7 @@ def test_eight_threads_never_exceed_the_bound(redis_server):
     total = sum(k for _, k in grants)
     span = (grants[-1][0] - grants[0][0]) / 1e9
     t0 = grants[0][0]  # relative times: epoch nanoseconds lose the fraction in a float
-    assert max_window_excess([(t - t0, k) for t, k in grants], 200, 100 * MS) <= 1e-9
+    assert max_window_excess([(t - t0, k) for t, k in grants], 200, reach_ns) <= 1e-9
     assert total >= 0.9 * 200 * span  # and the rate was actually handed out
 
 
@@ -129,9 +170,11 @@ def test_a_refund_never_creates_tokens(link):
     assert one(link, call("dan", lim, want=10_000)).granted in (1, 2, 3)
 
 
-def test_refunded_tokens_never_exceed_the_bound_over_time(redis_server):
+@pytest.mark.parametrize("horizon_us", [0, 250_000])
+def test_refunded_tokens_never_exceed_the_bound_over_time(redis_server, horizon_us):
     """Grants and refunds interleaved from 4 threads: what was kept (granted
-    minus refunded) obeys the bound over every window."""
+    minus refunded) obeys the bound over every window, with the reach
+    max(burst, H) in place of the burst."""
     redis_server.client().flushall()
     lim = Limit(100, 100 * MS)
     events: list[tuple[int, int]] = []
@@ -145,8 +188,9 @@ def test_refunded_tokens_never_exceed_the_bound_over_time(redis_server):
         mine = []
         while time.monotonic() < stop:
             back = rng.randint(0, held) if rng.random() < 0.3 else 0
-            g = one(lk, call("erin", lim, want=held + rng.randint(0, 6), credit=held - back,
-                             refund=back), engine=f"e{i}")  # fmt: skip
+            g = one(lk, call("erin", lim, want=held + rng.randint(0, 6 + horizon_us // 10_000),
+                             credit=held - back, refund=back, horizon_us=horizon_us),
+                    engine=f"e{i}")  # fmt: skip
             held = held - back + g.granted
             # A token is "kept" when granted; a refund takes it back at the
             # refund's time (it was never spent): net per call.
@@ -166,7 +210,8 @@ def test_refunded_tokens_never_exceed_the_bound_over_time(redis_server):
         t.join()
     events.sort()
     t0 = events[0][0]
-    assert max_window_excess([(t - t0, k) for t, k in events], 100, 100 * MS) <= 1e-9
+    reach_ns = max(100 * MS, horizon_us * 1000)
+    assert max_window_excess([(t - t0, k) for t, k in events], 100, reach_ns) <= 1e-9
 
 
 def test_fair_slices_follow_demand(link):
@@ -206,13 +251,68 @@ def test_recovery_debt_never_grants_a_burst(link):
 
 
 def test_keys_are_cluster_safe():
-    for user in ["alice", "team-x/bob", "{evil}", "a}b{c", "ünï", "%7B", "x" * 256]:
+    users = ["alice", "team-x/bob", "{evil}", "a}b{c", "ünï", "%7B", "x" * 256, ":t:x"]
+    users += [f"user-{i}" for i in range(2000)]
+    for user in users:
         tat, dem = user_keys(user)
         assert key_slot(tat.encode()) == key_slot(dem.encode())
+        assert key_slot(tat.encode()) == key_slot(f"outrate:{{g:{group_of(user)}}}".encode())
         assert tat != dem
-    assert user_keys("{a}") != user_keys("%7Ba%7D")  # escaping is injective
-    assert len({key_slot(user_keys(f"user-{i}")[0].encode()) for i in range(200)}) > 100
+    assert len({user_keys(u) for u in users}) == len(users)  # one pair per user
+    assert {group_of(u) for u in users} == set(range(GROUPS))  # users spread over every group
+    assert len({key_slot(user_keys(f"user-{i}")[0].encode()) for i in range(2000)}) == GROUPS
     assert key_slot(ENGINES_KEY.encode()) == key_slot(engine_key("e-1").encode())
+    assert group_of("alice") == zlib.crc32(b"alice") % GROUPS  # any engine, any language
+
+
+def test_every_script_call_touches_one_slot():
+    """A round's calls are batched by group: every key of one script call is
+    in one slot, and no call carries more than MAX_BATCH users."""
+    lim = Limit(10, 100 * MS)
+    calls = [call(f"user-{i}", lim, want=1) for i in range(3 * MAX_BATCH * GROUPS // 2)]
+    calls += [call("alice", lim, want=1)]
+    seen = []
+    for batch in batches(calls):
+        assert 1 <= len(batch) <= MAX_BATCH
+        slots = {key_slot(k.encode()) for i in batch for k in user_keys(calls[i].user)}
+        assert len(slots) == 1
+        seen += batch
+    assert sorted(seen) == list(range(len(calls)))
+
+
+def test_a_round_of_many_users_is_a_few_script_calls(link, redis_server):
+    """2,000 users in one round trip: at most one script call per group (and
+    MAX_BATCH), each user's grant back in call order, each user's own state."""
+    lim = Limit(100, 100 * MS)
+    calls = [call(f"u{i}", lim, want=1 + i % 7, demand=1 + i % 3) for i in range(2000)]
+    grants, _ = link.round_trip("e1", calls, demand_ttl_us=2_000_000)
+    assert link.script_calls <= GROUPS
+    assert [g.granted for g in grants] == [1 + i % 7 for i in range(2000)]
+    assert [g.demand for g in grants] == [1 + i % 3 for i in range(2000)]
+    assert len({g.now_us for g in grants}) <= link.script_calls
+    r = redis_server.client()
+    assert r.get(user_keys("u5")[1]).endswith(b":e1\n")
+    assert all(r.pttl(k) != -1 for k in r.scan_iter("outrate:*"))  # state expires on its own
+
+
+def test_a_user_twice_in_one_script_call_is_granted_once(link):
+    """One script call reads every user's state with one MGET; a user twice
+    in it still sees its first grant (the runner never sends that, but a
+    snapshot must not be able to grant twice)."""
+    lim = Limit(100, 100 * MS)
+    grants, _ = link.round_trip("e1", [call("liv", lim, want=10_000)] * 2, 2_000_000)
+    assert [g.granted for g in grants] == [capacity(lim), 0]
+
+
+def test_a_malformed_call_is_refused_not_misread(link):
+    """A user's arguments are one string of non-negative integers; anything
+    else is an error reply naming the user's key, never a guess."""
+    from redis.exceptions import ResponseError
+
+    lim = Limit(10, 100 * MS)
+    with pytest.raises(ResponseError, match="bad arguments for outrate:.*:t:kim"):
+        one(link, call("kim", lim, want=1, refund=-1))
+    assert one(link, call("kim", lim, want=1)).granted == 1
 
 
 def test_scripts_survive_a_script_flush(link, redis_server):

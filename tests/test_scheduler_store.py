@@ -85,7 +85,7 @@ def test_two_schedulers_share_one_budget(kind, redis_server):
     merged = sorted(per_engine[0] + per_engine[1])
     counts = [sum(k for _, k in steps) for steps in per_engine]
     excess = max_window_excess(merged, 20, BURST_NS)
-    slack = 20 * LEASE_INTERVAL_S + 2  # rate * H + N
+    slack = 20 * LEASE_INTERVAL_S + 2  # rate * H + N, H = 20 ms: a little under S (stricter)
     rate = engine_rate(merged)
     free = [sum(k for _, k in rec.tokens("free")) for _, _, rec in engines]
     steps = [d.steps for d in drivers]

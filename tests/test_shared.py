@@ -23,7 +23,7 @@ from outrate.lease_runner import TIMEOUT_S, LeaseRunner  # noqa: E402
 from outrate.limiter import Limiter  # noqa: E402
 from outrate.loader import parse_policy  # noqa: E402
 from outrate.shared import SharedLimiter  # noqa: E402
-from outrate.trace import max_window_excess  # noqa: E402
+from outrate.trace import engine_rate, max_window_excess  # noqa: E402
 
 MS = 1_000_000
 S = 1_000_000_000
@@ -129,7 +129,8 @@ def test_credit_is_leased_and_handed_back(fresh):
     b = lim.pin("bob")
     assert runner.round()
     assert b.credit == 2 == b.fair  # 100 tok/s x 20 ms
-    assert fresh.client().hget(user_keys("bob")[1], "e1").startswith(b"1:")
+    demand = fresh.client().get(user_keys("bob")[1])
+    assert demand.startswith(b"1:") and demand.endswith(b":e1\n")
     now = time.monotonic_ns()
     assert lim.take(b, now) and lim.take(b, now) and not lim.take(b, now)
     lim.unpin(b)
@@ -166,8 +167,9 @@ def greedy(lim: SharedLimiter, user: str, until: float, out: list, streams: int 
 
 def test_two_engines_share_one_budget_within_the_bound(fresh):
     """alice (20 tok/s) with two streams on each of two engines: the sum
-    obeys (W + burst) * rate + 1 + slack, slack = rate * H + N, and each
-    engine gets a fair part."""
+    obeys (W + burst) * rate + 1 + slack, slack = rate * H + N with H the
+    20 ms interval (a little under S, whose H adds a round trip: stricter),
+    and each engine gets a fair part."""
     engines = [engine(fresh.url, name=f"e{i}", start=True) for i in range(2)]
     until = time.monotonic() + 3.0
     outs: list[list] = [[], []]
@@ -190,6 +192,37 @@ def test_two_engines_share_one_budget_within_the_bound(fresh):
     assert excess <= slack
     assert (total - 1) / span >= 0.9 * 20
     assert min(sum(k for _, k in o) for o in outs) >= 0.35 * total
+
+
+def test_slow_rounds_keep_the_users_rate(fresh):
+    """Round trips of ~250 ms (2.5 bursts): the slice is rate x H with H the
+    measured period plus a round trip, and a call grants what conforms
+    within H, so bob
+    (100 tok/s, burst 100 ms) keeps his rate; the overshoot stays within
+    S = rate * (H + max(0, H - burst)) + N. Before the horizon reach a call
+    granted only what conformed at once (11 tokens per round: ~40 tok/s)."""
+    lim, runner = engine(fresh.url)
+    stock = runner.link.round_trip
+
+    def slow(*a, **kw):
+        time.sleep(0.25)  # a slow store (or a long round): the GIL is released
+        return stock(*a, **kw)
+
+    runner.link.round_trip = slow
+    runner._thread.start()
+    settle(lim)
+    out: list = []
+    greedy(lim, "bob", time.monotonic() + 3.0, out, 4)
+    runner.stop()
+    h = runner.max_horizon_us / 1e6
+    slack = 100 * (h + max(0.0, h - 0.1)) + 1
+    excess = max_window_excess(out, 100, 100 * MS)
+    late = [x for x in out if x[0] >= out[0][0] + S]  # after the first slow rounds
+    rate = engine_rate(late)
+    print(f"H {h * 1000:.0f} ms: {rate:.1f} tok/s after 1 s, excess {excess:+.2f} (S {slack:.1f})")
+    assert h > 0.4  # back-to-back rounds: H is two of them
+    assert excess <= slack
+    assert rate >= 0.85 * 100
 
 
 def test_unreachable_at_start_then_shared_when_it_answers(tmp_path, caplog):
@@ -254,7 +287,19 @@ def test_lost_mid_run_falls_back_then_resumes_without_a_burst(tmp_path, caplog):
         ra.round()  # further failures are counted, not logged again
         assert ra.metrics.errors == 3 and "lost" not in caplog.text
         server.start()  # an empty Redis: every TAT forgotten
+        horizons = []
+        stock = ra.link.round_trip
+
+        def seen(engine, calls, *a, **kw):
+            horizons.extend(c.horizon_us for c in calls if c.demand)
+            return stock(engine, calls, *a, **kw)
+
+        ra.link.round_trip = seen
+        ra._last_start -= int(0.3 * S)  # as if the outage had lasted 0.3 s longer
         ra._try_connect()
+        # The outage was no round period: the first round back leases for
+        # one interval (20 ms), not for the outage (~0.3 s here, up to 1 s).
+        assert horizons == [20_000]
         assert ra.up and ra.metrics.transitions["up"] == 1 and "is back" in caplog.text
         # The debt spent during the outage was carried over: no burst now.
         settle(a)

@@ -1,0 +1,166 @@
+"""The two Lua scripts of a shared budget, as Redis runs them (outrate.lease
+loads and calls them). Kept apart from the client: they are the part that
+decides, and read best on their own.
+
+Both read the server's `TIME`, so no engine clock enters a decision, and
+every integer they form stays below 2**53 (Lua numbers are doubles;
+`Units.of` refuses limits that would not).
+"""
+
+LEASE_SCRIPT = """
+-- One call leases for every user of one group (one hash tag: one slot).
+-- KEYS: per user i, KEYS[2i-1] its TAT and KEYS[2i] its demand.
+-- ARGV[1] engine, ARGV[2] demand_ttl_us, then one per user, ten integers
+--   separated by spaces: demand credit want refund p num tol_us horizon_us
+--   debt_us register (0: this engine's demand entry is fresh, leave it).
+-- Returns one string: granted fair wait_us total_demand per user, then the
+-- server's now (one string: a reply of 40,000 integers costs the client
+-- more to read than the script costs Redis).
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local eid = ARGV[1]
+local dttl = tonumber(ARGV[2])
+local function floor_div(a, b) return (a - math.fmod(a, b)) / b end
+local function ceil_div(a, b)
+  local r = math.fmod(a, b)
+  local q = (a - r) / b
+  if r > 0 then q = q + 1 end
+  return q
+end
+local state = redis.call('MGET', unpack(KEYS))
+-- What this call wrote, by key: a user twice in one call (never sent, but
+-- cheap to rule out) must see its first grant, not the MGET's snapshot.
+local written = {}
+local function current(key, j)
+  local w = written[key]
+  if w == nil then return state[j] end
+  return w
+end
+local out = {}
+local n = 0
+local args = '^(%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) ([01])$'
+for i = 1, #KEYS / 2 do
+  local tkey, dkey = KEYS[2 * i - 1], KEYS[2 * i]
+  local dem, credit, want, refund, p, num, tol, horizon, debt, reg =
+    string.match(ARGV[2 + i], args)
+  if not reg then
+    return redis.error_reply('outrate lease: bad arguments for ' .. tkey)
+  end
+  dem, credit, want, refund = tonumber(dem), tonumber(credit), tonumber(want), tonumber(refund)
+  p, num, tol, horizon = tonumber(p), tonumber(num), tonumber(tol), tonumber(horizon)
+  debt, reg = tonumber(debt), reg == '1'
+  local tat0 = tonumber(current(tkey, 2 * i - 1) or '0')
+  local tat = tat0
+  -- Unused credit comes back first; a refund can at most fill the bucket.
+  if refund > 0 then
+    tat = math.max(tat - floor_div(refund * num, p), now)
+  end
+  -- After an outage: what this engine spent while Redis was away, at most
+  -- the whole burst (no one gets a burst on recovery).
+  if debt > 0 then
+    tat = math.max(tat, math.min(math.max(tat, now) + debt, now + tol))
+  end
+  -- Demand: one line `demand:expiry_us:engine` per engine (engine ids,
+  -- host:pid:suffix, hold no newline). Expired lines go; this engine's is
+  -- rewritten when it registers, dropped at demand 0.
+  local total, last, changed = 0, 0, false
+  local kept = {}
+  for d, xs, e in string.gmatch(current(dkey, 2 * i) or '', '(%d+):(%d+):([^\\n]*)\\n') do
+    local x = tonumber(xs)
+    if x <= now or (e == eid and (reg or dem == 0)) then
+      changed = true
+    else
+      if e ~= eid then total = total + tonumber(d) end
+      kept[#kept + 1] = d .. ':' .. xs .. ':' .. e .. '\\n'
+      if x > last then last = x end
+    end
+  end
+  if dem > 0 then
+    total = total + dem
+    if reg then
+      local x = now + dttl
+      kept[#kept + 1] = string.format('%d:%.0f:', dem, x) .. eid .. '\\n'
+      if x > last then last = x end
+      changed = true
+    end
+  end
+  if changed then
+    if #kept > 0 then
+      written[dkey] = table.concat(kept)
+      redis.call('SET', dkey, written[dkey], 'PX', ceil_div(last - now, 1000))
+    else
+      written[dkey] = false
+      redis.call('DEL', dkey)
+    end
+  end
+  -- The grant: this engine's fair slice of one horizon, less what it holds,
+  -- at most `want`, as many tokens as conform by now + max(burst, horizon).
+  -- The slice must carry the engine until its next answer, one horizon
+  -- away: granting only what conforms now would cap a user at a burst per
+  -- round trip once round trips outlast the burst. The engine paces its
+  -- spending locally, so tokens granted ahead are not spent ahead.
+  local reach = math.max(tol, horizon)
+  local granted = 0
+  local fair = want
+  if dem > 0 then
+    if horizon > 0 then
+      fair = ceil_div(horizon * p * dem, num * total)
+      if fair < 1 then fair = 1 end
+      if fair > want then fair = want end
+    end
+    local ask = fair - credit
+    if ask > 0 then
+      local base = math.max(tat, now)
+      local room = now + reach - base
+      if room >= 0 then
+        local k = floor_div(room * p, num) + 1
+        if k > ask then k = ask end
+        granted = k
+        tat = base + ceil_div(k * num, p)
+      end
+    end
+  end
+  if tat ~= tat0 then
+    if tat > now then
+      written[tkey] = string.format('%.0f', tat)
+      redis.call('SET', tkey, written[tkey], 'PX', ceil_div(tat - now, 1000))
+    else
+      written[tkey] = false
+      redis.call('DEL', tkey)
+    end
+  end
+  local wait = tat - reach - now
+  if wait < 0 then wait = 0 end
+  out[n + 1], out[n + 2], out[n + 3], out[n + 4] = granted, fair, wait, total
+  n = n + 4
+end
+out[n + 1] = string.format('%.0f', now)
+return table.concat(out, ' ')
+"""
+
+HEARTBEAT_SCRIPT = """
+-- KEYS[1] the engines hash, KEYS[2] this engine's key (one hash tag: one slot).
+-- ARGV: engine, policy sha256, ttl_us (0: leave)
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local ttl = tonumber(ARGV[3])
+if ttl > 0 then
+  redis.call('HSET', KEYS[1], ARGV[1], string.format('%.0f', now + ttl) .. ':' .. ARGV[2])
+  redis.call('SET', KEYS[2], ARGV[2], 'PX', math.ceil(ttl / 1000))
+else
+  redis.call('HDEL', KEYS[1], ARGV[1])
+  redis.call('DEL', KEYS[2])
+end
+local out = {}
+local fields = redis.call('HGETALL', KEYS[1])
+for i = 1, #fields, 2 do
+  local x, sha = string.match(fields[i + 1], '^(%d+):(.*)$')
+  if x and tonumber(x) > now then
+    out[#out + 1] = fields[i]
+    out[#out + 1] = sha
+  else
+    redis.call('HDEL', KEYS[1], fields[i])
+  end
+end
+return out
+"""
