@@ -36,6 +36,15 @@ local function current(key, j)
   if w == nil then return state[j] end
   return w
 end
+-- Write `text` to `key` until `expiry` (server us), or delete it (text false).
+local function put(key, text, expiry)
+  written[key] = text
+  if text then
+    redis.call('SET', key, text, 'PX', ceil_div(expiry - now, 1000))
+  else
+    redis.call('DEL', key)
+  end
+end
 local out = {}
 local n = 0
 local args = '^(%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) ([01])$'
@@ -85,13 +94,7 @@ for i = 1, #KEYS / 2 do
     end
   end
   if changed then
-    if #kept > 0 then
-      written[dkey] = table.concat(kept)
-      redis.call('SET', dkey, written[dkey], 'PX', ceil_div(last - now, 1000))
-    else
-      written[dkey] = false
-      redis.call('DEL', dkey)
-    end
+    put(dkey, #kept > 0 and table.concat(kept), last)
   end
   -- The grant: this engine's fair slice of one horizon, less what it holds,
   -- at most `want`, as many tokens as conform by now + max(burst, horizon).
@@ -121,13 +124,7 @@ for i = 1, #KEYS / 2 do
     end
   end
   if tat ~= tat0 then
-    if tat > now then
-      written[tkey] = string.format('%.0f', tat)
-      redis.call('SET', tkey, written[tkey], 'PX', ceil_div(tat - now, 1000))
-    else
-      written[tkey] = false
-      redis.call('DEL', tkey)
-    end
+    put(tkey, tat > now and string.format('%.0f', tat), tat)
   end
   local wait = tat - reach - now
   if wait < 0 then wait = 0 end
