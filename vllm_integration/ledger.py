@@ -43,6 +43,8 @@ class Ledger:
             u = rs.user
             if rs.over_step == step:
                 u.st_over -= 1  # a shadow over-limit token: nothing was taken
+            elif u.extra:
+                u.extra -= 1  # reserved, not taken yet (see `settle`)
             elif u.bucket.limit.scale:
                 self.limiter.give_back(u.bucket, now)
             u.st_refunded += 1
@@ -54,6 +56,17 @@ class Ledger:
         st.n_charged = 0
         st.last_charge_running = st.last_charge_waiting = None
         candidates.clear()
+
+    def settle(self, st: StepScratch, now: int) -> None:
+        """Take the tokens users spent from this step's reservations (after
+        refunds: those never reach the store): one `take_n` per user."""
+        limiter = self.limiter
+        for u in st.reserved:
+            if u.extra:
+                limiter.take_n(u.bucket, now, u.extra)
+                u.extra = 0
+            u.res = -1
+        st.reserved.clear()
 
     def _unobserve(self, rs: RequestState, u: UserState, now: int) -> None:
         """A refunded token was never sampled: take back its interval."""

@@ -215,8 +215,18 @@ class OutrateMixin:
         u = rs.user
         if u.refused_step != step:
             now = self._now
-            bucket = u.bucket
-            if self._take(bucket, now) or self._shadow_over(bucket, rs, u):
+            first = u.step != step
+            if first:  # the user's first token this step: from the store
+                granted = self._take(u.bucket, now)
+            else:  # later ones: from a reservation, taken at the end (Ledger.settle)
+                res = u.res
+                if res < 0:
+                    res = self._reserve(u, now)
+                if res:
+                    u.res = res - 1
+                    u.extra += 1
+                granted = res > 0
+            if granted or self._shadow_over(u.bucket, rs, u):
                 rs.charged_step = step
                 st = self._st
                 st.n_charged += 1
@@ -225,7 +235,7 @@ class OutrateMixin:
                 else:
                     st.last_charge_waiting = request
                 # Metrics: counted on the user, folded once per step (Ledger.fold).
-                if u.step != step:
+                if first:
                     u.step = step
                     st.users.append(u)
                 prev = rs.prev_ns = rs.last_ns
@@ -246,6 +256,13 @@ class OutrateMixin:
         if rs.resident:
             self._st.refused.append(request)
         return 0
+
+    def _reserve(self, u: UserState, now: int) -> int:
+        """A user charged a second time in a step: the tokens the store grants
+        at this same instant, spent without asking it again (exact: n takes at
+        one instant are one `take_n`)."""
+        self._st.reserved.append(u)
+        return self.limiter.available(u.bucket, now)
 
     def _shadow_over(self, bucket: Any, rs: RequestState, u: UserState) -> bool:
         """A shadow limit refused a token: count it, let it run."""
@@ -317,6 +334,8 @@ class OutrateMixin:
         st = self._st
         if st.n_charged:
             self.ledger.refund_missed(st, scheduled, self._step, now)
+        if st.reserved:
+            self.ledger.settle(st, now)
         if st.stash:
             self._requeue_stashed(st)
         if st.admits:

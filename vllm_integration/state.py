@@ -50,6 +50,8 @@ class UserState:
         "st_gap",
         "st_refunded",
         "st_over",
+        "res",
+        "extra",
     )
 
     def __init__(self, key: str, bucket: Bucket, m: LabelMetrics) -> None:
@@ -69,6 +71,11 @@ class UserState:
         self.st_gap = 0  # tokens of requests that were not (first tokens, resumes)
         self.st_refunded = 0
         self.st_over = 0  # shadow over-limit tokens
+        # This step's reservation: the first token is taken from the store; the
+        # store says how many more it would grant at this same instant, and later
+        # tokens are counted here and taken in one call at the step's end.
+        self.res = -1  # tokens the reservation still grants (-1: not asked yet)
+        self.extra = 0  # tokens spent from it, not yet taken from the store
 
     def wakes_at(self, ready: int) -> bool:
         """Whether a wake-heap entry for `ready` is this user's live one."""
@@ -124,6 +131,7 @@ class StepScratch:
         "stash",
         "blocked_ready",
         "users",
+        "reserved",
     )
 
     def __init__(self) -> None:
@@ -140,3 +148,4 @@ class StepScratch:
         self.stash: list[Request] = []  # held victims preempted mid-loop, requeued after
         self.blocked_ready = 0  # earliest ready time of a user blocking admission
         self.users: list[UserState] = []  # users charged this step (metrics fold)
+        self.reserved: list[UserState] = []  # users charged twice or more (take_n after)
