@@ -49,16 +49,16 @@ class Limit:
     integers in this limit's scaled units (see module docstring).
     """
 
-    __slots__ = (
+    __slots__ = (  # take's first: fewer cache lines per token
+        "scale",
+        "interval",
+        "tolerance",
         "rate",
         "burst_ns",
         "max_streams",
         "rule",
         "shadow",
         "label",
-        "scale",
-        "interval",
-        "tolerance",
     )
 
     def __init__(
@@ -146,7 +146,7 @@ class Bucket:
     live requests holding this bucket, so cleanup never splits a user's state.
     """
 
-    __slots__ = ("key", "tat", "limit", "gen", "pins")
+    __slots__ = ("gen", "limit", "tat", "key", "pins")  # take's first
 
     def __init__(self, key: str, limit: Limit, gen: int) -> None:
         self.key = key
