@@ -35,7 +35,8 @@ from bench_scheduler import (  # noqa: E402
 )
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from vllm_integration.state import ATTR  # noqa: E402
+_RUNNING = RequestStatus.RUNNING
+
 
 TARGET = 1.02
 
@@ -50,29 +51,41 @@ def hook_without_metrics(
             .__mro__[2]
             ._reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens)
         )
-    num_tokens = len(request._all_token_ids)
-    if num_new_tokens == 0 or num_computed_tokens + num_new_tokens < num_tokens:
+    if num_computed_tokens + num_new_tokens < len(request._all_token_ids) or not num_new_tokens:
         return num_new_tokens
-    rs = request.__dict__[ATTR]
+    rs = request._outrate
     step = self._step
     if rs.charged_step == step:
         return num_new_tokens
     u = rs.user
     if u.refused_step != step:
-        bucket = u.bucket
-        if self._take(bucket, self._now):
+        first = u.step != step
+        if first:
+            granted = self._take(u.bucket, self._now)
+        else:
+            res = u.res
+            if res < 0:
+                res = self._reserve(u, self._now)
+            if res:
+                u.res = res - 1
+                u.extra += 1
+            granted = res > 0
+        if granted:
             rs.charged_step = step
             st = self._st
-            st.n_charged += 1
-            if request.status == RequestStatus.RUNNING:
+            if request.status is _RUNNING:
                 st.last_charge_running = request
             else:
                 st.last_charge_waiting = request
+            if first:  # the user's step marker (the reservation needs it too)
+                u.step = step
+                st.users.append(u)
             return num_new_tokens
         u.refused_step = step
         self._st.touched.append(u)
-    if self._chunked and num_computed_tokens < num_tokens - 1:
-        return num_tokens - 1 - num_computed_tokens
+    last_prompt = len(request._all_token_ids) - 1
+    if self.admission.chunked and num_computed_tokens < last_prompt:
+        return last_prompt - num_computed_tokens
     if rs.resident:
         self._st.refused.append(request)
     return 0

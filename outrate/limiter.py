@@ -49,16 +49,16 @@ class Limit:
     integers in this limit's scaled units (see module docstring).
     """
 
-    __slots__ = (
+    __slots__ = (  # take's first: fewer cache lines per token
+        "scale",
+        "interval",
+        "tolerance",
         "rate",
         "burst_ns",
         "max_streams",
         "rule",
         "shadow",
         "label",
-        "scale",
-        "interval",
-        "tolerance",
     )
 
     def __init__(
@@ -146,7 +146,7 @@ class Bucket:
     live requests holding this bucket, so cleanup never splits a user's state.
     """
 
-    __slots__ = ("key", "tat", "limit", "gen", "pins")
+    __slots__ = ("gen", "limit", "tat", "key", "pins")  # take's first
 
     def __init__(self, key: str, limit: Limit, gen: int) -> None:
         self.key = key
@@ -292,6 +292,20 @@ class Limiter:
             return False
         b.tat = tat + lim.interval
         return True
+
+    def take_n(self, b: Bucket, now: int, n: int) -> None:
+        """Take `n` tokens at `now` that `available(b, now)` granted: the state
+        `n` successful `take`s at `now` leave, in one call (the scheduler
+        reserves a user's tokens for a step and takes them here at its end)."""
+        if b.gen != self._gen:
+            self._refresh(b, now)
+        lim = b.limit
+        s = lim.scale
+        if not s or n <= 0:
+            return
+        now_s = now * s
+        tat = b.tat
+        b.tat = (tat if tat > now_s else now_s) + n * lim.interval
 
     def give_back(self, b: Bucket, now: int) -> None:
         """Undo one `take` that succeeded (the refund point)."""

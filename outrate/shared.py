@@ -235,6 +235,13 @@ class SharedLimiter(Limiter):
             b.spent += 1  # type: ignore[attr-defined]
         return True
 
+    def take_n(self, b: Bucket, now: int, n: int) -> None:
+        if b.share is not b.used:  # type: ignore[attr-defined]
+            self._refresh(b, now)
+        super().take_n(b, now, n)
+        if self.shared and b.limit.scale and n > 0:
+            b.spent += n  # type: ignore[attr-defined]
+
     def give_back(self, b: Bucket, now: int) -> None:
         super().give_back(b, now)
         if self.shared and b.limit.scale:

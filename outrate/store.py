@@ -33,6 +33,10 @@ class BudgetStore(Protocol):
     def take(self, b: Bucket, now: int) -> bool:
         """Take one token if it conforms. The hot path: O(1), no I/O."""
 
+    def take_n(self, b: Bucket, now: int, n: int) -> None:
+        """Take `n` tokens `available` granted at `now`: as `n` successful
+        `take`s at `now` (one call per user and step instead of per token)."""
+
     def give_back(self, b: Bucket, now: int) -> None:
         """Undo one successful `take` (the scheduler's one refund point)."""
 

@@ -383,6 +383,50 @@ def test_refund_exactly_undoes_a_take(
         prev = t
 
 
+@every_store
+@SETTINGS
+@given(
+    rate=rates,
+    burst=bursts,
+    deltas=st.lists(gaps, max_size=40),
+    batches=st.lists(st.tuples(gaps, st.integers(0, 1 << 12)), min_size=1, max_size=20),
+)
+def test_take_n_is_n_takes_at_one_instant(
+    make_store: Callable[[CompiledPolicy], BudgetStore],
+    rate: str | int | Fraction,
+    burst: int,
+    deltas: list[int],
+    batches: list[tuple[int, int]],
+) -> None:
+    """`take_n(b, now, n)` with n <= available(b, now) leaves the state n
+    successful takes at `now` leave: every later decision agrees (the
+    scheduler's per-step reservation relies on it)."""
+    lim = Limit(rate, burst)
+    times = times_from(10**12, deltas)
+    one, bulk = store_for(make_store, lim), store_for(make_store, lim)
+    ob, bb = one.pin("u"), bulk.pin("u")
+    for t in times:
+        assert one.take(ob, t) == bulk.take(bb, t)
+    now = times[-1] if times else 10**12
+    for gap, want in batches:
+        now += gap
+        left = bulk.available(bb, now)
+        assert left == one.available(ob, now)
+        n = min(want, left)
+        for _ in range(n):
+            assert one.take(ob, now)
+        bulk.take_n(bb, now, n)
+        assert one.available(ob, now) == bulk.available(bb, now) == left - n
+        assert one.ready_at(ob, now) == bulk.ready_at(bb, now)
+        assert ob.tat == bb.tat
+        assert getattr(ob, "spent", 0) == getattr(bb, "spent", 0)
+        if n:  # a refund after a bulk take is exact too
+            one.give_back(ob, now)
+            bulk.give_back(bb, now)
+            assert one.available(ob, now) == bulk.available(bb, now)
+        assert one.take(ob, now) == bulk.take(bb, now)
+
+
 def test_the_keyed_refund_is_give_back() -> None:
     keyed, direct = limiter_for(Limit(2, NS_PER_S)), limiter_for(Limit(2, NS_PER_S))
     b = direct.bucket("u")

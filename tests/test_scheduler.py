@@ -105,7 +105,7 @@ def test_update_from_output_never_touches_the_limiter(kind, monkeypatch):
             inside["update"] = False
 
     monkeypatch.setattr(s, "update_from_output", update)
-    for verb in ("take", "give_back", "ready_at", "available", "set_policy"):
+    for verb in ("take", "take_n", "give_back", "ready_at", "available", "set_policy"):
         stock = getattr(s.limiter, verb)
 
         def guarded(*a, _stock=stock, _verb=verb, **kw):

@@ -61,6 +61,9 @@ class Admission:
             return False  # displaced or preempted this step: not back in the same step
         u = rs.user
         limiter = self.limiter
+        if u.extra:  # tokens spent from this step's reservation: into the store first
+            limiter.take_n(u.bucket, now, u.extra)
+            u.extra = 0
         limit = limiter.limit_of(u.bucket, now)
         if limit.shadow:
             pass  # computed and counted, never enforced

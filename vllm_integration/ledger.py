@@ -43,17 +43,28 @@ class Ledger:
             u = rs.user
             if rs.over_step == step:
                 u.st_over -= 1  # a shadow over-limit token: nothing was taken
+            elif u.extra:
+                u.extra -= 1  # reserved, not taken yet (see `settle`)
             elif u.bucket.limit.scale:
                 self.limiter.give_back(u.bucket, now)
             u.st_refunded += 1
             self._unobserve(rs, u, now)
             rs.charged_step = -1  # never refunded twice
             refunded += 1
-        self.stats["charged"] += st.n_charged - refunded
         self.stats["refunded"] += refunded
-        st.n_charged = 0
         st.last_charge_running = st.last_charge_waiting = None
         candidates.clear()
+
+    def settle(self, st: StepScratch, now: int) -> None:
+        """Take the tokens users spent from this step's reservations (after
+        refunds: those never reach the store): one `take_n` per user."""
+        limiter = self.limiter
+        for u in st.reserved:
+            if u.extra:
+                limiter.take_n(u.bucket, now, u.extra)
+                u.extra = 0
+            u.res = -1
+        st.reserved.clear()
 
     def _unobserve(self, rs: RequestState, u: UserState, now: int) -> None:
         """A refunded token was never sampled: take back its interval."""
@@ -71,21 +82,29 @@ class Ledger:
         their token interval, observed once per user."""
         period = now - self.prev_now
         self.prev_now = now
-        slot = bisect_left(BUCKETS_NS, period)  # one bucket for every user this step
+        users = st.users
         trace = self.trace
+        if not users and trace is None:
+            return
+        slot = bisect_left(BUCKETS_NS, period)  # one bucket for every user this step
         charged: dict[str, int] = {}
         refunded: dict[str, int] = {}
         over: dict[str, int] = {}
-        for u in st.users:
+        total = 0
+        for u in users:
+            consec = u.st_consec
+            net = consec + u.st_gap  # net: refunds took theirs back
+            total += net
             m = u.m
-            m.tokens += u.st_consec + u.st_gap  # net: refunds took theirs back
-            if u.st_consec:
-                m.interval.buckets[slot] += u.st_consec  # == observe(period, st_consec)
-                m.interval.sum_ns += period * u.st_consec
+            m.tokens += net
+            if consec:
+                h = m.interval  # == h.observe(period, consec)
+                h.buckets[slot] += consec
+                h.sum_ns += period if consec == 1 else period * consec
             if u.st_over:
                 m.shadow_over += u.st_over
             if trace is not None:
-                gross = u.st_consec + u.st_gap + u.st_refunded
+                gross = net + u.st_refunded
                 if gross:
                     charged[u.key] = gross
                 if u.st_refunded:
@@ -93,7 +112,8 @@ class Ledger:
                 if u.st_over:
                     over[u.key] = u.st_over
             u.st_consec = u.st_gap = u.st_refunded = u.st_over = 0
-        st.users.clear()
+        users.clear()
+        self.stats["charged"] += total
         if trace is None:
             return
         held, released = holdback.trace_held or {}, holdback.trace_released or {}

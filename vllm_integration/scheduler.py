@@ -24,6 +24,7 @@ held requests: the wrapper costs a Python call per allocation).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -126,11 +127,17 @@ class OutrateMixin:
         self.roster = Roster(self.limiter, self.metrics)
         self._users = self.roster.users  # users with live requests, by id
         self._step = 0
+        self._prev_step = -1
         self._now = 0
         self._cfg_active = self.max_num_active_reqs
         self._lookahead = getattr(self, "num_prefill_lookahead", 0) > 1
         kvm = self.kv_cache_manager
-        kvm.__dict__.pop("allocate_slots", None)  # re-wiring: back to the class method
+        # Never read kvm.__dict__: CPython then moves its attributes out of the
+        # object into a dict, and every attribute read in vLLM's allocation
+        # path (per request, per step) gets slower.
+        with contextlib.suppress(AttributeError):
+            del kvm.allocate_slots  # re-wiring: back to the class method
+        self._alloc_wrapped = False
         self._stock_allocate = kvm.allocate_slots
         for req in self.requests.values():  # only tests re-wire a scheduler with requests
             self._register(req)
@@ -215,22 +222,31 @@ class OutrateMixin:
         u = rs.user
         if u.refused_step != step:
             now = self._now
-            bucket = u.bucket
-            if self._take(bucket, now) or self._shadow_over(bucket, rs, u):
+            first = u.step != step
+            if first:  # the user's first token this step: from the store
+                granted = self._take(u.bucket, now)
+            else:  # later ones: from a reservation, taken at the end (Ledger.settle)
+                res = u.res
+                if res < 0:
+                    res = self._reserve(u, now)
+                if res:
+                    u.res = res - 1
+                    u.extra += 1
+                granted = res > 0
+            if granted or self._shadow_over(u.bucket, rs, u):
                 rs.charged_step = step
                 st = self._st
-                st.n_charged += 1
                 if request.status is _RUNNING:
                     st.last_charge_running = request
                 else:
                     st.last_charge_waiting = request
                 # Metrics: counted on the user, folded once per step (Ledger.fold).
-                if u.step != step:
+                if first:
                     u.step = step
                     st.users.append(u)
                 prev = rs.prev_ns = rs.last_ns
                 rs.last_ns = now
-                if last == step - 1:
+                if last == self._prev_step:
                     u.st_consec += 1  # interval = this step's period, observed at the fold
                 else:
                     u.st_gap += 1
@@ -246,6 +262,13 @@ class OutrateMixin:
         if rs.resident:
             self._st.refused.append(request)
         return 0
+
+    def _reserve(self, u: UserState, now: int) -> int:
+        """A user charged a second time in a step: the tokens the store grants
+        at this same instant, spent without asking it again (exact: n takes at
+        one instant are one `take_n`)."""
+        self._st.reserved.append(u)
+        return self.limiter.available(u.bucket, now)
 
     def _shadow_over(self, bucket: Any, rs: RequestState, u: UserState) -> bool:
         """A shadow limit refused a token: count it, let it run."""
@@ -286,6 +309,7 @@ class OutrateMixin:
     # -- one step ---------------------------------------------------------------
 
     def schedule(self, throttle_prefills: bool = False) -> Any:
+        self._prev_step = self._step
         self._step += 1
         now = self._now = self._clock()
         policy = self.policy_box.current
@@ -298,11 +322,12 @@ class OutrateMixin:
             self._st.touched += holdback.release_ready(now, room, self.running)
         if holdback and len(self.running) + len(holdback) >= self.max_num_running_reqs:
             self._displace(now)
-        kvm = self.kv_cache_manager
         if holdback:
-            kvm.allocate_slots = self._allocate_slots
-        elif "allocate_slots" in kvm.__dict__:
-            del kvm.allocate_slots
+            self.kv_cache_manager.allocate_slots = self._allocate_slots
+            self._alloc_wrapped = True
+        elif self._alloc_wrapped:
+            del self.kv_cache_manager.allocate_slots
+            self._alloc_wrapped = False
         # Held requests keep resident slots: admission needs
         # running + held < max_num_seqs and running < max_num_active_seqs.
         self.max_num_active_reqs = min(self._cfg_active, self.max_num_running_reqs - len(holdback))
@@ -315,8 +340,10 @@ class OutrateMixin:
 
     def _after_schedule(self, scheduled: dict[str, int], now: int) -> None:
         st = self._st
-        if st.n_charged:
+        if st.users:  # charged this step: refund what was not scheduled
             self.ledger.refund_missed(st, scheduled, self._step, now)
+        if st.reserved:
+            self.ledger.settle(st, now)
         if st.stash:
             self._requeue_stashed(st)
         if st.admits:
