@@ -25,14 +25,15 @@ def server(tmp_path_factory):
     proc.stop()
 
 
-_PROCESS_ENV = ("OUTRATE_API_SETTINGS", "OUTRATE_IDENTITY_SECRET")
+_PROCESS_ENV = ("OUTRATE_API_SETTINGS", "OUTRATE_IDENTITY_SECRET", "OUTRATE_METRICS_DIR")
 
 
 @pytest.fixture(autouse=True)
 def _no_identity_state_leaks():
     """Tests that run the plugin's startup (`from_cli_args`) set the API
-    server's identity settings in this process's environment and build its
-    gate (a reloader thread): undo both after each test."""
+    server's identity settings and metrics directory in this process's
+    environment and build its gate (a reloader thread): undo both after each
+    test (servers the tests start must not inherit them)."""
     saved = {name: os.environ.get(name) for name in _PROCESS_ENV}
     yield
     for name, value in saved.items():

@@ -616,3 +616,38 @@ def test_the_engine_client_signs_what_the_guard_decided(identity_gate):
     assert exc.value.http_status == 401
     identity_gate(IdentityConfig(source="header", header="x-user"))
     assert stamped(None, {STAMP_KEY: g.stamper.sign("bob")}) is None  # anonymous
+
+
+_METRICS_DIR_OF = """
+import multiprocessing, sys
+from vllm_integration import metrics
+if sys.argv[1] == "api":
+    multiprocessing.current_process().name = "ApiServer_0"
+    metrics.install_in_spawned_api_server()
+    print(metrics._collector.directory if metrics._collector else "")
+else:
+    print(metrics.install_metrics())
+"""
+
+
+@pytest.mark.parametrize("process", ["main", "api"])
+def test_metrics_directory_inherited_only_by_spawned_api_servers(process, tmp_path):
+    """A spawned API server (`ApiServer_<i>`) serves its parent's directory
+    (`OUTRATE_METRICS_DIR=<parent pid>:<dir>`); a process that parses the flags
+    makes its own even when it inherited one: two servers started by one
+    parent (a test session, a supervisor) never share a directory."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OUTRATE_METRICS_DIR": f"{os.getpid()}:{tmp_path}"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+    done = subprocess.run(
+        [sys.executable, "-c", _METRICS_DIR_OF, process],
+        env=env, capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    directory = done.stdout.strip()
+    if process == "api":
+        assert directory == str(tmp_path)
+    else:
+        assert directory and directory != str(tmp_path)

@@ -56,17 +56,20 @@ def install_in_spawned_api_server() -> None:
     so `apply_outrate_args` never runs in such a process)."""
     import multiprocessing
 
-    if multiprocessing.current_process().name.startswith("ApiServer_") and _parents_directory():
-        install_metrics()
+    if multiprocessing.current_process().name.startswith("ApiServer_"):
+        directory = _parents_directory()
+        if directory is not None:
+            install_metrics(directory)
 
 
-def install_metrics() -> str:
-    """Create the snapshot directory (or take the parent's) and serve it on
-    /metrics; idempotent. Returns the directory for the engine core."""
+def install_metrics(directory: str | None = None) -> str:
+    """Serve `directory` on /metrics, or a new one this process makes (the
+    process that parses the flags: never a directory it inherited, which
+    another server may be writing); idempotent. Returns the directory for
+    the engine core."""
     global _collector
     if _collector is not None:
         return _collector.directory
-    directory = _parents_directory()
     if directory is None:
         directory = tempfile.mkdtemp(prefix="outrate-metrics-")
         atexit.register(shutil.rmtree, directory, True)  # only its maker removes it
