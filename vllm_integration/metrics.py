@@ -34,9 +34,9 @@ _collector: SnapshotCollector | None = None
 
 DIR_ENV = "OUTRATE_METRICS_DIR"
 """`<pid>:<directory>`, set by the process that made the directory. With
-`--api-server-count N > 1` vLLM spawns N API-server processes, and each parses
-the flags again (so `install_metrics` runs in each): they must read the
-directory the engine core writes, not make one of their own."""
+`--api-server-count N > 1` vLLM spawns N API-server processes; each must
+read the directory the engine core writes (`install_in_spawned_api_server`),
+not make one of its own."""
 
 
 def _parents_directory() -> str | None:
