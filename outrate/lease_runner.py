@@ -86,6 +86,11 @@ class LeaseRunner:
         self.last_rtt_ns = 0
         self.max_horizon_us = 0
         """The longest horizon sent (the bound's H; tests and the benchmark)."""
+        self.late_ns = 0
+        """Time this thread started rounds late: the sum over rounds of what
+        the period exceeded two intervals by (a starved process, a slow store).
+        Counted only while users hold leases here: their credit runs dry while
+        it is late, so tests discount it from the rate they expect."""
         self._last_beat = 0
         self._last_start = 0
         self._mismatch: frozenset[str] = frozenset()
@@ -252,6 +257,8 @@ class LeaseRunner:
         start = time.monotonic_ns()
         if self._last_start:
             self.period_ns = start - self._last_start
+            if self.period_ns > 2 * self.interval_ns and self.active:
+                self.late_ns += self.period_ns - 2 * self.interval_ns
         self._last_start = start
         plan = self.plan(start, debts)
         beat = None

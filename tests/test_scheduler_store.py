@@ -63,6 +63,10 @@ def shared_scheduler(kind: str, url: str, name: str):
     return sched, runner, rec
 
 
+def longest_gap_ms(steps: list[tuple[int, int]]) -> float:
+    return max((b[0] - a[0] for a, b in zip(steps, steps[1:], strict=False)), default=0) / 1e6
+
+
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_two_schedulers_share_one_budget(kind, redis_server):
     redis_server.client().flushall()
@@ -74,11 +78,14 @@ def test_two_schedulers_share_one_budget(kind, redis_server):
             d.add(make_request("alice", max_tokens=100_000))
         d.add(make_request("free", max_tokens=100_000))
         drivers.append(d)
-    until = time.monotonic() + 3.0
+    # 6 s of real time, so a stall of a few hundred ms (a starved process on a
+    # loaded 2-core CI machine) costs alice under 10% of her tokens; steps every
+    # ~4 ms keep the unlimited requests under max_model_len (~2,000 tokens).
+    until = time.monotonic() + 6.0
     while time.monotonic() < until:
         for d in drivers:
             d.step()
-        time.sleep(0.002)
+        time.sleep(0.004)
     for _, runner, _ in engines:
         runner.stop()
     per_engine = [rec.tokens("alice") for _, _, rec in engines]
@@ -87,14 +94,23 @@ def test_two_schedulers_share_one_budget(kind, redis_server):
     excess = max_window_excess(merged, 20, BURST_NS)
     slack = 20 * LEASE_INTERVAL_S + 2  # rate * H + N, H = 20 ms: a little under S (stricter)
     rate = engine_rate(merged)
+    # A lease thread that starts its rounds late (a starved process) leaves
+    # its engine without credit meanwhile: that time is discounted, at the
+    # full rate (conservative: the other engine still paces at its share).
+    late_s = max(r.late_ns for _, r, _ in engines) / 1e9
+    span_s = (merged[-1][0] - merged[0][0]) / 1e9
+    floor = 0.9 * 20 * max(0.0, span_s - late_s) / span_s
     free = [sum(k for _, k in rec.tokens("free")) for _, _, rec in engines]
     steps = [d.steps for d in drivers]
     print(
         f"{kind}: alice {counts} tokens at {rate:.2f} tok/s, worst window {excess:+.2f} "
-        f"(slack {slack:.1f}); free {free} tokens in {steps} steps"
+        f"(slack {slack:.1f}); free {free} tokens in {steps} steps; "
+        f"lease rounds {[r.metrics.round_trips for _, r, _ in engines]}, "
+        f"late {late_s * 1000:.0f} ms (floor {floor:.2f} tok/s), "
+        f"longest gap between alice's tokens {longest_gap_ms(merged):.0f} ms"
     )
     assert excess <= slack
-    assert rate >= 0.9 * 20
+    assert rate >= floor
     assert min(counts) >= 0.35 * sum(counts)  # both engines make progress, fairly
     # The unlimited user ran one token per step throughout, on both engines.
     for f, n in zip(free, steps, strict=True):
