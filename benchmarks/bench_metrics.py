@@ -66,7 +66,7 @@ def hook_without_metrics(
         else:
             res = u.res
             if res < 0:
-                res = self._reserve(u, self._now)
+                res = self.ledger.reserve(u, self._now, self._st)
             if res:
                 u.res = res - 1
                 u.extra += 1

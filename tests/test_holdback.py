@@ -120,3 +120,36 @@ def test_displacement_takes_from_the_user_with_the_most_slots_only_if_unfair():
     assert hb.displacement_victim(newcomer, [hog, newcomer]) is reqs[-1]  # youngest held
     hog.resident = 2
     assert hb.displacement_victim(newcomer, [hog, newcomer]) is None  # 2 vs 1: fair enough
+
+
+def test_hold_refused_holds_only_running_requests_stock_did_not_schedule():
+    hb, _, user, stats = setup()
+    alice = user("alice")
+    reqs = [Req(alice) for _ in range(4)]
+    for i, r in enumerate(reqs):
+        r.request_id = f"r{i}"
+        r.status = "RUNNING" if i != 3 else "WAITING"
+    running = list(reqs[:3])
+    refused = [reqs[0], reqs[1], reqs[3]]
+    # r0 was scheduled after all (a later token of the step), r3 is not running.
+    out = hb.hold_refused(refused, {"r0": 1}, running, now=5, running_status="RUNNING")
+    assert out == [reqs[0], reqs[2]] and out is running  # one held: removed in place
+    assert list(hb.held) == [reqs[1]] and refused == [] and stats["held"] == 1
+    refused = [reqs[0], reqs[2]]
+    out = hb.hold_refused(refused, {}, out, now=6, running_status="RUNNING")
+    assert out == [] and len(hb) == 3 and alice.n_held == 3
+
+
+def test_earliest_ready_is_the_earlier_of_the_wake_heap_and_a_blocked_admission():
+    hb, limiter, user, _ = setup(rate=10)
+    alice = user("alice")
+    assert hb.earliest_ready() == 0 and hb.earliest_ready(7) == 7
+    spend(limiter, alice, 0)
+    hb.hold(Req(alice), now=0)
+    hb.arm(alice, 0)
+    ready = alice.ready_at
+    assert hb.earliest_ready() == ready
+    assert hb.earliest_ready(ready - 1) == ready - 1
+    assert hb.earliest_ready(ready + 1) == ready
+    alice.armed = False  # its entry goes stale: only the blocked time is left
+    assert hb.earliest_ready(ready + 1) == ready + 1

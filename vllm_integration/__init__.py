@@ -81,7 +81,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         "KVCacheManager.allocate_slots (instance attribute, steps with held requests)",
-        "scheduler.py",
+        "kv.py",
         "held requests are the preferred preemption victims",
         "vLLM lets a scheduler choose preemption victims",
     ),

@@ -81,6 +81,17 @@ class Admission:
         st.admits.append(request)
         return True
 
+    @staticmethod
+    def undo_unadmitted(admits: list[Request], running_status: object) -> None:
+        """After a step: requests counted resident by `admit` that stock did
+        not admit after all (a later check of its own failed) are not."""
+        for r in admits:
+            rs = r.__dict__.get(ATTR)
+            if rs is not None and rs.resident and r.status != running_status:
+                rs.resident = False
+                rs.user.resident -= 1
+        admits.clear()
+
     def _defer(self, rs: RequestState, reason: str) -> bool:
         """Admission deferred; counted once per deferral, not per step."""
         if rs.deferred != reason:

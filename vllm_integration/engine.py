@@ -1,5 +1,6 @@
-"""Engine-loop patch: wait on the input queue instead of spinning when every
-request is throttled.
+"""The scheduler's engine-core wiring (`wire_engine`), and the engine-loop
+patch: wait on the input queue instead of spinning when every request is
+throttled.
 
 vLLM 0.32's `EngineCoreProc._process_engine_step` sleeps 1 ms and loops when
 no model ran but requests exist: a busy spin while everyone is throttled.
@@ -12,8 +13,32 @@ Can go when vLLM lets a scheduler report how long it has nothing to do.
 
 from __future__ import annotations
 
+import logging
 import queue
 from typing import Any
+
+logger = logging.getLogger("vllm.outrate")
+
+
+def wire_engine(sched: Any) -> Any:
+    """At the scheduler's construction in the engine core: refuse KV
+    connectors, load the policy vLLM's config carries, open the budget store
+    (`--outrate-store`), configure the scheduler, start its threads (reload,
+    metrics, trace, leases) and the idle wait. Returns the `EngineThreads`."""
+    from vllm_integration.config import policy_from_vllm_config, refuse_connectors
+    from vllm_integration.store import open_store
+    from vllm_integration.threads import start_engine_threads
+
+    refuse_connectors(sched)
+    policy, settings = policy_from_vllm_config(sched.vllm_config)
+    store = open_store(policy, settings, sched.vllm_config)
+    sched.outrate_configure(policy, limiter=store.limiter if store is not None else None)
+    logger.info("outrate: %s", policy.summary())
+    if policy.shadow_rules:
+        logger.info("outrate: shadow (counted, not enforced): %s", ", ".join(policy.shadow_rules))
+    threads = start_engine_threads(sched, settings, store)
+    install_idle_wait()
+    return threads
 
 
 def install_idle_wait() -> None:

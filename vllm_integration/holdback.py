@@ -60,6 +60,29 @@ class Holdback:
         if self.trace_held is not None:
             self.trace_held[u.key] = self.trace_held.get(u.key, 0) + 1
 
+    def hold_refused(
+        self,
+        refused: list[Request],
+        scheduled: dict[str, int],
+        running: list[Request],
+        now: int,
+        running_status: object,
+    ) -> list[Request]:
+        """After a step: hold the running requests refused a token that stock
+        did not schedule after all. Returns `running` without them (the same
+        list when one is held, as vLLM's `remove_all` does)."""
+        hold = {r for r in refused if r.status == running_status and r.request_id not in scheduled}
+        refused.clear()
+        if not hold:
+            return running
+        if len(hold) == 1:
+            running.remove(next(iter(hold)))
+        else:
+            running = [r for r in running if r not in hold]
+        for r in hold:
+            self.hold(r, now)
+        return running
+
     def leave(self, rs: RequestState, r: Request, now: int) -> None:
         """A held request finishes or is preempted: it is no longer held (its
         heap entry is skipped lazily)."""
@@ -141,15 +164,17 @@ class Holdback:
             u.armed = False
         self.wake.clear()
 
-    def earliest_ready(self) -> int:
-        """The earliest live wake-up time (0: none); drops stale heads."""
+    def earliest_ready(self, blocked: int = 0) -> int:
+        """The earliest live wake-up time, or `blocked` (the ready time of a
+        user whose waiting request admission deferred) if that is earlier;
+        0: none. Drops stale heads."""
         wake = self.wake
         while wake:
             ready, _, u = wake[0]
             if u.wakes_at(ready):
-                return ready
+                return blocked if blocked and blocked < ready else ready
             heapq.heappop(wake)
-        return 0
+        return blocked
 
     # -- victims -------------------------------------------------------------
 

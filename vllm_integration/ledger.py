@@ -55,6 +55,20 @@ class Ledger:
         st.last_charge_running = st.last_charge_waiting = None
         candidates.clear()
 
+    def reserve(self, u: UserState, now: int, st: StepScratch) -> int:
+        """A user charged a second time in a step: the tokens the store grants
+        at this same instant, spent without asking it again (exact: n takes at
+        one instant are one `take_n`, done in `settle`)."""
+        st.reserved.append(u)
+        return self.limiter.available(u.bucket, now)
+
+    @staticmethod
+    def shadow_over(rs: RequestState, u: UserState, step: int) -> bool:
+        """A shadow limit refused a token: count it, let it run."""
+        rs.over_step = step
+        u.st_over += 1
+        return True
+
     def settle(self, st: StepScratch, now: int) -> None:
         """Take the tokens users spent from this step's reservations (after
         refunds: those never reach the store): one `take_n` per user."""

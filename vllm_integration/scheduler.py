@@ -10,21 +10,21 @@ and defer admissions (`_handle_blocked_waiting_request`); then settle the step
 (`_after_schedule`): refunds, requeue, holds, wake-ups, metrics and trace.
 
 The machinery lives beside it: `Holdback` (holdback.py) parks throttled
-running requests outside `running` and wakes them; `Ledger` (ledger.py)
-settles refunds, metrics and the trace; `StepScratch` (state.py) is what one
-step carries to its end. Policy decisions are the core's (`outrate.limiter`
-behind the `BudgetStore` protocol).
+running requests outside `running` and wakes them; `Admission`
+(admission.py) defers and displaces; `Ledger` (ledger.py) settles refunds,
+reservations, metrics and the trace; `StepScratch` (state.py) is what one
+step carries to its end; `wire_engine` (engine.py) sets it all up in the
+engine core. Policy decisions are the core's (`outrate.limiter` behind the
+`BudgetStore` protocol).
 
 Holdback restores two stock behaviours explicitly: `len(running) + held <=
 max_num_seqs` (the admission cap `max_num_active_reqs` is lowered for the
 step), and held requests are the preferred preemption victims
-(`kv_cache_manager.allocate_slots` is wrapped, only in steps that start with
-held requests: the wrapper costs a Python call per allocation).
+(`HeldFirstAllocation`, kv.py, only in steps that start with held requests).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -34,7 +34,6 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.core.sched.utils import remove_all
 from vllm.v1.request import Request, RequestStatus
 
 from outrate.compiler import CompiledPolicy
@@ -44,9 +43,10 @@ from outrate.metrics import Metrics
 from outrate.store import BudgetStore
 from vllm_integration.admission import Admission
 from vllm_integration.holdback import Holdback
+from vllm_integration.kv import HeldFirstAllocation
 from vllm_integration.ledger import Ledger
 from vllm_integration.roster import Roster
-from vllm_integration.state import ATTR, PolicyBox, RequestState, StepScratch, UserState
+from vllm_integration.state import ATTR, PolicyBox, RequestState, StepScratch
 
 logger = logging.getLogger("vllm.outrate")  # under vLLM's logger: same format and level
 
@@ -69,21 +69,9 @@ class OutrateMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        from vllm_integration.config import policy_from_vllm_config, refuse_connectors
-        from vllm_integration.engine import install_idle_wait
-        from vllm_integration.store import open_store
-        from vllm_integration.threads import start_engine_threads
+        from vllm_integration.engine import wire_engine
 
-        refuse_connectors(self)
-        policy, settings = policy_from_vllm_config(self.vllm_config)  # type: ignore[attr-defined]
-        store = open_store(policy, settings, self.vllm_config)  # type: ignore[attr-defined]
-        self.outrate_configure(policy, limiter=store.limiter if store is not None else None)
-        logger.info("outrate: %s", policy.summary())
-        if policy.shadow_rules:
-            shadow = ", ".join(policy.shadow_rules)
-            logger.info("outrate: shadow (counted, not enforced): %s", shadow)
-        self._threads = start_engine_threads(self, settings, store)
-        install_idle_wait()
+        self._threads = wire_engine(self)  # policy, store, threads: calls outrate_configure
 
     def shutdown(self) -> None:
         threads = getattr(self, "_threads", None)
@@ -131,14 +119,7 @@ class OutrateMixin:
         self._now = 0
         self._cfg_active = self.max_num_active_reqs
         self._lookahead = getattr(self, "num_prefill_lookahead", 0) > 1
-        kvm = self.kv_cache_manager
-        # Never read kvm.__dict__: CPython then moves its attributes out of the
-        # object into a dict, and every attribute read in vLLM's allocation
-        # path (per request, per step) gets slower.
-        with contextlib.suppress(AttributeError):
-            del kvm.allocate_slots  # re-wiring: back to the class method
-        self._alloc_wrapped = False
-        self._stock_allocate = kvm.allocate_slots
+        self._alloc = HeldFirstAllocation(self)
         for req in self.requests.values():  # only tests re-wire a scheduler with requests
             self._register(req)
 
@@ -228,12 +209,12 @@ class OutrateMixin:
             else:  # later ones: from a reservation, taken at the end (Ledger.settle)
                 res = u.res
                 if res < 0:
-                    res = self._reserve(u, now)
+                    res = self.ledger.reserve(u, now, self._st)
                 if res:
                     u.res = res - 1
                     u.extra += 1
                 granted = res > 0
-            if granted or self._shadow_over(u.bucket, rs, u):
+            if granted or (u.bucket.limit.shadow and self.ledger.shadow_over(rs, u, step)):
                 rs.charged_step = step
                 st = self._st
                 if request.status is _RUNNING:
@@ -263,48 +244,12 @@ class OutrateMixin:
             self._st.refused.append(request)
         return 0
 
-    def _reserve(self, u: UserState, now: int) -> int:
-        """A user charged a second time in a step: the tokens the store grants
-        at this same instant, spent without asking it again (exact: n takes at
-        one instant are one `take_n`)."""
-        self._st.reserved.append(u)
-        return self.limiter.available(u.bucket, now)
-
-    def _shadow_over(self, bucket: Any, rs: RequestState, u: UserState) -> bool:
-        """A shadow limit refused a token: count it, let it run."""
-        if not bucket.limit.shadow:
-            return False
-        rs.over_step = self._step
-        u.st_over += 1
-        return True
-
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
         if not super()._handle_blocked_waiting_request(request):  # type: ignore[misc]
             return False
         return self.admission.admit(
             request, self._st, self._step, self._now, len(self.running), self.max_num_active_reqs
         )
-
-    def _allocate_slots(
-        self, request: Request, num_new_tokens: int, *args: Any, **kwargs: Any
-    ) -> Any:
-        """KV allocation that preempts held (throttled) requests first."""
-        alloc = self._stock_allocate
-        holdback = self.holdback
-        if holdback and kwargs.get("has_scheduled_reqs") is False:
-            kwargs["has_scheduled_reqs"] = True  # held requests are scheduled work too
-        while True:
-            blocks = alloc(request, num_new_tokens, *args, **kwargs)
-            if blocks is not None or not holdback:
-                return blocks
-            victim = holdback.kv_victim(self.running)
-            if victim is None:
-                return None  # a visible lower-priority request goes first (stock's choice)
-            # Stock's admission loop peeks the head of `waiting` and pops it
-            # later: keep the victim aside, requeue it at the front after the step.
-            self._preempt_request(victim, time.monotonic())
-            self.waiting.remove_request(victim)
-            self._st.stash.append(victim)
 
     # -- one step ---------------------------------------------------------------
 
@@ -322,12 +267,7 @@ class OutrateMixin:
             self._st.touched += holdback.release_ready(now, room, self.running)
         if holdback and len(self.running) + len(holdback) >= self.max_num_running_reqs:
             self._displace(now)
-        if holdback:
-            self.kv_cache_manager.allocate_slots = self._allocate_slots
-            self._alloc_wrapped = True
-        elif self._alloc_wrapped:
-            del self.kv_cache_manager.allocate_slots
-            self._alloc_wrapped = False
+        self._alloc.install(bool(holdback))  # held requests: preempted first (kv.py)
         # Held requests keep resident slots: admission needs
         # running + held < max_num_seqs and running < max_num_active_seqs.
         self.max_num_active_reqs = min(self._cfg_active, self.max_num_running_reqs - len(holdback))
@@ -344,41 +284,19 @@ class OutrateMixin:
             self.ledger.refund_missed(st, scheduled, self._step, now)
         if st.reserved:
             self.ledger.settle(st, now)
-        if st.stash:
-            self._requeue_stashed(st)
+        if st.stash:  # held victims of a KV allocation (kv.py): back at the front
+            for r in reversed(st.stash):
+                self.waiting.prepend_request(r)
+            st.stash.clear()
         if st.admits:
-            self._undo_unadmitted(st)
-        if st.refused:
-            self._hold_refused(st, scheduled, now)
+            self.admission.undo_unadmitted(st.admits, _RUNNING)
+        if st.refused:  # refused and not scheduled after all: held (holdback.py)
+            hb = self.holdback
+            self.running = hb.hold_refused(st.refused, scheduled, self.running, now, _RUNNING)
         if st.touched:
             self.holdback.arm_touched(st.touched, now)
         self.ledger.fold(st, self._step, now, self.holdback)
         self.limiter.cleanup(now, 4)
-
-    def _requeue_stashed(self, st: StepScratch) -> None:
-        for r in reversed(st.stash):
-            self.waiting.prepend_request(r)
-        st.stash.clear()
-
-    def _undo_unadmitted(self, st: StepScratch) -> None:
-        for r in st.admits:
-            rs = r.__dict__.get(ATTR)
-            if rs is not None and rs.resident and r.status != RequestStatus.RUNNING:
-                rs.resident = False
-                rs.user.resident -= 1
-        st.admits.clear()
-
-    def _hold_refused(self, st: StepScratch, scheduled: dict[str, int], now: int) -> None:
-        hold = {
-            r
-            for r in st.refused
-            if r.status == RequestStatus.RUNNING and r.request_id not in scheduled
-        }
-        st.refused.clear()
-        if hold:
-            self.running = remove_all(self.running, hold)
-            for r in hold:
-                self.holdback.hold(r, now)
 
     def _displace(self, now: int) -> None:
         """Fair admission (admission.py): one held request gives its slot to a
@@ -408,14 +326,8 @@ class OutrateMixin:
         0 when no throttling explains the idle step (stock behaviour)."""
         if getattr(self, "_pause_state", PauseState.UNPAUSED) != PauseState.UNPAUSED:
             return 0
-        earliest = self.holdback.earliest_ready()
-        blocked = self._st.blocked_ready
-        if blocked and (earliest == 0 or blocked < earliest):
-            earliest = blocked
-        if earliest == 0:
-            return 0
-        wait = earliest - self._clock()
-        return min(max(wait, 0), IDLE_WAIT_MAX_NS)
+        earliest = self.holdback.earliest_ready(self._st.blocked_ready)
+        return min(max(earliest - self._clock(), 0), IDLE_WAIT_MAX_NS) if earliest else 0
 
 
 class OutrateScheduler(OutrateMixin, Scheduler):
