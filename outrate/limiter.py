@@ -41,6 +41,18 @@ def exact_rate(value: int | float | str | Decimal | Fraction) -> Fraction:
     return Fraction(Decimal(str(value)))
 
 
+_INTS: dict[int, int] = {}
+
+
+def _shared_int(v: int) -> int:
+    """One int object per value across all Limits: `take` reads three of them
+    per token, and a policy of many rules with the same rate (one per listed
+    user) then touches the same three objects instead of three per user."""
+    if len(_INTS) > 100_000:
+        _INTS.clear()
+    return _INTS.setdefault(v, v)
+
+
 class Limit:
     """One resolved limit: rate (None = unlimited), burst and stream cap.
 
@@ -91,9 +103,9 @@ class Limit:
             self.interval = 0
             self.tolerance = 0
         else:
-            self.scale = rate.numerator
-            self.interval = NS_PER_S * rate.denominator
-            self.tolerance = self.burst_ns * rate.numerator
+            self.scale = _shared_int(rate.numerator)
+            self.interval = _shared_int(NS_PER_S * rate.denominator)
+            self.tolerance = _shared_int(self.burst_ns * rate.numerator)
 
     @property
     def unlimited(self) -> bool:
