@@ -6,6 +6,7 @@ KV cache manager; fake clock and fabricated model outputs (vllm_harness)."""
 from __future__ import annotations
 
 import random
+from bisect import bisect_left
 
 import pytest
 
@@ -17,6 +18,7 @@ from outrate.compiler import compile_policy  # noqa: E402
 from outrate.loader import parse_policy  # noqa: E402
 from outrate.metrics import BUCKETS_NS, OTHER, Metrics, snapshot  # noqa: E402
 from outrate.trace import TraceWriter, max_window_excess, read_trace, user_tokens  # noqa: E402
+from vllm_integration import ledger as ledger_mod  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 KINDS = ["sync", "async"]
@@ -30,12 +32,48 @@ def tokens_by_label(s) -> dict[str, int]:
     return {label: m.tokens for label, m in s.metrics.labels.items() if m.tokens}
 
 
+def record_sampling_times(s, clock) -> dict[str, list[int]]:
+    """Per request, the engine times of the steps that sampled it (what the
+    interval histogram must describe, refunds excluded by construction)."""
+    times: dict[str, list[int]] = {}
+    stock = s.schedule
+
+    def schedule(*args, **kwargs):
+        out = stock(*args, **kwargs)
+        for rid in out.num_scheduled_tokens:
+            if not s.requests[rid].is_prefill_chunk:
+                times.setdefault(rid, []).append(clock())
+        return out
+
+    s.schedule = schedule
+    return times
+
+
+def expected_intervals(times, label_of_request) -> dict[str, tuple[list[int], int]]:
+    out: dict[str, tuple[list[int], int]] = {}
+    for rid, ts in times.items():
+        buckets, total = out.get(label_of_request[rid], ([0] * (len(BUCKETS_NS) + 1), 0))
+        for a, b in zip(ts, ts[1:], strict=False):
+            buckets[bisect_left(BUCKETS_NS, b - a)] += 1
+            total += b - a
+        out[label_of_request[rid]] = (buckets, total)
+    return out
+
+
+@pytest.mark.parametrize("ring", [None, 8])
 @pytest.mark.parametrize("priority", [False, True])
 @pytest.mark.parametrize("seed", range(2))
-def test_counted_tokens_equal_emitted_tokens_under_kv_pressure(priority, seed, tmp_path):
+def test_counted_tokens_equal_emitted_tokens_under_kv_pressure(
+    priority, seed, ring, tmp_path, monkeypatch
+):
     """Sync scheduling samples every charged token that is not refunded, so the
     per-label counters and the trace must equal what the model emitted, with
-    allocation failures, preemptions and held victims on the way."""
+    allocation failures, preemptions and held victims on the way; and the
+    token intervals are exactly those of the sampled tokens (`ring`: a ring
+    of step times so short that holds outlast it)."""
+    if ring is not None:
+        monkeypatch.setattr(ledger_mod, "RING", ring)
+        monkeypatch.setattr(ledger_mod, "MASK", ring - 1)
     rng = random.Random(7 + seed)
     clock = FakeClock()
     pol = policy("version: 1\ndefault: 40\nusers:\n  hog: 15\n  vip: unlimited\n")
@@ -51,6 +89,7 @@ def test_counted_tokens_equal_emitted_tokens_under_kv_pressure(priority, seed, t
     )
     trace = TraceWriter(str(tmp_path / "trace.jsonl"))
     s.outrate_trace(trace)
+    times = record_sampling_times(s, clock)
     d = Driver(s, clock, step_ns=9 * MS)
     users = ["hog", "vip", "u1", "u2"]
     for _ in range(400):
@@ -82,9 +121,12 @@ def test_counted_tokens_equal_emitted_tokens_under_kv_pressure(priority, seed, t
     assert sum(sum(r.get("released", {}).values()) for r in lines) == s.stats["released"]
     assert all(m.held == 0 and m.live == 0 for m in s.metrics.labels.values())
     # every token but each request's first has an interval; refunds take theirs back
-    for m in s.metrics.labels.values():
-        assert all(n >= 0 for n in m.interval.buckets)
-        assert sum(m.interval.buckets) <= m.tokens
+    label = {"hog": "hog", "vip": "vip", "u1": "default", "u2": "default"}
+    want = expected_intervals(times, {rid: label[u] for rid, u in d.user_of.items()})
+    assert sum(len(ts) for ts in times.values()) == sum(emitted.values())
+    for name, m in s.metrics.labels.items():
+        assert (m.interval.buckets, m.interval.sum_ns) == want[name]
+    assert s.stats["held"] > 0 and (s.stats["refunded"] > 0 or not priority)  # paths taken
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -71,7 +71,9 @@ class Holdback:
         """After a step: hold the running requests refused a token that stock
         did not schedule after all. Returns `running` without them (the same
         list when one is held, as vLLM's `remove_all` does)."""
-        hold = {r for r in refused if r.status == running_status and r.request_id not in scheduled}
+        hold = dict.fromkeys(
+            r for r in refused if r.status == running_status and r.request_id not in scheduled
+        )  # in the order they were refused: held streams rotate deterministically
         refused.clear()
         if not hold:
             return running

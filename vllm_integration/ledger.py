@@ -9,6 +9,7 @@ trace line. Plain Python: no vLLM import.
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left
 from typing import Any
 
@@ -18,6 +19,11 @@ from outrate.store import BudgetStore
 from vllm_integration.holdback import Holdback
 from vllm_integration.state import ATTR, RequestState, StepScratch, UserState, is_held
 
+RING = 1 << 16
+"""Steps whose start times the Ledger remembers (512 KiB): the interval of a
+token after a gap of fewer steps is looked up, not stored per token."""
+MASK = RING - 1
+
 
 class Ledger:
     def __init__(self, limiter: BudgetStore, metrics: Metrics, stats: dict[str, int]) -> None:
@@ -26,6 +32,7 @@ class Ledger:
         self.stats = stats
         self.trace: Any = None  # a TraceWriter with --outrate-trace
         self.prev_now = 0  # the previous step's time: consecutive tokens' interval
+        self.times = array("q", bytes(8 * RING))  # step k's time at [k & MASK] (fold)
 
     def refund_missed(
         self, st: StepScratch, scheduled: dict[str, int], step: int, now: int
@@ -48,8 +55,7 @@ class Ledger:
             elif u.bucket.limit.scale:
                 self.limiter.give_back(u.bucket, now)
             u.st_refunded += 1
-            self._unobserve(rs, u, now)
-            rs.charged_step = -1  # never refunded twice
+            self._unobserve(rs, u, step, now)  # and the request's last token is the one before
             refunded += 1
         self.stats["refunded"] += refunded
         st.last_charge_running = st.last_charge_waiting = None
@@ -80,15 +86,51 @@ class Ledger:
             u.res = -1
         st.reserved.clear()
 
-    def _unobserve(self, rs: RequestState, u: UserState, now: int) -> None:
-        """A refunded token was never sampled: take back its interval."""
-        prev = rs.last_ns = rs.prev_ns
-        if prev and prev == self.prev_now:
+    def gap(self, rs: RequestState, u: UserState, last: int, step: int, now: int) -> None:
+        """A token of a request not charged in the step before (its first, or
+        its first after a hold, a preemption or a skipped step): counted, and
+        its interval since the request's last token observed now (tokens in
+        consecutive steps take the step's period, at the fold)."""
+        u.st_gap += 1
+        rs.gap_step = step
+        rs.prev_step = last
+        if last >= 0:
+            t = self._time_of(rs, last, step)
+            if t:
+                u.m.interval.observe(now - t)
+
+    def _time_of(self, rs: RequestState, k: int, step: int) -> int:
+        """When step `k` (< `step`, the current one) started; 0 if unknown: more
+        than RING steps ago and not when the request stopped (`stopped`)."""
+        if step - k < RING:
+            return self.times[k & MASK]
+        return rs.last_ns if rs.last_step == k else 0
+
+    def stopped(self, rs: RequestState, step: int) -> None:
+        """A request refused a token or preempted: keep its last token's time
+        on it, for a gap longer than the ring. A token of this very step is
+        not its last yet: a request preempted after its charge is refunded
+        (`_unobserve` pins the token before)."""
+        k = rs.charged_step
+        if 0 <= k < step and k != rs.last_step:
+            rs.last_ns = self._time_of(rs, k, step)
+            rs.last_step = k
+
+    def _unobserve(self, rs: RequestState, u: UserState, step: int, now: int) -> None:
+        """A refunded token was never sampled: take back its count and its
+        interval; the request's last token is the one before it again."""
+        if rs.gap_step != step:  # in the step after its last: the period's
             u.st_consec -= 1
-            return
-        u.st_gap -= 1
-        if prev:
-            u.m.interval.unobserve(now - prev)
+            rs.charged_step = step - 1
+        else:
+            u.st_gap -= 1
+            last = rs.charged_step = rs.prev_step
+            rs.gap_step = -1
+            if last >= 0:
+                t = self._time_of(rs, last, step)
+                if t:
+                    u.m.interval.unobserve(now - t)
+        self.stopped(rs, step)  # preempted, most likely: pinned at its last token
 
     def fold(self, st: StepScratch, step: int, now: int, holdback: Holdback) -> None:
         """This step's charges into each label's metrics, and one trace line.
@@ -96,6 +138,7 @@ class Ledger:
         their token interval, observed once per user."""
         period = now - self.prev_now
         self.prev_now = now
+        self.times[step & MASK] = now
         users = st.users
         trace = self.trace
         if not users and trace is None:

@@ -165,6 +165,7 @@ class OutrateMixin:
         if rs is not None:
             self._leave_slot(rs, request)
             rs.preempted_step = self._step
+            self.ledger.stopped(rs, self._step)
             if rs.charged_step == self._step:
                 self._st.preempted_charged.append(request)  # refunded after the step
         super()._preempt_request(request, timestamp, drop_stale_output)  # type: ignore[misc]
@@ -225,14 +226,10 @@ class OutrateMixin:
                 if first:
                     u.step = step
                     st.users.append(u)
-                prev = rs.prev_ns = rs.last_ns
-                rs.last_ns = now
-                if last == self._prev_step:
+                if last == self._prev_step:  # (not `step - 1`: an int per token)
                     u.st_consec += 1  # interval = this step's period, observed at the fold
                 else:
-                    u.st_gap += 1
-                    if prev:
-                        u.m.interval.observe(now - prev)
+                    self.ledger.gap(rs, u, last, step, now)
                 return num_new_tokens
             u.refused_step = step
             self._st.touched.append(u)
@@ -242,6 +239,7 @@ class OutrateMixin:
             return last_prompt - num_computed_tokens
         if rs.resident:
             self._st.refused.append(request)
+            self.ledger.stopped(rs, step)  # held after the step, most likely
         return 0
 
     def _handle_blocked_waiting_request(self, request: Request) -> bool:

@@ -88,14 +88,16 @@ class RequestState:
     __slots__ = (  # the hook's first (see UserState)
         "charged_step",
         "user",
-        "last_ns",
-        "prev_ns",
         "resident",
         "held",
         "preempted_step",
         "held_since",
         "over_step",
         "deferred",
+        "gap_step",
+        "prev_step",
+        "last_step",
+        "last_ns",
     )
 
     def __init__(self, user: UserState) -> None:
@@ -104,8 +106,13 @@ class RequestState:
         self.held = False
         self.charged_step = -1
         self.preempted_step = -1
-        self.last_ns = 0  # when its last token was charged (0: none yet)
-        self.prev_ns = 0  # the one before: a refund puts it back
+        # Token intervals (Ledger.gap): a token in the step after the request's
+        # last one takes that step's period; others look the last one's step
+        # up in the Ledger's ring of step times.
+        self.gap_step = -1  # the step of its last token that was not consecutive
+        self.prev_step = -1  # ... and the step of the token before that one
+        self.last_step = -1  # its last token's step when it stopped (hold, preemption)
+        self.last_ns = 0  # ... and that step's time: for gaps longer than the ring
         self.held_since = 0
         self.over_step = -1  # step of a shadow over-limit charge (refunds)
         self.deferred = ""  # why admission is deferred now ("" when it is not)
