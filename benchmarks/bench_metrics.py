@@ -1,6 +1,6 @@
 """What the engine-side metrics cost per scheduler step.
 
-    python benchmarks/bench_metrics.py [--quick] [--check]
+    python benchmarks/bench_metrics.py [--quick] [--check] [--copies N] [--only CELLS]
 
 Same rig as bench_scheduler.py (real vLLM schedulers, real KV cache manager,
 fake clock, fabricated outputs, every request in decode, interleaved paired
@@ -130,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer cells and steps")
     ap.add_argument("--check", action="store_true", help="exit 1 if a cell misses the target")
     ap.add_argument("--copies", type=int, default=3, help="schedulers built per variant")
+    ap.add_argument("--only", help="cells, e.g. sync:1024:0,async:256:0 (mode:R:throttled%%)")
     args = ap.parse_args(argv)
     sizes = QUICK if args.quick else FULL
     with contextlib.redirect_stdout(sys.stderr):
@@ -144,6 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for mode in ("sync", "async"):
         for r in runnings:
             for f in (0.0, 0.5):
+                if args.only and f"{mode}:{r}:{f * 100:.0f}" not in args.only.split(","):
+                    continue
                 w = workload(r, 16, f)
                 k = max(args.copies, 2)
                 ons = [build(mode, w.users, sizes, policy_for(w)) for _ in range(k)]
