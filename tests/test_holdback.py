@@ -129,15 +129,14 @@ def test_hold_refused_holds_only_running_requests_stock_did_not_schedule():
     for i, r in enumerate(reqs):
         r.request_id = f"r{i}"
         r.status = "RUNNING" if i != 3 else "WAITING"
-    running = list(reqs[:3])
     refused = [reqs[0], reqs[1], reqs[3]]
     # r0 was scheduled after all (a later token of the step), r3 is not running.
-    out = hb.hold_refused(refused, {"r0": 1}, running, now=5, running_status="RUNNING")
-    assert out == [reqs[0], reqs[2]] and out is running  # one held: removed in place
-    assert list(hb.held) == [reqs[1]] and refused == [] and stats["held"] == 1
-    refused = [reqs[0], reqs[2]]
-    out = hb.hold_refused(refused, {}, out, now=6, running_status="RUNNING")
-    assert out == [] and len(hb) == 3 and alice.n_held == 3
+    held = hb.hold_refused(refused, {"r0": 1}, now=5, running_status="RUNNING")
+    assert list(held) == [reqs[1]] == list(hb.held) and refused == [] and stats["held"] == 1
+    refused = [reqs[2], reqs[0], reqs[2]]  # refused twice in a step: held once
+    held = hb.hold_refused(refused, {}, now=6, running_status="RUNNING")
+    assert list(held) == [reqs[2], reqs[0]]  # in the order they were refused
+    assert len(hb) == 3 and alice.n_held == 3 and stats["held"] == 3
 
 
 def test_earliest_ready_is_the_earlier_of_the_wake_heap_and_a_blocked_admission():

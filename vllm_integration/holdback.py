@@ -64,26 +64,20 @@ class Holdback:
         self,
         refused: list[Request],
         scheduled: dict[str, int],
-        running: list[Request],
         now: int,
         running_status: object,
-    ) -> list[Request]:
+    ) -> dict[Request, None]:
         """After a step: hold the running requests refused a token that stock
-        did not schedule after all. Returns `running` without them (the same
-        list when one is held, as vLLM's `remove_all` does)."""
+        did not schedule after all, in the order they were refused (held
+        streams rotate deterministically). Returns them: the caller takes
+        them out of `running`."""
         hold = dict.fromkeys(
             r for r in refused if r.status == running_status and r.request_id not in scheduled
-        )  # in the order they were refused: held streams rotate deterministically
+        )
         refused.clear()
-        if not hold:
-            return running
-        if len(hold) == 1:
-            running.remove(next(iter(hold)))
-        else:
-            running = [r for r in running if r not in hold]
         for r in hold:
             self.hold(r, now)
-        return running
+        return hold
 
     def leave(self, rs: RequestState, r: Request, now: int) -> None:
         """A held request finishes or is preempted: it is no longer held (its

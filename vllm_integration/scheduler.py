@@ -34,6 +34,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.sched.utils import remove_all
 from vllm.v1.request import Request, RequestStatus
 
 from outrate.compiler import CompiledPolicy
@@ -289,8 +290,9 @@ class OutrateMixin:
         if st.admits:
             self.admission.undo_unadmitted(st.admits, _RUNNING)
         if st.refused:  # refused and not scheduled after all: held (holdback.py)
-            hb = self.holdback
-            self.running = hb.hold_refused(st.refused, scheduled, self.running, now, _RUNNING)
+            held = self.holdback.hold_refused(st.refused, scheduled, now, _RUNNING)
+            if held:
+                self.running = remove_all(self.running, set(held))
         if st.touched:
             self.holdback.arm_touched(st.touched, now)
         self.ledger.fold(st, self._step, now, self.holdback)
