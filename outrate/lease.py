@@ -35,6 +35,7 @@ Nothing here runs on the scheduler's thread; redis is imported lazily.
 from __future__ import annotations
 
 import os
+import time
 import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -220,6 +221,15 @@ class RedisLink:
         """Per user and limit: its two keys and its limit, packed."""
         self.script_calls = 0
         """Lease script calls sent (a round's users, batched by group)."""
+        self.pack_ns = 0
+        """Time the last round trip spent packing its calls (this thread, GIL held)."""
+        self.spread_ns = 0
+        self.spread_calls = 0
+        """The last round trip's replies after the first: how long they took
+        to arrive and be read, and how many lease calls they answered. Redis
+        answers a pipeline's commands in order as it runs them, so this is
+        what each call costs Redis or this thread (whichever is slower),
+        without the network latency every round pays once."""
 
     def load(self) -> None:
         """Load both scripts (after a start or a Redis restart)."""
@@ -246,6 +256,7 @@ class RedisLink:
         """
         from redis.exceptions import NoScriptError
 
+        t0 = time.monotonic_ns()
         groups = batches(calls)
         for attempt in (0, 1):
             if self._lease_sha is None:
@@ -265,7 +276,9 @@ class RedisLink:
                         ttl_us,
                     )
                 )
-            replies = self._send(b"".join(parts), len(parts))
+            data = b"".join(parts)
+            self.pack_ns = time.monotonic_ns() - t0
+            replies = self._send(data, len(parts))
             if attempt == 0 and any(isinstance(r, NoScriptError) for r in replies):
                 self._lease_sha = None  # Redis restarted and forgot the scripts
                 continue
@@ -274,6 +287,7 @@ class RedisLink:
                     raise r
             break
         self.script_calls += len(groups)
+        self.spread_calls = len(calls) - len(groups[0]) if groups else 0
         grants: list[Grant | None] = [None] * len(calls)
         for g, r in zip(groups, replies[: len(groups)], strict=True):
             *v, now = map(int, r.split())
@@ -343,11 +357,15 @@ class RedisLink:
         try:
             conn.send_packed_command([data])  # type: ignore[no-untyped-call]
             replies: list[Any] = []
+            first = 0
             for _ in range(n):
                 try:
                     replies.append(conn.read_response())
                 except ResponseError as e:
                     replies.append(e)
+                if not first:
+                    first = time.monotonic_ns()
+            self.spread_ns = time.monotonic_ns() - first
             return replies
         except BaseException:
             conn.disconnect()  # type: ignore[no-untyped-call]  # a half-read pipeline cannot be reused

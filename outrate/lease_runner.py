@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from fractions import Fraction
 
@@ -46,6 +47,13 @@ DOWN_AFTER = 2
 """Consecutive failed round trips before an engine falls back: one slow
 answer on a loaded machine (a starved process, not a slow store) is
 retried at the next round instead of switching modes."""
+ROUND_SHARE = 0.5
+"""A round's calls are capped so that one round trip takes about this share
+of the lease interval: one round trip per interval, whatever the number of
+users, and at most half of Redis's time and of this thread's."""
+MIN_CALLS = 128
+FIRST_CALLS = 1024
+"""The cap before a round trip was large enough to measure a call's cost."""
 
 
 def engine_id() -> str:
@@ -78,11 +86,21 @@ class LeaseRunner:
         self.retry_s = retry_s
         self.heartbeat_ns = int(heartbeat_s * NS_PER_S)
         self.active: dict[SharedBucket, None] = {}
+        """Users with a lease here; visited in turn through `_ring`, new ones
+        (`_fresh`) first."""
+        self._ring: deque[SharedBucket] = deque()
+        self._fresh: deque[SharedBucket] = deque()
+        self.cap = FIRST_CALLS
+        """Most lease calls one round sends (`_fit`)."""
+        self.call_ns = 0.0
+        """What one lease call costs, Redis or this thread (a moving average)."""
         self.up: bool | None = None  # None: not tried yet
         self._fails = 0  # consecutive failed round trips
         self._grace_end = 0
         self._ever_up = False
         self.period_ns = self.interval_ns
+        self.avg_period_ns = self.interval_ns
+        """Moving average of the period (1/8 weight to the newest)."""
         self.last_rtt_ns = 0
         self.max_horizon_us = 0
         """The longest horizon sent (the bound's H; tests and the benchmark)."""
@@ -153,12 +171,14 @@ class LeaseRunner:
 
     def _drain_arrivals(self) -> None:
         arrivals = self.limiter.arrivals
-        active = self.active
         while arrivals:
-            b = arrivals.popleft()
-            if b not in active:
-                b.leased = True
-                active[b] = None
+            self._activate(arrivals.popleft())
+
+    def _activate(self, b: SharedBucket) -> None:
+        if b not in self.active:
+            b.leased = True
+            self.active[b] = None
+            self._fresh.append(b)
 
     def _units_of(self, lim: Limit) -> Units | None:
         # By identity first: a Limit's hash (its Fractions) costs ~2 us, and
@@ -187,66 +207,92 @@ class LeaseRunner:
         (a slow store, tens of thousands of users) it grows with them, and
         the script grants what conforms within H: a slow store costs slack,
         not throughput. With the period alone, back-to-back rounds granted
-        every other round's need: ~60% of the rate in the slow-rounds test."""
-        h = max(self.interval_ns, self.period_ns + self.last_rtt_ns)
+        every other round's need: ~60% of the rate in the slow-rounds test.
+
+        When the users with a lease outnumber a round's cap, each is visited
+        once every `ceil(users / cap)` rounds, and its slice must last that
+        many periods: H grows with the users, the round trips do not. The
+        periods after the next are taken at their moving average, so that
+        one late round (a burst of new users) is not multiplied by the
+        number of rounds."""
+        rounds = max(1, -(-len(self.active) // self.cap))
+        cycle = self.period_ns + (rounds - 1) * self.avg_period_ns
+        h = max(self.interval_ns, cycle + self.last_rtt_ns)
         return min(h // 1000, MAX_HORIZON_US)
 
     def plan(
         self, now: int, debts: dict[SharedBucket, int] | None = None
     ) -> list[tuple[SharedBucket, LeaseCall]]:
         """The calls of one round: users below their slice, users whose demand
-        changed or must be renewed, credit to hand back."""
+        changed or must be renewed, credit to hand back. New users first,
+        then the others in turn from where the last round stopped, until
+        `cap` calls (all users, when reporting `debts` after an outage)."""
         self._drain_arrivals()
         policy = self.limiter.policy
         horizon = self._horizon_us()
-        out = []
-        for b in list(self.active):
-            lim = policy.limit_for(b.key)
-            units = self._units_of(lim)
-            refund = b.released - b.sent
-            pins = b.pins
-            if units is None:  # unlimited (or not shareable): nothing to lease
-                if pins == 0 or not b.reg:
-                    self._drop(b)
-                    continue
-                pins = 0
-            credit = b.granted - b.spent - b.released
-            debt = debts.get(b, 0) if debts else 0
-            if pins == 0:
-                if not refund and not b.reg and not debt:
-                    if credit > 0:
-                        self.limiter.settle.append(b)  # released at the next step
-                    else:
-                        self._drop(b)
-                    continue
-                if units is None:
-                    units = Units(1, 1, 0)  # only deregisters: no token moves
-                out.append((b, LeaseCall(b.key, units, 0, 0, 0, refund, 0, debt)))
-                continue
-            d = min(pins, MAX_DEMAND)
-            assert units is not None
-            register = not b.reg or d != b.demand or now - b.reg_at > DEMAND_REFRESH_NS
-            # Low: below the slice, or (for users far from their rate) below
-            # twice what they spent since the last round.
-            spent = b.spent
-            low = credit < max(1, min(b.fair, 2 * (spent - b.seen) + 1))
-            b.seen = spent
-            if low or refund or debt or register:
-                call = LeaseCall(
-                    b.key,
-                    units,
-                    d,
-                    max(credit, 0),
-                    MAX_TOKENS,
-                    refund,
-                    horizon,
-                    debt,
-                    register,
-                )
-                out.append((b, call))
-                if horizon > self.max_horizon_us:
-                    self.max_horizon_us = horizon
+        cap = self.cap if debts is None else len(self.active) + 1
+        out: list[tuple[SharedBucket, LeaseCall]] = []
+        fresh, ring = self._fresh, self._ring
+        turns = len(ring)
+        while fresh and len(out) < cap:
+            b = fresh.popleft()
+            if self._visit(b, policy.limit_for(b.key), now, horizon, debts, out):
+                ring.append(b)
+        while turns and len(out) < cap:
+            turns -= 1
+            b = ring.popleft()
+            if self._visit(b, policy.limit_for(b.key), now, horizon, debts, out):
+                ring.append(b)
         return out
+
+    def _visit(
+        self,
+        b: SharedBucket,
+        lim: Limit,
+        now: int,
+        horizon: int,
+        debts: dict[SharedBucket, int] | None,
+        out: list[tuple[SharedBucket, LeaseCall]],
+    ) -> bool:
+        """Add `b`'s call to `out` if it needs one. False: `b` left the lease."""
+        units = self._units_of(lim)
+        refund = b.released - b.sent
+        pins = b.pins
+        if units is None:  # unlimited (or not shareable): nothing to lease
+            if pins == 0 or not b.reg:
+                self._drop(b)
+                return False
+            pins = 0
+        credit = b.granted - b.spent - b.released
+        debt = debts.get(b, 0) if debts else 0
+        if pins == 0:
+            if not refund and not b.reg and not debt:
+                if credit > 0:
+                    self.limiter.settle.append(b)  # released at the next step
+                else:
+                    self._drop(b)
+                    return False
+                return True
+            if units is None:
+                units = Units(1, 1, 0)  # only deregisters: no token moves
+            out.append((b, LeaseCall(b.key, units, 0, 0, 0, refund, 0, debt)))
+            return True
+        d = min(pins, MAX_DEMAND)
+        assert units is not None
+        register = not b.reg or d != b.demand or now - b.reg_at > DEMAND_REFRESH_NS
+        # Low: below the slice, or (for users far from their rate) below
+        # twice what they spent since the last visit.
+        spent = b.spent
+        low = credit < max(1, min(b.fair, 2 * (spent - b.seen) + 1))
+        b.seen = spent
+        if low or refund or debt or register:
+            call = LeaseCall(
+                b.key, units, d, max(credit, 0), MAX_TOKENS, refund, horizon, debt, register
+            )
+            out.append((b, call))
+            if horizon > self.max_horizon_us:
+                self.max_horizon_us = horizon
+        return True
 
     def _drop(self, b: SharedBucket) -> None:
         b.leased = False
@@ -257,6 +303,7 @@ class LeaseRunner:
         start = time.monotonic_ns()
         if self._last_start:
             self.period_ns = start - self._last_start
+            self.avg_period_ns += (self.period_ns - self.avg_period_ns) // 8
             if self.period_ns > 2 * self.interval_ns and self.active:
                 self.late_ns += self.period_ns - 2 * self.interval_ns
         self._last_start = start
@@ -281,6 +328,7 @@ class LeaseRunner:
         m.calls += len(plan)
         m.lease.observe(end - start)
         self.last_rtt_ns = end - start
+        self._fit(len(plan))
         self.limiter.next_credit_ns = start + self.interval_ns + self.last_rtt_ns
         settle = self.limiter.settle
         for (b, c), g in zip(plan, grants, strict=True):
@@ -302,6 +350,19 @@ class LeaseRunner:
             self._last_beat = start
             self._engines(engines)
         return True
+
+    def _fit(self, n: int) -> None:
+        """Re-size `cap` from the last round trip: what one call cost (its
+        replies after the first, plus packing), so that a round takes about
+        `ROUND_SHARE` of the interval. Network latency does not count: a
+        slow but idle store keeps large rounds."""
+        link = self.link
+        m = link.spread_calls
+        if m < 64:
+            return
+        per = link.spread_ns / m + link.pack_ns / n
+        self.call_ns = per if not self.call_ns else (3 * self.call_ns + per) / 4
+        self.cap = max(MIN_CALLS, int(self.interval_ns * ROUND_SHARE / max(self.call_ns, 1.0)))
 
     def _engines(self, engines: list[tuple[str, str]]) -> None:
         n = max(1, len(engines))
@@ -371,7 +432,7 @@ class LeaseRunner:
         # round back would lease up to a second ahead (H is capped at 1 s)
         # on top of the debt. Rounds start again at the interval.
         self._last_start = 0
-        self.period_ns = self.interval_ns
+        self.period_ns = self.avg_period_ns = self.interval_ns
         self.last_rtt_ns = 0
         debts = None
         if was_down:
@@ -424,9 +485,7 @@ class LeaseRunner:
                 continue
             tokens = (sb.tat - now * lim.scale) / lim.interval
             out[sb] = units.us_for(tokens)
-            if sb not in self.active:
-                sb.leased = True
-                self.active[sb] = None
+            self._activate(sb)
         return out
 
     def _leave(self) -> None:

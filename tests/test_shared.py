@@ -225,6 +225,69 @@ def test_slow_rounds_keep_the_users_rate(fresh):
     assert rate >= 0.85 * 100
 
 
+def test_rounds_are_capped_and_every_user_gets_its_turn(fresh):
+    """More users with a lease than a round's cap: each round sends at most
+    `cap` calls, new users first, then the others in turn from where the
+    last round stopped, so every user is visited once in ceil(users / cap)
+    rounds, and its slice (H) lasts that many periods."""
+    pol = policy("version: 1\ndefault: 100\nburst: 100ms\n")
+    lim, runner = engine(fresh.url, pol)
+    settle(lim)
+    buckets = [lim.pin(f"u{i}") for i in range(250)]
+    runner.cap = 100
+    runner._fit = lambda n: None  # keep the cap this test sets
+    seen: list[list[str]] = []
+    for _ in range(3):
+        plan = runner.plan(time.monotonic_ns())
+        seen.append([b.key for b, _ in plan])
+    # Never registered (no round trip yet), so every visit is a call: the
+    # third round ends the newcomers and starts again from the first.
+    assert [len(p) for p in seen] == [100, 100, 100]
+    first = [k for p in seen for k in p][:250]
+    assert sorted(first) == sorted(b.key for b in buckets)
+    assert seen[2][50:] == seen[0][:50]
+    # Driven through Redis: every user is granted its first slice in 3 rounds.
+    runner.period_ns, runner.last_rtt_ns = runner.interval_ns, 0
+    assert runner._horizon_us() == 3 * runner.interval_ns // 1000
+    calls = runner.metrics.calls
+    for _ in range(3):
+        assert runner.round()
+    assert runner.metrics.calls - calls == 250  # the third visits 50: the rest hold credit
+    assert all(b.credit > 0 for b in buckets)
+    # A newcomer goes first, ahead of the users whose turn it is.
+    late = lim.pin("late")
+    plan = runner.plan(time.monotonic_ns())
+    assert plan[0][0] is late and len(plan) <= 100
+    runner.stop()
+
+
+def test_the_cap_follows_what_a_call_costs_not_the_latency(fresh):
+    """`_fit`: a round takes about half the interval. What counts is the
+    time between the first reply and the last (Redis or this thread busy
+    with each call), not the round trip's latency: a store far away but
+    idle keeps large rounds."""
+    lim, runner = engine(fresh.url)
+    link = runner.link
+    link.spread_calls, link.spread_ns, link.pack_ns = 1000, 20 * MS, 5 * MS  # 25 us a call
+    runner._fit(1064)
+    assert runner.cap == int(runner.interval_ns * 0.5 / (20 * MS / 1000 + 5 * MS / 1064))
+    assert 380 <= runner.cap <= 420
+    cap = runner.cap
+    link.spread_calls = 10  # too few calls after the first reply to measure
+    runner._fit(74)
+    assert runner.cap == cap
+    # A slow network: replies arrive together after 300 ms; calls are cheap.
+    runner.call_ns = 0.0
+    link.spread_calls, link.spread_ns, link.pack_ns = 1000, MS, MS
+    runner._fit(1064)
+    assert runner.cap > 4000
+    link.spread_calls, link.spread_ns, link.pack_ns = 1000, 10_000 * MS, 0
+    runner.call_ns = 0.0
+    runner._fit(1064)
+    assert runner.cap == 128  # never below MIN_CALLS
+    runner.stop()
+
+
 def test_unreachable_at_start_then_shared_when_it_answers(tmp_path, caplog):
     """The engine starts without its store, enforces rate/N, and shares as
     soon as the store answers."""
