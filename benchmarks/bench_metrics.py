@@ -15,8 +15,10 @@ Each variant is built `--copies` times (default 3) and every copy runs in
 the interleaved rounds; a round's figure for a variant is the median of its
 copies' medians. Two schedulers built alike differ by a percent or two on
 this VM (where their objects landed in memory), more than the effect
-measured here; copies average that out. `a/a` is the same ratio between two
-copies of the variant without metrics: the noise floor of the cell.
+measured here; copies average that out. `a/a` is the same ratio, computed
+the same way, between a second set of `--copies` schedulers without metrics
+and the first (all three sets run in the same interleaved rounds): the
+noise floor of the cell, with the same statistical power as `ratio`.
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ from bench_scheduler import (  # noqa: E402
     build,
     interleave,
     model_dir,
-    paired_ratio,
     policy_for,
     workload,
 )
@@ -151,14 +152,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 k = max(args.copies, 2)
                 ons = [build(mode, w.users, sizes, policy_for(w)) for _ in range(k)]
                 offs = [build(mode, w.users, sizes, policy_for(w)) for _ in range(k)]
-                for off in offs:
+                twins = [build(mode, w.users, sizes, policy_for(w)) for _ in range(k)]
+                for off in offs + twins:
                     off.sched._reserve_prefill_lookahead = types.MethodType(
                         hook_without_metrics, off.sched
                     )
                     off.sched.ledger.fold = fold_without_metrics
-                interleave([b for pair in zip(offs, ons, strict=True) for b in pair], sizes)
+                interleave([b for trio in zip(offs, ons, twins, strict=True) for b in trio], sizes)
                 ratio = copies_ratio(ons, offs)
-                noise = paired_ratio(offs[1], offs[0])
+                noise = copies_ratio(twins, offs)
                 ok = ratio <= TARGET
                 missed += not ok
                 print(
