@@ -1,6 +1,7 @@
 """What the engine-side metrics cost per scheduler step.
 
     python benchmarks/bench_metrics.py [--quick] [--check] [--copies N] [--only CELLS]
+    python benchmarks/bench_metrics.py --isolated [--quick] [--only CELLS]
 
 Same rig as bench_scheduler.py (real vLLM schedulers, real KV cache manager,
 fake clock, fabricated outputs, every request in decode, interleaved paired
@@ -19,6 +20,14 @@ measured here; copies average that out. `a/a` is the same ratio, computed
 the same way, between a second set of `--copies` schedulers without metrics
 and the first (all three sets run in the same interleaved rounds): the
 noise floor of the cell, with the same statistical power as `ratio`.
+
+`--isolated` times the metric lines without the rest of the step around
+them (`isolated`): the shipped charging hook over every running request
+plus the fold, against the hook and fold without metrics, alternating on
+one scheduler's own requests, as a share of that scheduler's full step.
+It resolves what the end-to-end ratio cannot below its noise floor, and
+misses what a whole step adds around them (cache effects of the extra
+state); a throttled cell's resumes and holds are not in it.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import argparse
 import contextlib
 import statistics
 import sys
+import time
 import types
 from collections.abc import Sequence
 from pathlib import Path
@@ -126,13 +136,102 @@ def median_us(copies: Sequence[Bench]) -> float:
     return statistics.median(c.median_us() for c in copies)
 
 
+def isolated(mode: str, r: int, sizes: Any, reps: int) -> tuple[float, float, float]:
+    """The metric lines alone, without the rest of a step around them: one
+    scheduler warmed into decode, then, alternately, its shipped hook over
+    every running request plus `Ledger.fold`, and `hook_without_metrics` plus
+    `fold_without_metrics`, each followed by the same `Ledger.settle` (not
+    timed), on the same objects. Returns the median ns per step of each and
+    of their difference over adjacent pairs. What the end-to-end ratio
+    cannot resolve below its noise floor, this measures directly."""
+    w = workload(r, 16, 0.0)
+    b = build(mode, w.users, sizes, policy_for(w))
+    sched = b.sched
+    reqs = list(sched.running)
+    computed = [len(q._all_token_ids) - 1 for q in reqs]
+    shipped = sched._reserve_prefill_lookahead
+    bare = types.MethodType(hook_without_metrics, sched)
+    ledger, st, holdback = sched.ledger, sched._st, sched.holdback
+    fold = ledger.fold
+    clock = time.perf_counter_ns
+
+    def one(hook: Any, with_metrics: bool) -> int:
+        sched._prev_step = sched._step
+        sched._step += 1
+        sched._now += 10_000_000
+        step, now = sched._step, sched._now
+        t0 = clock()
+        for q, c in zip(reqs, computed, strict=True):
+            hook(q, c, 1)
+        if with_metrics:
+            fold(st, step, now, holdback)
+        else:
+            fold_without_metrics(st, step, now, holdback)
+        t = clock() - t0
+        if st.reserved:
+            ledger.settle(st, now)
+        st.touched.clear()
+        st.refused.clear()
+        return t
+
+    on, off, diff = [], [], []
+    for i in range(reps):
+        if i % 2:
+            a = one(shipped, True)
+            c = one(bare, False)
+        else:
+            c = one(bare, False)
+            a = one(shipped, True)
+        on.append(a)
+        off.append(c)
+        diff.append(a - c)
+    return statistics.median(on), statistics.median(off), statistics.median(diff)
+
+
+def main_isolated(args: Any) -> int:
+    sizes = QUICK if args.quick else FULL
+    with contextlib.redirect_stdout(sys.stderr):
+        model_dir()
+    print("The metric lines alone, per step (median ns), 16 users, none throttled:")
+    print("the charging hook over every running request plus the fold, shipped")
+    print("and without metrics, alternating on one scheduler; `share` = the")
+    print("difference over a full step of the same scheduler (median us).")
+    print(
+        f"{'mode':>5}  {'R':>5}  {'step us':>8}  {'with ns':>8}  {'without':>8}  "
+        f"{'diff ns':>8}  {'share':>6}"
+    )
+    for mode in ("sync", "async"):
+        for r in (64, 256) if args.quick else (64, 256, 1024):
+            if args.only and f"{mode}:{r}:0" not in args.only.split(","):
+                continue
+            w = workload(r, 16, 0.0)
+            full = build(mode, w.users, sizes, policy_for(w))
+            interleave([full], sizes)
+            step_us = full.median_us()
+            on, off, diff = isolated(mode, r, sizes, 400)
+            print(
+                f"{mode:>5}  {r:>5}  {step_us:>8.0f}  {on:>8.0f}  {off:>8.0f}  "
+                f"{diff:>8.0f}  {diff / 1000 / step_us:>6.2%}",
+                flush=True,
+            )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--quick", action="store_true", help="fewer cells and steps")
     ap.add_argument("--check", action="store_true", help="exit 1 if a cell misses the target")
     ap.add_argument("--copies", type=int, default=3, help="schedulers built per variant")
     ap.add_argument("--only", help="cells, e.g. sync:1024:0,async:256:0 (mode:R:throttled%%)")
+    ap.add_argument(
+        "--isolated",
+        action="store_true",
+        help="time the metric lines alone (hook over every request + fold) per step, "
+        "against a full step of the same scheduler",
+    )
     args = ap.parse_args(argv)
+    if args.isolated:
+        return main_isolated(args)
     sizes = QUICK if args.quick else FULL
     with contextlib.redirect_stdout(sys.stderr):
         model_dir()
