@@ -3,9 +3,11 @@
 One per engine core. Every lease interval it sends one pipelined round trip
 to Redis (outrate.lease) with a call for every user whose credit here ran
 low, whose demand changed or whose registration is due, and the credit
-users who left hand back; every second a heartbeat with this engine's id and
-policy sha256. It is the only writer of a `SharedBucket`'s `granted`,
-`sent`, `fair`, `share`, `seen` and registration fields (outrate.shared).
+users who left hand back: at most `cap` calls, what fits in about half an
+interval, new users first and the others in turn (`plan`); every second a
+heartbeat with this engine's id and policy sha256. It is the only writer
+of a `SharedBucket`'s `granted`, `sent`, `fair`, `share`, `seen` and
+registration fields (outrate.shared).
 It also owns the faults: two failed round trips in a row switch the
 `SharedLimiter` to its fallback (applied by the scheduler at the next step),
 the first answer after that reports each user's local debt so nobody gets a

@@ -7,8 +7,9 @@ the engine holds leased credit for the user. `LeaseRunner`
 (outrate.lease_runner), a thread in the engine core, keeps that credit
 topped up from the global GCRA in Redis (outrate.lease): once per lease
 interval it sends one pipelined round trip with a call for every user whose
-credit ran below its slice, and returns credit that users who left this
-engine no longer need.
+credit ran below its slice (up to a cap per round; past it, users take
+turns and their slices last until their next turn), and returns credit
+that users who left this engine no longer need.
 
 Fields of a `SharedBucket` have one writer each, so the two threads never
 lock: the lease thread writes `granted` and `sent`, the scheduler `spent`
