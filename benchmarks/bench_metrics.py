@@ -136,16 +136,14 @@ def median_us(copies: Sequence[Bench]) -> float:
     return statistics.median(c.median_us() for c in copies)
 
 
-def isolated(mode: str, r: int, sizes: Any, reps: int) -> tuple[float, float, float]:
-    """The metric lines alone, without the rest of a step around them: one
-    scheduler warmed into decode, then, alternately, its shipped hook over
+def isolated(b: Bench, reps: int) -> tuple[float, float, float]:
+    """The metric lines alone, without the rest of a step around them: `b`'s
+    scheduler (warmed into decode), alternately its shipped hook over
     every running request plus `Ledger.fold`, and `hook_without_metrics` plus
     `fold_without_metrics`, each followed by the same `Ledger.settle` (not
     timed), on the same objects. Returns the median ns per step of each and
     of their difference over adjacent pairs. What the end-to-end ratio
     cannot resolve below its noise floor, this measures directly."""
-    w = workload(r, 16, 0.0)
-    b = build(mode, w.users, sizes, policy_for(w))
     sched = b.sched
     reqs = list(sched.running)
     computed = [len(q._all_token_ids) - 1 for q in reqs]
@@ -208,7 +206,7 @@ def main_isolated(args: Any) -> int:
             full = build(mode, w.users, sizes, policy_for(w))
             interleave([full], sizes)
             step_us = full.median_us()
-            on, off, diff = isolated(mode, r, sizes, 400)
+            on, off, diff = isolated(full, 400)
             print(
                 f"{mode:>5}  {r:>5}  {step_us:>8.0f}  {on:>8.0f}  {off:>8.0f}  "
                 f"{diff:>8.0f}  {diff / 1000 / step_us:>6.2%}",
