@@ -49,6 +49,8 @@ from bench_scheduler import (  # noqa: E402
     QUICK,
     Bench,
     build,
+    copies_ratio,
+    copies_us,
     interleave,
     model_dir,
     policy_for,
@@ -118,22 +120,6 @@ def fold_without_metrics(st: Any, step: int, now: int, holdback: Any) -> None:
     in both variants (Ledger.settle takes each user's reserved tokens), so
     the hook without metrics keeps it, and this is what is left of the fold."""
     st.users.clear()
-
-
-def copies_ratio(a: Sequence[Bench], b: Sequence[Bench]) -> float:
-    """paired_ratio over copies: per round, the median of `a`'s copies'
-    medians over the same of `b`'s; the median over rounds."""
-    rounds = len(a[0].rounds)
-    per_round = [
-        statistics.median(statistics.median(x.rounds[i]) for x in a)
-        / statistics.median(statistics.median(y.rounds[i]) for y in b)
-        for i in range(rounds)
-    ]
-    return statistics.median(per_round)
-
-
-def median_us(copies: Sequence[Bench]) -> float:
-    return statistics.median(c.median_us() for c in copies)
 
 
 def isolated(b: Bench, reps: int) -> tuple[float, float, float]:
@@ -261,8 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ok = ratio <= TARGET
                 missed += not ok
                 print(
-                    f"{mode:>5}  {r:>5}  {f * 100:>4.0f}  {median_us(offs):>8.0f}  "
-                    f"{median_us(ons):>8.0f}  {ratio:>6.3f}  {noise:>6.3f}  "
+                    f"{mode:>5}  {r:>5}  {f * 100:>4.0f}  {copies_us(offs):>8.0f}  "
+                    f"{copies_us(ons):>8.0f}  {ratio:>6.3f}  {noise:>6.3f}  "
                     f"{'PASS' if ok else 'FAIL'}",
                     flush=True,
                 )

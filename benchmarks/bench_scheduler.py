@@ -1,6 +1,7 @@
 """Per-step cost of outrate's scheduler against stock vLLM 0.32.
 
     python benchmarks/bench_scheduler.py [--quick] [--check] [--no-profile]
+                                         [--copies N] [--only CELLS]
 
 What is timed: `schedule()` + `update_from_output()` of the REAL vLLM
 `Scheduler` / `AsyncScheduler` (stock) and of `OutrateScheduler` /
@@ -27,16 +28,20 @@ Why the ratios are what they are:
   (n measured from the outputs): what a step costs on top of the work that is
   really done (target <= 1.3 at 95% of 1024; other rows are informative).
 
-Noise: the machine is small and shared (other test runs come and go), so
-(1) per-step times are taken with `time.perf_counter_ns` with the garbage
-collector disabled (it runs between rounds, untimed); (2) stock-all,
-stock-scheduled and outrate are measured in many short interleaved rounds
-(A/B/C, B/C/A, C/A/B, ... 10 steps each) so a neighbour's burst of load lands
-on all three alike; (3) the us columns are medians over all timed steps, and
-`ratio` is the median over rounds of the per-round ratio of medians (paired:
-drift between rounds cancels), so it can differ a little from the quotient of
-the columns. Expect a few percent of run-to-run jitter anyway; rerun before
-believing a FAIL that is within a few percent of its target.
+Noise: the machine is small and shared (other test runs come and go), and
+two schedulers built alike differ by a few points (where their objects land
+in memory), so (1) per-step times are taken with `time.perf_counter_ns` with
+the garbage collector disabled (it runs between rounds, untimed); (2) every
+scheduler gets the same requests (ids and prompts: the same dict layouts);
+(3) each kind is built `--copies` times (3), alternately; (4) all are
+measured in many short interleaved rounds (A/B/C, B/C/A, C/A/B, ... 10 steps
+each) so a neighbour's burst of load lands on all alike; (5) the us columns
+are medians over copies of the medians over all timed steps, and `ratio` is
+the median over rounds of the per-round ratio of the copies' medians
+(paired: drift between rounds cancels), so it can differ a little from the
+quotient of the columns. `a/a` is the same ratio between two sets of the
+base's copies: what the cell reads when nothing differs. Rerun before
+believing a FAIL within a/a's distance of its target.
 
 How to read the table: `sched/step` is the median number of requests outrate
 scheduled per step; `stock_all_us` is stock with all R requests running;
@@ -117,6 +122,10 @@ class Sizes:
 
 
 FULL = Sizes(warmup=30, rounds=40, steps=10)
+COPIES = 3
+"""Schedulers built per kind and cell. Two built alike differ by a few
+points on this VM (where their objects land in memory); the median over
+copies is what a cell's ratio reads."""
 QUICK = Sizes(warmup=20, rounds=10, steps=5)
 
 
@@ -128,7 +137,8 @@ class Result:
     stock_all_us: float
     stock_sched_us: float
     outrate_us: float
-    ratio: float  # paired per round, see paired_ratio()
+    ratio: float  # paired per round, over copies: see copies_ratio()
+    aa: float = 1.0  # the base's twin over the base, measured alike: the noise floor
 
     @property
     def target(self) -> float | None:
@@ -198,7 +208,7 @@ def policy_for(w: Workload) -> CompiledPolicy:
 # -- driving one scheduler ----------------------------------------------------
 
 
-@dataclass
+@dataclass(eq=False)
 class Bench:
     """One scheduler stepped like the engine steps it, timing only the
     scheduler's own calls."""
@@ -284,11 +294,21 @@ def build(
         max_num_batched_tokens=max(r * PROMPT_LEN, 256),
     )
     bench = Bench(kind, sched, clock)
-    for user in owners:
-        sched.add_request(make_request(user, PROMPT_LEN, MAX_TOKENS))
+    for i, user in enumerate(owners):
+        sched.add_request(
+            make_request(user, PROMPT_LEN, MAX_TOKENS, prompt=prompt(i), req_id=f"q{i}")
+        )
     bench.run(sizes.warmup, record=False)
     _check_settled(bench, r)
     return bench
+
+
+def prompt(i: int) -> list[int]:
+    """Request i's prompt, the same in every scheduler and distinct for each i
+    (its first two tokens spell i in base 497): copies see identical requests."""
+    return [3 + i % 497, 3 + i // 497 % 497] + [
+        3 + (i * 31 + j) % 497 for j in range(PROMPT_LEN - 2)
+    ]
 
 
 def _check_settled(bench: Bench, r: int) -> None:
@@ -325,33 +345,61 @@ def interleave(benches: Sequence[Bench], sizes: Sizes) -> None:
 def paired_ratio(a: Bench, b: Bench) -> float:
     """Median over rounds of (a's median / b's median) in the same round:
     both ran within milliseconds of each other, so slow drift cancels."""
+    return copies_ratio([a], [b])
+
+
+def copies_ratio(a: Sequence[Bench], b: Sequence[Bench]) -> float:
+    """`paired_ratio` over copies: per round, the median of `a`'s copies'
+    medians over the same of `b`'s; the median over rounds."""
     return statistics.median(
-        statistics.median(x) / statistics.median(y) for x, y in zip(a.rounds, b.rounds, strict=True)
+        statistics.median(statistics.median(x.rounds[i]) for x in a)
+        / statistics.median(statistics.median(y.rounds[i]) for y in b)
+        for i in range(len(a[0].rounds))
     )
 
 
-def measure(cell: Cell, sizes: Sizes) -> Result:
+def copies_us(copies: Sequence[Bench]) -> float:
+    return statistics.median(c.median_us() for c in copies)
+
+
+def measure(cell: Cell, sizes: Sizes, copies: int = COPIES) -> Result:
+    """`copies` schedulers of each kind, built alternately, all stepped in
+    the same interleaved rounds. The base is stock with all R requests at
+    0% throttled, stock with the n requests outrate schedules otherwise; its
+    twin (built alike, measured alike) gives `a/a`, the cell's noise floor."""
     w = workload(cell.running, cell.users, cell.throttled)
-    outrate = build(cell.mode, w.users, sizes, policy_for(w))
-    # n: what outrate schedules per step once the throttled users are held.
-    outrate.run(PROBE_STEPS)
-    n = outrate.median_scheduled()
-    outrate.reset()
-    stock_all = build(f"stock-{cell.mode}", [None] * cell.running, sizes, None)
-    benches = [stock_all, outrate]
-    stock_sched = stock_all
-    if n != cell.running:
-        stock_sched = build(f"stock-{cell.mode}", [None] * n, sizes, None)
-        benches.insert(1, stock_sched)
-    interleave(benches, sizes)
+
+    def probed() -> Bench:
+        b = build(cell.mode, w.users, sizes, policy_for(w))
+        b.run(PROBE_STEPS)  # n: what outrate schedules once the throttled are held
+        return b
+
+    outs = [probed()]
+    n = outs[0].median_scheduled()
+    stock = f"stock-{cell.mode}"
+    alls: list[Bench] = []
+    bases: list[Bench] = []
+    twins: list[Bench] = []
+    for c in range(copies):
+        if c:
+            outs.append(probed())
+        if cell.throttled == 0 or c == 0:  # informational when throttled: one copy
+            alls.append(build(stock, [None] * cell.running, sizes, None))
+        bases.append(alls[-1] if cell.throttled == 0 else build(stock, [None] * n, sizes, None))
+        twins.append(build(stock, [None] * n, sizes, None))
+    for b in outs:
+        b.reset()
+    benches = [b for group in zip(outs, bases, twins, strict=True) for b in group]
+    interleave(benches + [b for b in alls if b not in bases], sizes)
     return Result(
         cell=cell,
         users_label=w.label,
-        scheduled=outrate.median_scheduled(),
-        stock_all_us=stock_all.median_us(),
-        stock_sched_us=stock_sched.median_us(),
-        outrate_us=outrate.median_us(),
-        ratio=paired_ratio(outrate, stock_all if cell.throttled == 0 else stock_sched),
+        scheduled=round(statistics.median(b.median_scheduled() for b in outs)),
+        stock_all_us=copies_us(alls),
+        stock_sched_us=copies_us(bases),
+        outrate_us=copies_us(outs),
+        ratio=copies_ratio(outs, bases),
+        aa=copies_ratio(twins, bases),
     )
 
 
@@ -376,11 +424,12 @@ Per-step cost of schedule() + update_from_output(), median us, all requests in d
 stock_all: stock vLLM with all R running.  stock_sched: stock vLLM with only the
 requests outrate actually schedules (sched/step).  ratio = outrate / stock_all at 0%
 throttled (price of the hooks), outrate / stock_sched otherwise (price of the held).
-users: count, or throttled+free users when some are throttled."""
+a/a: a second set of stock_sched copies over the first, measured alike (the noise
+floor).  users: count, or throttled+free users when some are throttled."""
 
 COLUMNS = {
     "mode": 5, "R": 5, "users": 7, "thr%": 4, "sched/step": 10, "stock_all_us": 12,
-    "stock_sched_us": 14, "outrate_us": 10, "ratio": 6, "target": 6, "result": 6,
+    "stock_sched_us": 14, "outrate_us": 10, "ratio": 6, "a/a": 6, "target": 6, "result": 6,
 }  # fmt: skip
 
 
@@ -396,6 +445,7 @@ def format_table(results: Iterable[Result]) -> str:
         row.append(str(res.scheduled))
         row += [f"{us:.0f}" for us in (res.stock_all_us, res.stock_sched_us, res.outrate_us)]
         row.append(f"{res.ratio:.3f}")
+        row.append(f"{res.aa:.3f}")
         row.append("-" if res.target is None else f"<={res.target:g}")
         row.append({None: "-", True: "PASS", False: "FAIL"}[res.passed])
         lines.append(format_row(row))
@@ -442,16 +492,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="reduced grid and steps (CI smoke)")
     ap.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
     ap.add_argument("--no-profile", action="store_true", help="skip the cProfile section")
+    ap.add_argument("--copies", type=int, default=COPIES, help="schedulers built per kind")
+    ap.add_argument("--only", help="cells, e.g. sync:1024:16:0,async:256:256:0 (mode:R:U:thr%%)")
     args = ap.parse_args(argv)
     sizes = QUICK if args.quick else FULL
     with contextlib.redirect_stdout(sys.stderr):
         model_dir()  # builds or reuses the tiny model; keep its chatter off the table
     results = []
     for cell in grid(args.quick):
-        results.append(measure(cell, sizes))
+        name = f"{cell.mode}:{cell.running}:{cell.users}:{cell.throttled * 100:.0f}"
+        if args.only and name not in args.only.split(","):
+            continue
+        results.append(measure(cell, sizes, max(args.copies, 1)))
         print(
             f"  measured {cell.mode} R={cell.running} U={cell.users} "
-            f"{cell.throttled * 100:.0f}%: ratio {results[-1].ratio:.3f}",
+            f"{cell.throttled * 100:.0f}%: ratio {results[-1].ratio:.3f} a/a {results[-1].aa:.3f}",
             file=sys.stderr,
             flush=True,
         )

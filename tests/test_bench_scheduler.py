@@ -22,10 +22,10 @@ TINY = bench.Sizes(warmup=12, rounds=3, steps=3)
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize(("throttled", "scheduled"), [(0.0, 16), (0.5, 8)])
 def test_measure_tiny(mode: str, throttled: float, scheduled: int) -> None:
-    res = bench.measure(bench.Cell(mode, 16, 4, throttled), TINY)
+    res = bench.measure(bench.Cell(mode, 16, 4, throttled), TINY, copies=2)
     assert res.scheduled == scheduled
     assert res.stock_all_us > 0 and res.stock_sched_us > 0 and res.outrate_us > 0
-    assert res.ratio > 0
+    assert res.ratio > 0 and res.aa > 0
     if throttled == 0:
         assert res.stock_sched_us == res.stock_all_us
         assert res.target == bench.TARGET_UNTHROTTLED
@@ -54,6 +54,17 @@ def test_grid_covers_the_brief() -> None:
     assert {c.mode for c in full} == {"sync", "async"}
     assert all(c.users <= c.running for c in full)
     assert len(bench.grid(quick=True)) < len(full)
+
+
+def test_copies_see_the_same_requests() -> None:
+    """Copies differ only in where their objects land: same ids, same prompts,
+    each prompt distinct within a scheduler."""
+    a = bench.build("stock-sync", [None] * 8, TINY, None)
+    b = bench.build("stock-sync", [None] * 8, TINY, None)
+    assert list(a.sched.requests) == list(b.sched.requests) == [f"q{i}" for i in range(8)]
+    for rid in a.sched.requests:
+        assert a.sched.requests[rid].prompt_token_ids == b.sched.requests[rid].prompt_token_ids
+    assert len({tuple(bench.prompt(i)) for i in range(1024)}) == 1024
 
 
 def test_check_flags_a_missed_target() -> None:
