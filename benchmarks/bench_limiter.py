@@ -2,9 +2,11 @@
 
     python benchmarks/bench_limiter.py [--quick] [--users N] [--iterations N] [--check]
 
-Prints a table: ns per `try_take` (keyed API: dict lookup + decision) and per
-`take` (bucket API: the scheduler's hot path, on the bucket a request holds) for 1,
-1_000 and N users (1M; 100k with --quick), bytes per idle user, and the time of
+Prints a table: ns per `try_take` (keyed API: dict lookup + decision), per
+`take` (bucket API, on the bucket a request holds) and per `take_upto(b, now,
+4)` (the scheduler's hot path: a user's tokens for a step, here a user with
+four running requests; granted: the share of tokens asked) for 1, 1_000 and
+N users (1M; 100k with --quick), bytes per idle user, and the time of
 one `cleanup(now, 64)` with N idle users. Each timing is the median of several
 repeats over enough calls. Users (100 tok/s each, burst 100ms) are visited
 round-robin while a fake clock (`now`, passed to every call) advances, each
@@ -98,6 +100,13 @@ def bench_calls(users: int, iterations: int, repeats: int) -> dict[str, tuple[fl
             now += step
         return got
 
+    def take_upto(now: int) -> int:
+        t, got = limiter.take_upto, 0
+        for b in seq_buckets:
+            got += t(b, now, 4)
+            now += step
+        return got
+
     def loop_alone(now: int) -> int:
         got = 0
         for _ in seq_buckets:
@@ -108,7 +117,12 @@ def bench_calls(users: int, iterations: int, repeats: int) -> dict[str, tuple[fl
     clock = [START_NS]
     return {
         name: _timed(loop, calls, step, repeats, clock)
-        for name, loop in (("try_take", try_take), ("take", take), ("loop", loop_alone))
+        for name, loop in (
+            ("try_take", try_take),
+            ("take", take),
+            ("take_upto", take_upto),
+            ("loop", loop_alone),
+        )
     }
 
 
@@ -180,13 +194,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     for users in counts:
         who = f"{users:,} user" + ("s" if users != 1 else "")
         result = bench_calls(users, iterations, repeats)
-        (tt, tt_share), (tk, tk_share), (loop, _) = (
+        (tt, tt_share), (tk, tk_share), (tu, tu_share), (loop, _) = (
             result["try_take"],
             result["take"],
+            result["take_upto"],
             result["loop"],
         )
         row(f"try_take, {who} ({tt_share:.0%} granted)", tt, "ns", TARGET_CALL_NS)
         row(f"take (bucket), {who} ({tk_share:.0%} granted)", tk, "ns", TARGET_CALL_NS)
+        row(f"take_upto(4), {who} ({tu_share / 4:.0%} granted)", tu, "ns", TARGET_CALL_NS)
         row(f"  for-loop alone, {who} (included above)", loop, "ns", None)
 
     without_keys, with_keys, limiter = bench_memory(most)

@@ -8,9 +8,10 @@ fake clock, fabricated outputs, every request in decode, interleaved paired
 rounds). Two outrate schedulers per cell: as shipped (metrics counted in the
 charging hook and folded once per step), and the same scheduler with the
 charging hook as it was before metrics (`hook_without_metrics` below: the
-shipped hook minus its counting lines, and a fold that only forgets the
-step's users: `fold_without_metrics`). `ratio` = with / without, median over
-rounds of the per-round ratio of medians. Target: <= 1.02 in every cell.
+shipped hook minus its counting lines, and a fold that only gives back the
+step's unspent tokens and forgets its users: `fold_without_metrics`).
+`ratio` = with / without, median over rounds of the per-round ratio of
+medians. Target: <= 1.02 in every cell.
 
 Each variant is built `--copies` times (default 3) and every copy runs in
 the interleaved rounds; a round's figure for a variant is the median of its
@@ -81,29 +82,25 @@ def hook_without_metrics(
     if rs.charged_step == step:
         return num_new_tokens
     u = rs.user
-    if u.refused_step != step:
-        first = u.step != step
-        if first:
-            granted = self._take(u.bucket, self._now)
+    left = u.left
+    if not left and u.refused_step != step:
+        if u.step != step:
+            u.step = step
+            self._st.users.append(u)
+            want = u.resident - u.n_held
+            left = self.limiter.take_upto(u.bucket, self._now, want if want > 1 else 1)
         else:
-            res = u.res
-            if res < 0:
-                res = self.ledger.reserve(u, self._now, self._st)
-            if res:
-                u.res = res - 1
-                u.extra += 1
-            granted = res > 0
-        if granted:
-            rs.charged_step = step
-            st = self._st
-            if request.status is _RUNNING:
-                st.last_charge_running = request
-            else:
-                st.last_charge_waiting = request
-            if first:  # the user's step marker (the reservation needs it too)
-                u.step = step
-                st.users.append(u)
-            return num_new_tokens
+            left = self.limiter.take_upto(u.bucket, self._now, 1)
+    if left:
+        u.left = left - 1
+        rs.charged_step = step
+        st = self._st
+        if request.status is _RUNNING:
+            st.last_charge_running = request
+        else:
+            st.last_charge_waiting = request
+        return num_new_tokens
+    if u.refused_step != step:
         u.refused_step = step
         self._st.touched.append(u)
     last_prompt = len(request._all_token_ids) - 1
@@ -114,11 +111,15 @@ def hook_without_metrics(
     return 0
 
 
-def fold_without_metrics(st: Any, step: int, now: int, holdback: Any) -> None:
-    """Ledger.fold without metrics (and without a trace, as in this rig): the
-    step's charged users are only forgotten. The reservation needs that list
-    in both variants (Ledger.settle takes each user's reserved tokens), so
-    the hook without metrics keeps it, and this is what is left of the fold."""
+def fold_without_metrics(self: Any, st: Any, step: int, now: int, holdback: Any) -> None:
+    """Ledger.fold without metrics (and without a trace, as in this rig):
+    what is left is giving back the step's unspent tokens and forgetting the
+    step's users (the hook's list of users granted tokens, in both variants)."""
+    give_back = self.limiter.give_back
+    for u in st.users:
+        if u.left:
+            give_back(u.bucket, now, u.left)
+            u.left = 0
     st.users.clear()
 
 
@@ -126,8 +127,8 @@ def isolated(b: Bench, reps: int) -> tuple[float, float, float]:
     """The metric lines alone, without the rest of a step around them: `b`'s
     scheduler (warmed into decode), alternately its shipped hook over
     every running request plus `Ledger.fold`, and `hook_without_metrics` plus
-    `fold_without_metrics`, each followed by the same `Ledger.settle` (not
-    timed), on the same objects. Returns the median ns per step of each and
+    `fold_without_metrics` (both give back unspent tokens), on the same
+    objects. Returns the median ns per step of each and
     of their difference over adjacent pairs. What the end-to-end ratio
     cannot resolve below its noise floor, this measures directly."""
     sched = b.sched
@@ -150,10 +151,8 @@ def isolated(b: Bench, reps: int) -> tuple[float, float, float]:
         if with_metrics:
             fold(st, step, now, holdback)
         else:
-            fold_without_metrics(st, step, now, holdback)
+            fold_without_metrics(ledger, st, step, now, holdback)
         t = clock() - t0
-        if st.reserved:
-            ledger.settle(st, now)
         st.touched.clear()
         st.refused.clear()
         return t
@@ -240,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     off.sched._reserve_prefill_lookahead = types.MethodType(
                         hook_without_metrics, off.sched
                     )
-                    off.sched.ledger.fold = fold_without_metrics
+                    off.sched.ledger.fold = types.MethodType(fold_without_metrics, off.sched.ledger)
                 interleave([b for trio in zip(offs, ons, twins, strict=True) for b in trio], sizes)
                 ratio = copies_ratio(ons, offs)
                 noise = copies_ratio(twins, offs)

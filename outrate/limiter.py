@@ -305,25 +305,41 @@ class Limiter:
         b.tat = tat + lim.interval
         return True
 
-    def take_n(self, b: Bucket, now: int, n: int) -> None:
-        """Take `n` tokens at `now` that `available(b, now)` granted: the state
-        `n` successful `take`s at `now` leave, in one call (the scheduler
-        reserves a user's tokens for a step and takes them here at its end)."""
+    def take_upto(self, b: Bucket, now: int, n: int) -> int:
+        """Take up to `n` tokens from `b` at `now`: as many as `n` successful
+        `take`s at `now` back to back would, in one call. Returns how many (0
+        when even one would not conform). The scheduler takes a user's tokens
+        for a step with it and gives back what the step did not use."""
         if b.gen != self._gen:
             self._refresh(b, now)
         lim = b.limit
         s = lim.scale
-        if not s or n <= 0:
-            return
+        if not s:
+            return n
         now_s = now * s
         tat = b.tat
-        b.tat = (tat if tat > now_s else now_s) + n * lim.interval
+        if tat < now_s:
+            tat = now_s
+        elif tat - now_s > lim.tolerance:
+            return 0
+        if n == 1:  # (as `take`)
+            b.tat = tat + lim.interval
+            return 1
+        if n <= 0:
+            return 0
+        i = lim.interval
+        k = (lim.tolerance - (tat - now_s)) // i + 1  # takes that conform back to back
+        if k < n:
+            n = k
+        b.tat = tat + n * i
+        return n
 
-    def give_back(self, b: Bucket, now: int) -> None:
-        """Undo one `take` that succeeded (the refund point)."""
+    def give_back(self, b: Bucket, now: int, n: int = 1) -> None:
+        """Undo `n` tokens of `take`s that succeeded (the refund point; a step's
+        unused tokens)."""
         if b.gen != self._gen:
             self._refresh(b, now)
-        b.tat -= b.limit.interval
+        b.tat -= b.limit.interval if n == 1 else n * b.limit.interval
 
     def ready_at(self, b: Bucket, now: int) -> int:
         """Earliest time (ns) at which `take(b)` succeeds; `now` if it does now."""

@@ -236,17 +236,25 @@ class SharedLimiter(Limiter):
             b.spent += 1  # type: ignore[attr-defined]
         return True
 
-    def take_n(self, b: Bucket, now: int, n: int) -> None:
-        if b.share is not b.used:  # type: ignore[attr-defined]
+    def take_upto(self, b: Bucket, now: int, n: int) -> int:
+        if b.gen != self._gen or b.share is not b.used:  # type: ignore[attr-defined]
             self._refresh(b, now)
-        super().take_n(b, now, n)
-        if self.shared and b.limit.scale and n > 0:
-            b.spent += n  # type: ignore[attr-defined]
+        shared = self.shared and b.limit.scale
+        if shared:
+            c = b.granted - b.spent - b.released  # type: ignore[attr-defined]
+            if c <= 0:
+                return 0
+            if n > c:
+                n = c
+        k = super().take_upto(b, now, n)
+        if shared:
+            b.spent += k  # type: ignore[attr-defined]
+        return k
 
-    def give_back(self, b: Bucket, now: int) -> None:
-        super().give_back(b, now)
+    def give_back(self, b: Bucket, now: int, n: int = 1) -> None:
+        super().give_back(b, now, n)
         if self.shared and b.limit.scale:
-            b.spent -= 1  # type: ignore[attr-defined]
+            b.spent -= n  # type: ignore[attr-defined]
 
     def limit_of(self, b: Bucket, now: int) -> Limit:
         if b.share is not b.used:  # type: ignore[attr-defined]

@@ -31,14 +31,17 @@ class BudgetStore(Protocol):
     def unpin(self, b: Bucket) -> None: ...
 
     def take(self, b: Bucket, now: int) -> bool:
-        """Take one token if it conforms. The hot path: O(1), no I/O."""
+        """Take one token if it conforms: the decision the other verbs are
+        defined by. O(1), no I/O."""
 
-    def take_n(self, b: Bucket, now: int, n: int) -> None:
-        """Take `n` tokens `available` granted at `now`: as `n` successful
-        `take`s at `now` (one call per user and step instead of per token)."""
+    def take_upto(self, b: Bucket, now: int, n: int) -> int:
+        """Take up to `n` tokens at `now`: what `n` `take`s at `now` back to
+        back would take, in one call; returns how many. The hot path: one
+        call per user and step, O(1), no I/O."""
 
-    def give_back(self, b: Bucket, now: int) -> None:
-        """Undo one successful `take` (the scheduler's one refund point)."""
+    def give_back(self, b: Bucket, now: int, n: int = 1) -> None:
+        """Undo `n` tokens of successful takes (the scheduler's one refund
+        point, and a step's unused tokens)."""
 
     def ready_at(self, b: Bucket, now: int) -> int:
         """Earliest time `take` can succeed; `now` if it can now."""

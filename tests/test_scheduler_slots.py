@@ -286,24 +286,18 @@ def test_net_charges_equal_tokens_emitted_under_kv_pressure(priority, seed, monk
         priority=priority,
     )
     net: dict[str, int] = {}
-    stock_take, stock_take_n, stock_give = s._take, s.limiter.take_n, s.limiter.give_back
+    stock_take, stock_give = s.limiter.take_upto, s.limiter.give_back
 
-    def take(bucket, now):
-        ok = stock_take(bucket, now)
-        if ok:
-            net[bucket.key] = net.get(bucket.key, 0) + 1
-        return ok
+    def take_upto(bucket, now, n):  # a user's tokens for a step
+        got = stock_take(bucket, now, n)
+        net[bucket.key] = net.get(bucket.key, 0) + got
+        return got
 
-    def take_n(bucket, now, n):  # a step's reserved tokens, net of their refunds
-        net[bucket.key] = net.get(bucket.key, 0) + n
-        return stock_take_n(bucket, now, n)
+    def give_back(bucket, now, n=1):  # refunds, and a step's unspent tokens
+        net[bucket.key] -= n
+        return stock_give(bucket, now, n)
 
-    def give_back(bucket, now):
-        net[bucket.key] -= 1
-        return stock_give(bucket, now)
-
-    monkeypatch.setattr(s, "_take", take)
-    monkeypatch.setattr(s.limiter, "take_n", take_n)
+    monkeypatch.setattr(s.limiter, "take_upto", take_upto)
     monkeypatch.setattr(s.limiter, "give_back", give_back)
     d = Driver(s, clock, step_ns=9 * MS)
     for _ in range(400):

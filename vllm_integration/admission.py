@@ -61,15 +61,13 @@ class Admission:
             return False  # displaced or preempted this step: not back in the same step
         u = rs.user
         limiter = self.limiter
-        if u.extra:  # tokens spent from this step's reservation: into the store first
-            limiter.take_n(u.bucket, now, u.extra)
-            u.extra = 0
         limit = limiter.limit_of(u.bucket, now)
         if limit.shadow:
             pass  # computed and counted, never enforced
         elif limit.max_streams is not None and u.resident >= limit.max_streams:
             return self._defer(rs, "max_streams")  # waits without blocking anyone else
-        elif u.refused_step == step or u.n_held or limiter.available(u.bucket, now) == 0:
+        elif u.refused_step == step or u.n_held or not (u.left or limiter.available(u.bucket, now)):
+            # (u.left: tokens it took for this step and has not spent: budget too)
             if not self.can_prefill_ahead(request) or running + 1 >= max_active:
                 ready = limiter.ready_at(u.bucket, now)
                 if st.blocked_ready == 0 or ready < st.blocked_ready:

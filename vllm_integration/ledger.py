@@ -1,10 +1,12 @@
 """The end of a step's books: refunds, metrics and the trace.
 
-The scheduler's hook counts each charge on the user (`UserState.st_*`) and
-notes refund candidates in the step's `StepScratch`; after stock's
-`schedule()` the `Ledger` refunds what was charged but not scheduled (the one
-refund point), then folds the step into each label's metrics and writes one
-trace line. Plain Python: no vLLM import.
+The scheduler's hook takes each user's tokens for the step from the store in
+one call (`take_upto`, as many as it has running requests), counts each
+charge on the user (`UserState.st_*`) and notes refund candidates in the
+step's `StepScratch`; after stock's `schedule()` the `Ledger` refunds what was
+charged but not scheduled (the one refund point), then folds the step into
+each label's metrics, gives back the tokens taken and not spent, and writes
+one trace line. Plain Python: no vLLM import.
 """
 
 from __future__ import annotations
@@ -50,10 +52,8 @@ class Ledger:
             u = rs.user
             if rs.over_step == step:
                 u.st_over -= 1  # a shadow over-limit token: nothing was taken
-            elif u.extra:
-                u.extra -= 1  # reserved, not taken yet (see `settle`)
             elif u.bucket.limit.scale:
-                self.limiter.give_back(u.bucket, now)
+                self.limiter.give_back(u.bucket, now)  # at once: a refused user may wait on it
             u.st_refunded += 1
             self._unobserve(rs, u, step, now)  # and the request's last token is the one before
             refunded += 1
@@ -61,30 +61,12 @@ class Ledger:
         st.last_charge_running = st.last_charge_waiting = None
         candidates.clear()
 
-    def reserve(self, u: UserState, now: int, st: StepScratch) -> int:
-        """A user charged a second time in a step: the tokens the store grants
-        at this same instant, spent without asking it again (exact: n takes at
-        one instant are one `take_n`, done in `settle`)."""
-        st.reserved.append(u)
-        return self.limiter.available(u.bucket, now)
-
     @staticmethod
     def shadow_over(rs: RequestState, u: UserState, step: int) -> bool:
         """A shadow limit refused a token: count it, let it run."""
         rs.over_step = step
         u.st_over += 1
         return True
-
-    def settle(self, st: StepScratch, now: int) -> None:
-        """Take the tokens users spent from this step's reservations (after
-        refunds: those never reach the store): one `take_n` per user."""
-        limiter = self.limiter
-        for u in st.reserved:
-            if u.extra:
-                limiter.take_n(u.bucket, now, u.extra)
-                u.extra = 0
-            u.res = -1
-        st.reserved.clear()
 
     def gap(self, rs: RequestState, u: UserState, last: int, step: int, now: int) -> None:
         """A token of a request not charged in the step before (its first, or
@@ -135,7 +117,10 @@ class Ledger:
     def fold(self, st: StepScratch, step: int, now: int, holdback: Holdback) -> None:
         """This step's charges into each label's metrics, and one trace line.
         Requests charged in the previous step too get this step's period as
-        their token interval, observed once per user."""
+        their token interval, observed once per user. Tokens a user was
+        granted and did not spend go back to the store here (a refused user
+        has none: it was refused with none left, and refunds give back at
+        once, so the wake-ups armed before this read its final state)."""
         period = now - self.prev_now
         self.prev_now = now
         self.times[step & MASK] = now
@@ -143,12 +128,16 @@ class Ledger:
         trace = self.trace
         if not users and trace is None:
             return
+        give_back = self.limiter.give_back
         slot = bisect_left(BUCKETS_NS, period)  # one bucket for every user this step
         charged: dict[str, int] = {}
         refunded: dict[str, int] = {}
         over: dict[str, int] = {}
         total = 0
         for u in users:
+            if u.left:  # taken for this step, not spent: back to the store
+                give_back(u.bucket, now, u.left)
+                u.left = 0
             consec = u.st_consec
             net = consec + u.st_gap  # net: refunds took theirs back
             total += net

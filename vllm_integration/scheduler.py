@@ -96,7 +96,6 @@ class OutrateMixin:
         if limiter is None:
             limiter = Limiter(self._policy, clock=clock)
         self.limiter: BudgetStore = limiter
-        self._take = self.limiter.take  # bound once: called for every sampling dispatch
         self._clock = clock
         self.stats = {"charged": 0, "refunded": 0, "held": 0, "released": 0, "displaced": 0}
         self.metrics = Metrics()
@@ -203,35 +202,31 @@ class OutrateMixin:
         if last == step:
             return num_new_tokens  # never charge a request twice in a step
         u = rs.user
+        left = u.left  # the user's tokens for this step not spent yet (0 between steps)
+        if not left and u.refused_step != step:
+            if u.step != step:  # its first charge this step: tokens for its running requests
+                u.step = step
+                self._st.users.append(u)  # its unspent tokens go back at the fold
+                want = u.resident - u.n_held
+                left = self.limiter.take_upto(u.bucket, self._now, want if want > 1 else 1)
+            else:  # more than it had running (admitted this step): one more
+                left = self.limiter.take_upto(u.bucket, self._now, 1)
+        if left or (u.bucket.limit.shadow and self.ledger.shadow_over(rs, u, step)):
+            if left:
+                u.left = left - 1
+            rs.charged_step = step
+            st = self._st
+            if request.status is _RUNNING:
+                st.last_charge_running = request
+            else:
+                st.last_charge_waiting = request
+            # Metrics: counted on the user, folded once per step (Ledger.fold).
+            if last == self._prev_step:  # (not `step - 1`: an int per token)
+                u.st_consec += 1  # interval = this step's period, observed at the fold
+            else:
+                self.ledger.gap(rs, u, last, step, self._now)
+            return num_new_tokens
         if u.refused_step != step:
-            now = self._now
-            first = u.step != step
-            if first:  # the user's first token this step: from the store
-                granted = self._take(u.bucket, now)
-            else:  # later ones: from a reservation, taken at the end (Ledger.settle)
-                res = u.res
-                if res < 0:
-                    res = self.ledger.reserve(u, now, self._st)
-                if res:
-                    u.res = res - 1
-                    u.extra += 1
-                granted = res > 0
-            if granted or (u.bucket.limit.shadow and self.ledger.shadow_over(rs, u, step)):
-                rs.charged_step = step
-                st = self._st
-                if request.status is _RUNNING:
-                    st.last_charge_running = request
-                else:
-                    st.last_charge_waiting = request
-                # Metrics: counted on the user, folded once per step (Ledger.fold).
-                if first:
-                    u.step = step
-                    st.users.append(u)
-                if last == self._prev_step:  # (not `step - 1`: an int per token)
-                    u.st_consec += 1  # interval = this step's period, observed at the fold
-                else:
-                    self.ledger.gap(rs, u, last, step, now)
-                return num_new_tokens
             u.refused_step = step
             self._st.touched.append(u)
         # Out of budget: prefill up to the last prompt position, sample later.
@@ -281,8 +276,6 @@ class OutrateMixin:
         st = self._st
         if st.users:  # charged this step: refund what was not scheduled
             self.ledger.refund_missed(st, scheduled, self._step, now)
-        if st.reserved:
-            self.ledger.settle(st, now)
         if st.stash:  # held victims of a KV allocation (kv.py): back at the front
             for r in reversed(st.stash):
                 self.waiting.prepend_request(r)

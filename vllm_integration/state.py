@@ -37,11 +37,10 @@ class UserState:
     # Slots in the order the per-token hook reads them: one object's fields
     # a step touches sit in as few cache lines as possible.
     __slots__ = (
-        "refused_step",
+        "left",
         "step",
+        "refused_step",
         "bucket",
-        "res",
-        "extra",
         "st_consec",
         "st_gap",
         "m",
@@ -68,16 +67,15 @@ class UserState:
         self.armed = False  # has a live entry in the wake heap
         self.m = m  # the metrics record of this user's `limit` label
         # This step's charges, folded into `m` (and the trace) once per step:
-        self.step = -1  # the step this user was last charged in
+        self.step = -1  # the last step it was granted tokens in (in `st.users`)
         self.st_consec = 0  # tokens of requests also charged the step before
         self.st_gap = 0  # tokens of requests that were not (first tokens, resumes)
         self.st_refunded = 0
         self.st_over = 0  # shadow over-limit tokens
-        # This step's reservation: the first token is taken from the store; the
-        # store says how many more it would grant at this same instant, and later
-        # tokens are counted here and taken in one call at the step's end.
-        self.res = -1  # tokens the reservation still grants (-1: not asked yet)
-        self.extra = 0  # tokens spent from it, not yet taken from the store
+        # This step's tokens: the user's first charge in a step takes from the
+        # store as many as it has visible running requests (`take_upto`);
+        # each charge spends one; what is left goes back at the step's end.
+        self.left = 0  # tokens taken for this step and not spent yet
 
     def wakes_at(self, ready: int) -> bool:
         """Whether a wake-heap entry for `ready` is this user's live one."""
@@ -139,7 +137,6 @@ class StepScratch:
         "stash",
         "blocked_ready",
         "users",
-        "reserved",
     )
 
     def __init__(self) -> None:
@@ -154,5 +151,4 @@ class StepScratch:
         self.admits: list[Request] = []  # counted resident before stock admitted them
         self.stash: list[Request] = []  # held victims preempted mid-loop, requeued after
         self.blocked_ready = 0  # earliest ready time of a user blocking admission
-        self.users: list[UserState] = []  # users charged this step (metrics fold)
-        self.reserved: list[UserState] = []  # users charged twice or more (take_n after)
+        self.users: list[UserState] = []  # users granted tokens this step (fold)
