@@ -2,6 +2,7 @@
 
     python benchmarks/bench_scheduler.py [--quick] [--check] [--no-profile]
                                          [--copies N] [--only CELLS]
+    python benchmarks/bench_scheduler.py --isolated [--quick] [--only CELLS]
 
 What is timed: `schedule()` + `update_from_output()` of the REAL vLLM
 `Scheduler` / `AsyncScheduler` (stock) and of `OutrateScheduler` /
@@ -50,6 +51,13 @@ scheduled per step; `stock_all_us` is stock with all R requests running;
 over `stock_sched_us` otherwise. `users` is the number of users; with
 throttling it reads `throttled+free` (a single user cannot be both, so U=1
 rows with throttling use one throttled and one free user).
+
+`--isolated` times outrate's own per-step code without the rest of the
+step: its hook over every running request plus its end of step, against
+stock's hook (which it replaces) over the same requests, alternating, as a
+share of stock's full step. It separates what outrate's lines cost from
+what a whole step adds around them (cache effects), which the end-to-end
+ratio cannot.
 
 The profile section runs cProfile over a few hundred outrate steps of the
 worst case (95% of 1024 throttled) and prints the top functions by cumulative
@@ -487,6 +495,79 @@ def _profiled(prof: cProfile.Profile, fn: Callable[..., Any]) -> Callable[..., A
     return call
 
 
+def isolated(cell: Cell, sizes: Sizes, reps: int = 200) -> tuple[float, float, float, float]:
+    """outrate's own per-step code without the rest of a step around it: on
+    a warmed outrate scheduler, its charging hook over every running request
+    plus `_after_schedule` (refunds, holds, fold, cleanup); on a warmed stock
+    scheduler with the same requests, stock's hook that it replaces, over
+    its requests. Alternating, `reps` times each. Returns (stock's full
+    step in us, ours in ns, stock's hook in ns, their median difference in
+    ns). What the end-to-end ratio cannot separate from a step's cache
+    effects, this times directly; those effects are not in it."""
+    w = workload(cell.running, cell.users, cell.throttled)
+    ours = build(cell.mode, w.users, sizes, policy_for(w))
+    stock = build(f"stock-{cell.mode}", [None] * cell.running, sizes, None)
+    interleave([ours, stock], Sizes(0, 10, 10))
+    step_us = stock.median_us()
+    clock = time.perf_counter_ns
+
+    def loop(b: Bench, after: bool) -> int:
+        sched = b.sched
+        reqs = list(sched.running)
+        computed = [len(q._all_token_ids) - 1 for q in reqs]
+        scheduled = {q.request_id: 1 for q in reqs}
+        hook = sched._reserve_prefill_lookahead
+        if after:
+            sched._prev_step = sched._step
+            sched._step += 1
+            sched._now += STEP_NS
+        t0 = clock()
+        for q, c in zip(reqs, computed, strict=True):
+            hook(q, c, 1)
+        if after:
+            sched._after_schedule(scheduled, sched._now)
+        return clock() - t0
+
+    mine, theirs, diff = [], [], []
+    gc.disable()
+    try:
+        for i in range(reps):
+            if i % 2:
+                a, c = loop(ours, True), loop(stock, False)
+            else:
+                c, a = loop(stock, False), loop(ours, True)
+            mine.append(a)
+            theirs.append(c)
+            diff.append(a - c)
+    finally:
+        gc.enable()
+    med = statistics.median
+    return step_us, med(mine), med(theirs), med(diff)
+
+
+def main_isolated(args: Any) -> int:
+    sizes = QUICK if args.quick else FULL
+    print("outrate's own code per step, none throttled: its hook over every running")
+    print("request plus _after_schedule, against stock's hook over the same requests")
+    print("(median ns, alternating); share = the difference over stock's full step.")
+    print(
+        f"{'mode':>5}  {'R':>5}  {'users':>5}  {'stock step us':>13}  {'ours ns':>8}  "
+        f"{'stock hook':>10}  {'diff ns':>8}  {'ns/req':>6}  {'share':>6}"
+    )
+    for cell in grid(args.quick):
+        name = f"{cell.mode}:{cell.running}:{cell.users}:{cell.throttled * 100:.0f}"
+        if cell.throttled or (args.only and name not in args.only.split(",")):
+            continue
+        step_us, mine, theirs, diff = isolated(cell, sizes)
+        print(
+            f"{cell.mode:>5}  {cell.running:>5}  {cell.users:>5}  {step_us:>13.0f}  {mine:>8.0f}  "
+            f"{theirs:>10.0f}  {diff:>8.0f}  {diff / cell.running:>6.0f}  "
+            f"{diff / 1000 / step_us:>6.2%}",
+            flush=True,
+        )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--quick", action="store_true", help="reduced grid and steps (CI smoke)")
@@ -494,7 +575,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-profile", action="store_true", help="skip the cProfile section")
     ap.add_argument("--copies", type=int, default=COPIES, help="schedulers built per kind")
     ap.add_argument("--only", help="cells, e.g. sync:1024:16:0,async:256:256:0 (mode:R:U:thr%%)")
+    ap.add_argument(
+        "--isolated",
+        action="store_true",
+        help="time outrate's own per-step code (hook + end of step) against stock's hook",
+    )
     args = ap.parse_args(argv)
+    if args.isolated:
+        with contextlib.redirect_stdout(sys.stderr):
+            model_dir()
+        return main_isolated(args)
     sizes = QUICK if args.quick else FULL
     with contextlib.redirect_stdout(sys.stderr):
         model_dir()  # builds or reuses the tiny model; keep its chatter off the table

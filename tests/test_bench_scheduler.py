@@ -56,6 +56,13 @@ def test_grid_covers_the_brief() -> None:
     assert len(bench.grid(quick=True)) < len(full)
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_isolated_times_both_hooks(mode: str) -> None:
+    step_us, ours, stock, diff = bench.isolated(bench.Cell(mode, 16, 4, 0.0), TINY, reps=6)
+    assert step_us > 0 and ours > 0 and stock > 0
+    assert abs(diff) < ours + stock
+
+
 def test_copies_see_the_same_requests() -> None:
     """Copies differ only in where their objects land: same ids, same prompts,
     each prompt distinct within a scheduler."""
