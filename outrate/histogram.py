@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left
 from typing import Any
 
@@ -17,7 +18,7 @@ class Histogram:
 
     def __init__(self, bounds: tuple[int, ...]) -> None:
         self.bounds = bounds
-        self.buckets = [0] * (len(bounds) + 1)
+        self.buckets = array("q", bytes(8 * (len(bounds) + 1)))  # no int object per count
         self.sum_ns = 0
 
     def observe(self, ns: int, n: int = 1) -> None:
