@@ -13,7 +13,8 @@ step's unspent tokens and forgets its users: `fold_without_metrics`).
 `ratio` = with / without, median over rounds of the per-round ratio of
 medians. Target: <= 1.02 in every cell.
 
-Each variant is built `--copies` times (default 3) and every copy runs in
+Each variant is built `--copies` times (default 3), alternately and in a
+rotated order (no variant is always built first), and every copy runs in
 the interleaved rounds; a round's figure for a variant is the median of its
 copies' medians. Two schedulers built alike differ by a percent or two on
 this VM (where their objects landed in memory), more than the effect
@@ -232,9 +233,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     continue
                 w = workload(r, 16, f)
                 k = max(args.copies, 2)
-                ons = [build(mode, w.users, sizes, policy_for(w)) for _ in range(k)]
-                offs = [build(mode, w.users, sizes, policy_for(w)) for _ in range(k)]
-                twins = [build(mode, w.users, sizes, policy_for(w)) for _ in range(k)]
+                # Built alternately, each copy in a rotated order: no set
+                # is always built first (where objects land is part of a cost).
+                ons: list[Bench] = []
+                offs: list[Bench] = []
+                twins: list[Bench] = []
+                for c in range(k):
+                    for j in range(3):
+                        group = (ons, offs, twins)[(c + j) % 3]
+                        group.append(build(mode, w.users, sizes, policy_for(w)))
                 for off in offs + twins:
                     off.sched._reserve_prefill_lookahead = types.MethodType(
                         hook_without_metrics, off.sched

@@ -34,7 +34,8 @@ two schedulers built alike differ by a few points (where their objects land
 in memory), so (1) per-step times are taken with `time.perf_counter_ns` with
 the garbage collector disabled (it runs between rounds, untimed); (2) every
 scheduler gets the same requests (ids and prompts: the same dict layouts);
-(3) each kind is built `--copies` times (3), alternately; (4) all are
+(3) each kind is built `--copies` times (3), alternately, each copy in a
+rotated order; (4) all are
 measured in many short interleaved rounds (A/B/C, B/C/A, C/A/B, ... 10 steps
 each) so a neighbour's burst of load lands on all alike; (5) the us columns
 are medians over copies of the medians over all timed steps, and `ratio` is
@@ -388,13 +389,22 @@ def measure(cell: Cell, sizes: Sizes, copies: int = COPIES) -> Result:
     alls: list[Bench] = []
     bases: list[Bench] = []
     twins: list[Bench] = []
-    for c in range(copies):
-        if c:
-            outs.append(probed())
-        if cell.throttled == 0 or c == 0:  # informational when throttled: one copy
+
+    def base() -> None:
+        if cell.throttled == 0 or not alls:  # informational when throttled: one copy
             alls.append(build(stock, [None] * cell.running, sizes, None))
         bases.append(alls[-1] if cell.throttled == 0 else build(stock, [None] * n, sizes, None))
-        twins.append(build(stock, [None] * n, sizes, None))
+
+    makers = (
+        lambda: outs.append(probed()),
+        base,
+        lambda: twins.append(build(stock, [None] * n, sizes, None)),
+    )
+    base()  # outrate's first copy came first (it tells n); then each copy in a rotated order
+    twins.append(build(stock, [None] * n, sizes, None))
+    for c in range(1, copies):
+        for j in range(3):
+            makers[(c + j) % 3]()
     for b in outs:
         b.reset()
     benches = [b for group in zip(outs, bases, twins, strict=True) for b in group]
