@@ -521,11 +521,15 @@ def isolated(cell: Cell, sizes: Sizes, reps: int = 200) -> tuple[float, float, f
     step_us = stock.median_us()
     clock = time.perf_counter_ns
 
+    def inputs(b: Bench) -> tuple[list[Any], list[int], dict[str, int]]:
+        reqs = list(b.sched.running)  # all in decode, none held: the same every step
+        return reqs, [len(q._all_token_ids) - 1 for q in reqs], {q.request_id: 1 for q in reqs}
+
+    fed = {id(ours): inputs(ours), id(stock): inputs(stock)}
+
     def loop(b: Bench, after: bool) -> int:
         sched = b.sched
-        reqs = list(sched.running)
-        computed = [len(q._all_token_ids) - 1 for q in reqs]
-        scheduled = {q.request_id: 1 for q in reqs}
+        reqs, computed, scheduled = fed[id(b)]
         hook = sched._reserve_prefill_lookahead
         if after:
             sched._prev_step = sched._step
