@@ -94,22 +94,23 @@ def hook_without_metrics(
             left = self.limiter.take_upto(u.bucket, self._now, 1)
     if left:
         u.left = left - 1
-        rs.charged_step = step
-        st = self._st
-        if request.status is _RUNNING:
-            st.last_charge_running = request
-        else:
-            st.last_charge_waiting = request
-        return num_new_tokens
-    if u.refused_step != step:
-        u.refused_step = step
-        self._st.touched.append(u)
-    last_prompt = len(request._all_token_ids) - 1
-    if self.admission.chunked and num_computed_tokens < last_prompt:
-        return last_prompt - num_computed_tokens
-    if rs.resident:
-        self._st.refused.append(request)
-    return 0
+    else:  # OutrateMixin._refuse without `ledger.stopped` (and no shadow count)
+        if u.refused_step != step:
+            u.refused_step = step
+            self._st.touched.append(u)
+        last_prompt = len(request._all_token_ids) - 1
+        if self.admission.chunked and num_computed_tokens < last_prompt:
+            return last_prompt - num_computed_tokens
+        if rs.resident:
+            self._st.refused.append(request)
+        return 0
+    rs.charged_step = step
+    st = self._st
+    if request.status is _RUNNING:
+        st.last_charge_running = request
+    else:
+        st.last_charge_waiting = request
+    return num_new_tokens
 
 
 def fold_without_metrics(self: Any, st: Any, step: int, now: int, holdback: Any) -> None:

@@ -47,7 +47,7 @@ from vllm_integration.holdback import Holdback
 from vllm_integration.kv import HeldFirstAllocation
 from vllm_integration.ledger import Ledger
 from vllm_integration.roster import Roster
-from vllm_integration.state import ATTR, PolicyBox, RequestState, StepScratch
+from vllm_integration.state import ATTR, PolicyBox, RequestState, StepScratch, UserState
 
 logger = logging.getLogger("vllm.outrate")  # under vLLM's logger: same format and level
 
@@ -126,6 +126,8 @@ class OutrateMixin:
     def outrate_trace(self, trace: Any) -> None:
         """Write a trace line per step to `trace` (a TraceWriter)."""
         self.ledger.trace = trace
+        for u in self._users.values():  # counted untraced until now
+            u.st_refunded = 0
         self.holdback.trace_held, self.holdback.trace_released = {}, {}
 
     @property
@@ -211,28 +213,34 @@ class OutrateMixin:
                 left = self.limiter.take_upto(u.bucket, self._now, want if want > 1 else 1)
             else:  # more than it had running (admitted this step): one more
                 left = self.limiter.take_upto(u.bucket, self._now, 1)
-        if left or (u.bucket.limit.shadow and self.ledger.shadow_over(rs, u, step)):
-            if left:
-                u.left = left - 1
-            rs.charged_step = step
-            st = self._st
-            if request.status is _RUNNING:
-                st.last_charge_running = request
-            else:
-                st.last_charge_waiting = request
-            # Metrics: counted on the user, folded once per step (Ledger.fold).
-            if last == self._prev_step:  # (not `step - 1`: an int per token)
-                u.st_consec += 1  # interval = this step's period, observed at the fold
-            else:
-                self.ledger.gap(rs, u, last, step, self._now)
-            return num_new_tokens
+        if left:
+            u.left = left - 1
+        elif not (u.bucket.limit.shadow and self.ledger.shadow_over(rs, u, step)):
+            return self._refuse(request, rs, u, step, num_computed_tokens)
+        rs.charged_step = step
+        st = self._st
+        if request.status is _RUNNING:
+            st.last_charge_running = request
+        else:
+            st.last_charge_waiting = request
+        # Metrics: counted on the user, folded once per step (Ledger.fold).
+        if last == self._prev_step:  # (not `step - 1`: an int per token)
+            u.st_consec += 1  # interval = this step's period, observed at the fold
+        else:
+            self.ledger.gap(rs, u, last, step, self._now)
+        return num_new_tokens
+
+    def _refuse(
+        self, request: Request, rs: RequestState, u: UserState, step: int, num_computed: int
+    ) -> int:
+        """Out of budget: prefill up to the last prompt position, sample later
+        (the hook's answer for a refused request)."""
         if u.refused_step != step:
             u.refused_step = step
             self._st.touched.append(u)
-        # Out of budget: prefill up to the last prompt position, sample later.
         last_prompt = len(request._all_token_ids) - 1
-        if self.admission.chunked and num_computed_tokens < last_prompt:
-            return last_prompt - num_computed_tokens
+        if self.admission.chunked and num_computed < last_prompt:
+            return last_prompt - num_computed
         if rs.resident:
             self._st.refused.append(request)
             self.ledger.stopped(rs, step)  # held after the step, most likely
