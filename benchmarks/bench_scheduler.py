@@ -3,6 +3,7 @@
     python benchmarks/bench_scheduler.py [--quick] [--check] [--no-profile]
                                          [--copies N] [--only CELLS]
     python benchmarks/bench_scheduler.py --isolated [--quick] [--only CELLS]
+    python benchmarks/bench_scheduler.py --ablate [--quick] [--copies N] [--only CELLS]
 
 What is timed: `schedule()` + `update_from_output()` of the REAL vLLM
 `Scheduler` / `AsyncScheduler` (stock) and of `OutrateScheduler` /
@@ -60,6 +61,10 @@ share of stock's full step. It separates what outrate's lines cost from
 what a whole step adds around them (cache effects), which the end-to-end
 ratio cannot.
 
+`--ablate` measures, end to end like the grid, outrate variants that each
+remove or heat one part of its per-step work (ABLATIONS): where the
+difference from stock goes inside a whole step.
+
 The profile section runs cProfile over a few hundred outrate steps of the
 worst case (95% of 1024 throttled) and prints the top functions by cumulative
 time.
@@ -76,6 +81,7 @@ import pstats
 import statistics
 import sys
 import time
+import types
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -559,6 +565,83 @@ def isolated(cell: Cell, sizes: Sizes, reps: int = 200) -> tuple[float, float, f
     return step_us, med(mine), med(theirs), med(diff)
 
 
+ABLATIONS = {
+    "shipped": "outrate as shipped",
+    "hot-bucket": "every user charges one shared bucket (the store's state stays hot)",
+    "no-store": "take_upto / give_back answer without state (a call each, no bucket)",
+    "hot-label": "every user counted under one shared label record (metrics state hot)",
+    "fold-bare": "the fold only gives back unspent tokens (bench_metrics.fold_without_metrics)",
+    "bare": "outrate's scheduler with stock's hook and no end of step",
+}
+"""`--ablate`: outrate variants, each built and measured like the others,
+that remove or heat one part of its per-step work. What a variant saves
+against `shipped` is what that part costs inside a whole step; a `hot-*`
+variant that saves nothing says the part's cost is its lines, not cold
+state."""
+
+
+def _ablated(sched: Any, name: str) -> None:
+    if name == "hot-bucket":  # limits never reached: one bucket serves everyone
+        shared = sched.limiter.pin("ablate/shared")
+        for u in sched._users.values():
+            u.bucket = shared
+    elif name == "no-store":
+        sched.limiter.take_upto = lambda b, now, n: n
+        sched.limiter.give_back = lambda b, now, n=1: None
+    elif name == "hot-label":
+        from outrate.metrics import LabelMetrics
+
+        label = LabelMetrics("ablate/shared")
+        for u in sched._users.values():
+            u.m = label
+    elif name == "fold-bare":
+        from bench_metrics import fold_without_metrics  # (it imports this module)
+
+        sched.ledger.fold = types.MethodType(fold_without_metrics, sched.ledger)
+    elif name == "bare":
+        stock = type(sched).__mro__[2]  # Scheduler / AsyncScheduler, after OutrateMixin
+        sched._reserve_prefill_lookahead = types.MethodType(stock._reserve_prefill_lookahead, sched)
+        sched._after_schedule = lambda scheduled, now: None
+    elif name != "shipped":
+        raise ValueError(f"unknown ablation {name!r}")
+
+
+def ablate(cell: Cell, sizes: Sizes, copies: int = COPIES) -> dict[str, float]:
+    """Each variant of ABLATIONS against stock with the same requests (0%
+    throttled: `cell.throttled` is ignored), plus `a/a`; every set built
+    `copies` times in a rotated order and run in the same interleaved
+    rounds. Returns ratio per name."""
+    w = workload(cell.running, cell.users, 0.0)
+    groups: dict[str, list[Bench]] = {"stock": [], "a/a": [], **{n: [] for n in ABLATIONS}}
+    names = list(groups)
+    for c in range(copies):
+        for j in range(len(names)):
+            name = names[(c + j) % len(names)]
+            if name in ("stock", "a/a"):
+                groups[name].append(build(f"stock-{cell.mode}", [None] * cell.running, sizes, None))
+            else:
+                b = build(cell.mode, w.users, sizes, policy_for(w))
+                _ablated(b.sched, name)
+                groups[name].append(b)
+    interleave([b for group in zip(*groups.values(), strict=True) for b in group], sizes)
+    base = groups["stock"]
+    return {name: copies_ratio(group, base) for name, group in groups.items() if name != "stock"}
+
+
+def main_ablate(args: Any) -> int:
+    sizes = QUICK if args.quick else FULL
+    cells = args.only.split(",") if args.only else ["sync:256:256:0", "async:256:256:0"]
+    print("outrate variants over stock, 0% throttled (ratio of step cost, paired rounds):")
+    for name, what in ABLATIONS.items():
+        print(f"  {name:>10}: {what}")
+    print(f"{'cell':>16}  " + "  ".join(f"{n:>10}" for n in ("a/a", *ABLATIONS)))
+    for spec in cells:
+        mode, r, u, *_ = spec.split(":")
+        res = ablate(Cell(mode, int(r), int(u), 0.0), sizes, max(args.copies, 1))
+        print(f"{spec:>16}  " + "  ".join(f"{res[n]:>10.3f}" for n in res), flush=True)
+    return 0
+
+
 def main_isolated(args: Any) -> int:
     sizes = QUICK if args.quick else FULL
     print("outrate's own code per step, none throttled: its hook over every running")
@@ -594,7 +677,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="time outrate's own per-step code (hook + end of step) against stock's hook",
     )
+    ap.add_argument(
+        "--ablate",
+        action="store_true",
+        help="outrate variants without (or with hot) store, metrics fold, hook: cost split",
+    )
     args = ap.parse_args(argv)
+    if args.ablate:
+        with contextlib.redirect_stdout(sys.stderr):
+            model_dir()
+        return main_ablate(args)
     if args.isolated:
         with contextlib.redirect_stdout(sys.stderr):
             model_dir()

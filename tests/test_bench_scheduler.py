@@ -80,3 +80,37 @@ def test_check_flags_a_missed_target() -> None:
     bad = bench.Result(cell, "15+1", 51, 9000.0, 400.0, 600.0, ratio=1.5)
     assert ok.passed is True and bad.passed is False
     assert "FAIL" in bench.format_table([ok, bad]).splitlines()[-1]
+
+
+def test_ablations_change_what_they_name() -> None:
+    """Each variant of `--ablate` removes or heats the part it names, and
+    nothing else is left broken: every variant still schedules every request."""
+    w = bench.workload(8, 4, 0.0)
+    built = {}
+    for name in bench.ABLATIONS:
+        b = bench.build("sync", w.users, TINY, bench.policy_for(w))
+        bench._ablated(b.sched, name)
+        before = {u.key: u.bucket.tat for u in b.sched._users.values()}
+        tokens = {u.key: u.m.tokens for u in b.sched._users.values()}
+        b.run(3)
+        assert b.median_scheduled() == 8, name
+        built[name] = (b.sched, before, tokens)
+    users = lambda name: list(built[name][0]._users.values())  # noqa: E731
+    assert len({id(u.bucket) for u in users("hot-bucket")}) == 1
+    assert len({id(u.m) for u in users("hot-label")}) == 1
+    sched, before, _ = built["no-store"]
+    assert all(u.bucket.tat == before[u.key] for u in users("no-store"))  # never charged
+    sched, before, _ = built["shipped"]
+    assert all(u.bucket.tat != before[u.key] for u in users("shipped"))
+    sched, _, tokens = built["fold-bare"]
+    assert all(u.m.tokens == tokens[u.key] for u in users("fold-bare"))  # nothing folded
+    sched, _, tokens = built["bare"]
+    assert sched.stats["charged"] == 0 or all(u.m.tokens == tokens[u.key] for u in users("bare"))
+    with pytest.raises(ValueError, match="unknown ablation"):
+        bench._ablated(sched, "nope")
+
+
+def test_ablate_measures_every_variant() -> None:
+    res = bench.ablate(bench.Cell("sync", 8, 4, 0.0), TINY, copies=1)
+    assert list(res) == ["a/a", *bench.ABLATIONS]
+    assert all(v > 0 for v in res.values())
