@@ -94,16 +94,9 @@ def hook_without_metrics(
             left = self.limiter.take_upto(u.bucket, self._now, 1)
     if left:
         u.left = left - 1
-    else:  # OutrateMixin._refuse without `ledger.stopped` (and no shadow count)
-        if u.refused_step != step:
-            u.refused_step = step
-            self._st.touched.append(u)
-        last_prompt = len(request._all_token_ids) - 1
-        if self.admission.chunked and num_computed_tokens < last_prompt:
-            return last_prompt - num_computed_tokens
-        if rs.resident:
-            self._st.refused.append(request)
-        return 0
+    else:  # no shadow count; the refused path is the shipped one (its one metric
+        # line, `ledger.stopped`, runs in no timed step: nobody is refused there)
+        return self._refuse(request, rs, u, step, num_computed_tokens)
     rs.charged_step = step
     st = self._st
     if request.status is _RUNNING:
