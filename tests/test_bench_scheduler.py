@@ -92,20 +92,23 @@ def test_ablations_change_what_they_name() -> None:
         bench._ablated(b.sched, name)
         before = {u.key: u.bucket.tat for u in b.sched._users.values()}
         tokens = {u.key: u.m.tokens for u in b.sched._users.values()}
+        charged = b.sched.stats["charged"]
         b.run(3)
         assert b.median_scheduled() == 8, name
-        built[name] = (b.sched, before, tokens)
+        built[name] = (b.sched, before, tokens, charged)
     users = lambda name: list(built[name][0]._users.values())  # noqa: E731
     assert len({id(u.bucket) for u in users("hot-bucket")}) == 1
     assert len({id(u.m) for u in users("hot-label")}) == 1
-    sched, before, _ = built["no-store"]
+    _, before, _, _ = built["no-store"]
     assert all(u.bucket.tat == before[u.key] for u in users("no-store"))  # never charged
-    sched, before, _ = built["shipped"]
+    _, before, _, _ = built["shipped"]
     assert all(u.bucket.tat != before[u.key] for u in users("shipped"))
-    sched, _, tokens = built["fold-bare"]
+    _, _, tokens, _ = built["fold-bare"]
     assert all(u.m.tokens == tokens[u.key] for u in users("fold-bare"))  # nothing folded
-    sched, _, tokens = built["bare"]
-    assert sched.stats["charged"] == 0 or all(u.m.tokens == tokens[u.key] for u in users("bare"))
+    sched, before, tokens, charged = built["bare"]  # stock's hook, no end of step
+    assert sched.stats["charged"] == charged
+    assert all(u.m.tokens == tokens[u.key] for u in users("bare"))
+    assert all(u.bucket.tat == before[u.key] for u in users("bare"))
     with pytest.raises(ValueError, match="unknown ablation"):
         bench._ablated(sched, "nope")
 

@@ -128,19 +128,8 @@ class Ledger:
         trace = self.trace
         if not users and trace is None:
             return
-        charged: dict[str, int] = {}
-        refunded: dict[str, int] = {}
-        over: dict[str, int] = {}
-        if trace is not None:  # before the counts are folded and reset below
-            for u in users:
-                gross = u.st_consec + u.st_gap + u.st_refunded
-                if gross:
-                    charged[u.key] = gross
-                if u.st_refunded:
-                    refunded[u.key] = u.st_refunded
-                    u.st_refunded = 0
-                if u.st_over:
-                    over[u.key] = u.st_over
+        # The trace's counts, read before the loop below folds and resets them.
+        counts = None if trace is None else self._trace_counts(users)
         give_back = self.limiter.give_back
         slot = bisect_left(BUCKETS_NS, period)  # one bucket for every user this step
         total = 0
@@ -163,13 +152,34 @@ class Ledger:
             u.st_consec = u.st_gap = 0  # (st_refunded: read only by the trace, reset there)
         users.clear()
         self.stats["charged"] += total
-        if trace is None:
+        if counts is None:
             return
+        charged, refunded, over = counts
         held, released = holdback.trace_held or {}, holdback.trace_released or {}
         if charged or held or released:
             trace.step((now, step, charged, refunded, held, released, over))
             holdback.trace_held = {}
             holdback.trace_released = {}
+
+    @staticmethod
+    def _trace_counts(
+        users: list[UserState],
+    ) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        """Per user id: tokens charged this step (gross), refunded, and shadow
+        over-limit. Only while tracing (`st_refunded` is reset here alone)."""
+        charged: dict[str, int] = {}
+        refunded: dict[str, int] = {}
+        over: dict[str, int] = {}
+        for u in users:
+            gross = u.st_consec + u.st_gap + u.st_refunded
+            if gross:
+                charged[u.key] = gross
+            if u.st_refunded:
+                refunded[u.key] = u.st_refunded
+                u.st_refunded = 0
+            if u.st_over:
+                over[u.key] = u.st_over
+        return charged, refunded, over
 
     def relabel(self, u: UserState, policy: CompiledPolicy) -> None:
         """A reload can move a user to another `limit` label: its live and
