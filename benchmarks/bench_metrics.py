@@ -87,16 +87,34 @@ def hook_without_metrics(
     if not left and u.refused_step != step:
         if u.step != step:
             u.step = step
-            self._st.users.append(u)
             want = u.resident - u.n_held
-            left = self.limiter.take_upto(u.bucket, self._now, want if want > 1 else 1)
+            b = u.bucket
+            if want > 1 or b.gen != self._inline_gen:
+                left = self.limiter.take_upto(b, self._now, want if want > 1 else 1)
+                if left > 1:
+                    self._st.users.append(u)
+            else:
+                lim = b.limit
+                scale = lim.scale
+                left = 1
+                if scale:
+                    now_s = self._now * scale
+                    tat = b.tat
+                    if tat < now_s:
+                        tat = now_s
+                    elif tat - now_s > lim.tolerance:
+                        left = 0
+                    if left:
+                        b.tat = tat + lim.interval
         else:
             left = self.limiter.take_upto(u.bucket, self._now, 1)
     if left:
         u.left = left - 1
     else:  # no shadow count; the refused path is the shipped one (its one metric
         # line, `ledger.stopped`, runs in no timed step: nobody is refused there)
-        return self._refuse(request, rs, u, step, num_computed_tokens)
+        return self.admission.refuse(
+            request, rs, u, step, num_computed_tokens, self._st, self.ledger
+        )
     rs.charged_step = step
     st = self._st
     if request.status is _RUNNING:
@@ -106,16 +124,20 @@ def hook_without_metrics(
     return num_new_tokens
 
 
-def fold_without_metrics(self: Any, st: Any, step: int, now: int, holdback: Any) -> None:
-    """Ledger.fold without metrics (and without a trace, as in this rig):
-    what is left is giving back the step's unspent tokens and forgetting the
-    step's users (the hook's list of users granted tokens, in both variants)."""
-    give_back = self.limiter.give_back
-    for u in st.users:
-        if u.left:
-            give_back(u.bucket, now, u.left)
-            u.left = 0
-    st.users.clear()
+def fold_without_metrics(
+    self: Any, st: Any, step: int, now: int, requests: Any, users: Any
+) -> None:
+    """Ledger.fold without metrics (no checkpoint of live runs' intervals):
+    what is left is giving back the step's unspent tokens (of the users
+    granted more than one, in both variants)."""
+    users = st.users
+    if users:
+        give_back = self.limiter.give_back
+        for u in users:
+            if u.left:
+                give_back(u.bucket, now, u.left)
+                u.left = 0
+        users.clear()
 
 
 def isolated(b: Bench, reps: int) -> tuple[float, float, float]:
@@ -131,7 +153,8 @@ def isolated(b: Bench, reps: int) -> tuple[float, float, float]:
     computed = [len(q._all_token_ids) - 1 for q in reqs]
     shipped = sched._reserve_prefill_lookahead
     bare = types.MethodType(hook_without_metrics, sched)
-    ledger, st, holdback = sched.ledger, sched._st, sched.holdback
+    ledger, st = sched.ledger, sched._st
+    live, users = sched.requests.values(), sched._users.values()
     fold = ledger.fold
     clock = time.perf_counter_ns
 
@@ -141,12 +164,14 @@ def isolated(b: Bench, reps: int) -> tuple[float, float, float]:
         sched._now += 10_000_000
         step, now = sched._step, sched._now
         t0 = clock()
+        if with_metrics:
+            ledger.begin(step, now)
         for q, c in zip(reqs, computed, strict=True):
             hook(q, c, 1)
         if with_metrics:
-            fold(st, step, now, holdback)
+            fold(st, step, now, live, users)
         else:
-            fold_without_metrics(ledger, st, step, now, holdback)
+            fold_without_metrics(ledger, st, step, now, live, users)
         t = clock() - t0
         st.touched.clear()
         st.refused.clear()

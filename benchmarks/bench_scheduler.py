@@ -570,7 +570,7 @@ ABLATIONS = {
     "hot-bucket": "every user charges one shared bucket (the store's state stays hot)",
     "no-store": "take_upto / give_back answer without state (a call each, no bucket)",
     "hot-label": "every user counted under one shared label record (metrics state hot)",
-    "fold-bare": "the fold only gives back unspent tokens (bench_metrics.fold_without_metrics)",
+    "no-metrics": "the hook and the fold without their metric lines (bench_metrics)",
     "bare": "outrate's scheduler with stock's hook and no end of step",
 }
 """`--ablate`: outrate variants, each built and measured like the others,
@@ -594,9 +594,13 @@ def _ablated(sched: Any, name: str) -> None:
         label = LabelMetrics("ablate/shared")
         for u in sched._users.values():
             u.m = label
-    elif name == "fold-bare":
-        from bench_metrics import fold_without_metrics  # (it imports this module)
+    elif name == "no-metrics":
+        from bench_metrics import (  # (it imports this module)
+            fold_without_metrics,
+            hook_without_metrics,
+        )
 
+        sched._reserve_prefill_lookahead = types.MethodType(hook_without_metrics, sched)
         sched.ledger.fold = types.MethodType(fold_without_metrics, sched.ledger)
     elif name == "bare":
         stock = type(sched).__mro__[2]  # Scheduler / AsyncScheduler, after OutrateMixin

@@ -289,7 +289,10 @@ class Limiter:
 
     def take(self, b: Bucket, now: int) -> bool:
         """Take one token from `b` at `now` (ns) if it conforms. O(1), no allocation
-        beyond the new TAT integer. Same decision as `gcra()`, inlined."""
+        beyond the new TAT integer. Same decision as `gcra()`, inlined. The
+        scheduler's hook inlines it once more for a `Limiter` (not a subclass
+        that overrides `take_upto`) while `b.gen == self._gen`: keep the two
+        alike (tests/test_scheduler.py checks they decide alike)."""
         if b.gen != self._gen:
             self._refresh(b, now)
         lim = b.limit

@@ -91,8 +91,8 @@ def test_ablations_change_what_they_name() -> None:
         b = bench.build("sync", w.users, TINY, bench.policy_for(w))
         bench._ablated(b.sched, name)
         before = {u.key: u.bucket.tat for u in b.sched._users.values()}
-        tokens = {u.key: u.m.tokens for u in b.sched._users.values()}
-        charged = b.sched.stats["charged"]
+        tokens = {u.key: u.m.tokens + u.tokens for u in b.sched._users.values()}
+        charged = b.sched.charged
         b.run(3)
         assert b.median_scheduled() == 8, name
         built[name] = (b.sched, before, tokens, charged)
@@ -103,11 +103,14 @@ def test_ablations_change_what_they_name() -> None:
     assert all(u.bucket.tat == before[u.key] for u in users("no-store"))  # never charged
     _, before, _, _ = built["shipped"]
     assert all(u.bucket.tat != before[u.key] for u in users("shipped"))
-    _, _, tokens, _ = built["fold-bare"]
-    assert all(u.m.tokens == tokens[u.key] for u in users("fold-bare"))  # nothing folded
+    counted = lambda u: u.m.tokens + u.tokens  # noqa: E731
+    _, _, tokens, _ = built["shipped"]
+    assert all(counted(u) > tokens[u.key] for u in users("shipped"))
+    _, _, tokens, _ = built["no-metrics"]
+    assert all(counted(u) == tokens[u.key] for u in users("no-metrics"))  # nothing counted
     sched, before, tokens, charged = built["bare"]  # stock's hook, no end of step
-    assert sched.stats["charged"] == charged
-    assert all(u.m.tokens == tokens[u.key] for u in users("bare"))
+    assert sched.charged == charged
+    assert all(counted(u) == tokens[u.key] for u in users("bare"))
     assert all(u.bucket.tat == before[u.key] for u in users("bare"))
     with pytest.raises(ValueError, match="unknown ablation"):
         bench._ablated(sched, "nope")

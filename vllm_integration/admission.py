@@ -90,6 +90,30 @@ class Admission:
                 rs.user.resident -= 1
         admits.clear()
 
+    def refuse(
+        self,
+        request: Request,
+        rs: RequestState,
+        u: UserState,
+        step: int,
+        num_computed: int,
+        st: StepScratch,
+        ledger: Any,
+    ) -> int:
+        """The charging hook's answer for a request out of budget: prefill up
+        to the last prompt position, sample later (held after the step, most
+        likely, if it holds a slot)."""
+        if u.refused_step != step:
+            u.refused_step = step
+            st.touched.append(u)
+        last_prompt = len(request._all_token_ids) - 1
+        if self.chunked and num_computed < last_prompt:
+            return last_prompt - num_computed
+        if rs.resident:
+            st.refused.append(request)
+            ledger.stopped(rs, step)  # its last token's time, kept for the interval
+        return 0
+
     def _defer(self, rs: RequestState, reason: str) -> bool:
         """Admission deferred; counted once per deferral, not per step."""
         if rs.deferred != reason:

@@ -53,5 +53,13 @@ class Roster:
         u.live -= 1
         u.m.live -= 1
         if u.live == 0:
+            u.m.tokens += u.tokens  # its last, before a checkpoint could add them
+            u.tokens = 0
             del self.users[u.key]
             self.limiter.unpin(u.bucket)
+
+    def charged(self) -> int:
+        """Tokens charged so far, net of refunds: every label's counter and
+        the live users' counts not added to it yet."""
+        counted = sum(m.tokens for m in self.metrics.labels.values())
+        return counted + sum(u.tokens for u in self.users.values())

@@ -43,11 +43,12 @@ from outrate.limiter import Limiter
 from outrate.metrics import Metrics
 from outrate.store import BudgetStore
 from vllm_integration.admission import Admission
+from vllm_integration.engine import swap_policy, wire_engine
 from vllm_integration.holdback import Holdback
 from vllm_integration.kv import HeldFirstAllocation
 from vllm_integration.ledger import Ledger
 from vllm_integration.roster import Roster
-from vllm_integration.state import ATTR, PolicyBox, RequestState, StepScratch, UserState
+from vllm_integration.state import ATTR, PolicyBox, RequestState, StepScratch
 
 logger = logging.getLogger("vllm.outrate")  # under vLLM's logger: same format and level
 
@@ -70,8 +71,6 @@ class OutrateMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        from vllm_integration.engine import wire_engine
-
         self._threads = wire_engine(self)  # policy, store, threads: calls outrate_configure
 
     def shutdown(self) -> None:
@@ -96,8 +95,13 @@ class OutrateMixin:
         if limiter is None:
             limiter = Limiter(self._policy, clock=clock)
         self.limiter: BudgetStore = limiter
+        # The hook takes a user's one token inline from the in-memory store
+        # (`Limiter.take`, no call) while its bucket is of the store's current
+        # policy generation; any other store, or a bucket to refresh, is called.
+        self._inline = type(limiter).take_upto is Limiter.take_upto
+        self._inline_gen = limiter._gen if self._inline else -1  # type: ignore[attr-defined]
         self._clock = clock
-        self.stats = {"charged": 0, "refunded": 0, "held": 0, "released": 0, "displaced": 0}
+        self.stats = {"refunded": 0, "held": 0, "released": 0, "displaced": 0}
         self.metrics = Metrics()
         sc = self.scheduler_config  # type: ignore[attr-defined]
         self._priority = self.policy == SchedulingPolicy.PRIORITY  # type: ignore[attr-defined]
@@ -126,9 +130,18 @@ class OutrateMixin:
     def outrate_trace(self, trace: Any) -> None:
         """Write a trace line per step to `trace` (a TraceWriter)."""
         self.ledger.trace = trace
-        for u in self._users.values():  # counted untraced until now
-            u.st_refunded = 0
+        self.ledger.trace_refunded = {}
         self.holdback.trace_held, self.holdback.trace_released = {}, {}
+
+    def outrate_checkpoint(self) -> None:
+        """Live users' token counts and live requests' token intervals into
+        their labels now (the steps do it every `ledger.FLUSH_NS`; tests and
+        reloads call it)."""
+        self.ledger.checkpoint(self.requests.values(), self._users.values(), self._step, self._now)
+
+    @property
+    def charged(self) -> int:
+        return self.roster.charged()
 
     @property
     def n_held(self) -> int:
@@ -156,6 +169,7 @@ class OutrateMixin:
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
         rs = request.__dict__.pop(ATTR, None)
         if rs is not None:
+            self.ledger.flush(rs, rs.charged_step)  # its last run's intervals
             self._leave_slot(rs, request)
             self.roster.finish(rs)
         return super()._free_request(request, delay_free_blocks)  # type: ignore[misc]
@@ -208,43 +222,43 @@ class OutrateMixin:
         if not left and u.refused_step != step:
             if u.step != step:  # its first charge this step: tokens for its running requests
                 u.step = step
-                self._st.users.append(u)  # its unspent tokens go back at the fold
                 want = u.resident - u.n_held
-                left = self.limiter.take_upto(u.bucket, self._now, want if want > 1 else 1)
+                b = u.bucket
+                if want > 1 or b.gen != self._inline_gen:
+                    left = self.limiter.take_upto(b, self._now, want if want > 1 else 1)
+                    if left > 1:
+                        self._st.users.append(u)  # what it does not spend goes back at the fold
+                else:  # one token from the in-memory store: its `take`, inline (no call)
+                    lim = b.limit
+                    scale = lim.scale
+                    left = 1
+                    if scale:
+                        now_s = self._now * scale
+                        tat = b.tat
+                        if tat < now_s:
+                            tat = now_s
+                        elif tat - now_s > lim.tolerance:
+                            left = 0
+                        if left:
+                            b.tat = tat + lim.interval
             else:  # more than it had running (admitted this step): one more
                 left = self.limiter.take_upto(u.bucket, self._now, 1)
         if left:
             u.left = left - 1
         elif not (u.bucket.limit.shadow and self.ledger.shadow_over(rs, u, step)):
-            return self._refuse(request, rs, u, step, num_computed_tokens)
+            return self.admission.refuse(
+                request, rs, u, step, num_computed_tokens, self._st, self.ledger
+            )
         rs.charged_step = step
         st = self._st
         if request.status is _RUNNING:
             st.last_charge_running = request
         else:
             st.last_charge_waiting = request
-        # Metrics: counted on the user, folded once per step (Ledger.fold).
-        if last == self._prev_step:  # (not `step - 1`: an int per token)
-            u.st_consec += 1  # interval = this step's period, observed at the fold
-        else:
-            self.ledger.gap(rs, u, last, step, self._now)
+        u.tokens += 1  # into its label's counter at the next checkpoint
+        if last != self._prev_step:  # (not `step - 1`: an int per token)
+            self.ledger.gap(rs, u, last, step, self._now)  # else its interval is the period
         return num_new_tokens
-
-    def _refuse(
-        self, request: Request, rs: RequestState, u: UserState, step: int, num_computed: int
-    ) -> int:
-        """Out of budget: prefill up to the last prompt position, sample later
-        (the hook's answer for a refused request)."""
-        if u.refused_step != step:
-            u.refused_step = step
-            self._st.touched.append(u)
-        last_prompt = len(request._all_token_ids) - 1
-        if self.admission.chunked and num_computed < last_prompt:
-            return last_prompt - num_computed
-        if rs.resident:
-            self._st.refused.append(request)
-            self.ledger.stopped(rs, step)  # held after the step, most likely
-        return 0
 
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
         if not super()._handle_blocked_waiting_request(request):  # type: ignore[misc]
@@ -259,9 +273,10 @@ class OutrateMixin:
         self._prev_step = self._step
         self._step += 1
         now = self._now = self._clock()
+        self.ledger.begin(self._step, now)
         policy = self.policy_box.current
         if policy is not self._policy:
-            self._swap_policy(policy, now)
+            swap_policy(self, policy, now)  # a reload, at a step's start (engine.py)
         self._st.blocked_ready = 0
         holdback = self.holdback
         if holdback.wake:
@@ -282,8 +297,12 @@ class OutrateMixin:
 
     def _after_schedule(self, scheduled: dict[str, int], now: int) -> None:
         st = self._st
-        if st.users:  # charged this step: refund what was not scheduled
-            self.ledger.refund_missed(st, scheduled, self._step, now)
+        if (
+            st.last_charge_running is not None
+            or st.last_charge_waiting is not None
+            or st.preempted_charged
+        ):
+            self.ledger.refund_missed(st, scheduled, self._step, now)  # charged, not scheduled
         if st.stash:  # held victims of a KV allocation (kv.py): back at the front
             for r in reversed(st.stash):
                 self.waiting.prepend_request(r)
@@ -296,7 +315,9 @@ class OutrateMixin:
                 self.running = remove_all(self.running, set(held))
         if st.touched:
             self.holdback.arm_touched(st.touched, now)
-        self.ledger.fold(st, self._step, now, self.holdback)
+        self.ledger.fold(st, self._step, now, self.requests.values(), self._users.values())
+        if self.ledger.trace is not None:
+            self.ledger.trace_step(scheduled, self.requests, self._step, now, self.holdback)
         self.limiter.cleanup(now, 4)
 
     def _displace(self, now: int) -> None:
@@ -308,16 +329,6 @@ class OutrateMixin:
             self._preempt_request(victim, time.monotonic())
             self.stats["displaced"] += 1
             self.metrics.displaced += 1
-
-    def _swap_policy(self, policy: CompiledPolicy, now: int) -> None:
-        self._policy = policy
-        self.limiter.set_policy(policy, now)
-        logger.debug("outrate: scheduler switched to %s", policy.summary())
-        self.holdback.rearm(self._users.values(), now)
-        for u in self._users.values():
-            self.ledger.relabel(u, policy)
-        if self.ledger.trace is not None:
-            self.ledger.trace.event(now, policy=policy.sha256, source=policy.source)
 
     # -- engine loop --------------------------------------------------------
 

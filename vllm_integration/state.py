@@ -40,12 +40,9 @@ class UserState:
         "left",
         "step",
         "refused_step",
+        "tokens",
         "bucket",
-        "st_consec",
-        "st_gap",
         "m",
-        "st_refunded",
-        "st_over",
         "key",
         "live",
         "resident",
@@ -66,12 +63,8 @@ class UserState:
         self.ready_at = 0
         self.armed = False  # has a live entry in the wake heap
         self.m = m  # the metrics record of this user's `limit` label
-        # This step's charges, folded into `m` (and the trace) once per step:
-        self.step = -1  # the last step it was granted tokens in (in `st.users`)
-        self.st_consec = 0  # tokens of requests also charged the step before
-        self.st_gap = 0  # tokens of requests that were not (first tokens, resumes)
-        self.st_refunded = 0
-        self.st_over = 0  # shadow over-limit tokens
+        self.tokens = 0  # charged, not yet added to `m` (at checkpoints: ledger.py)
+        self.step = -1  # the last step it was granted tokens in
         # This step's tokens: the user's first charge in a step takes from the
         # store as many as it has visible running requests (`take_upto`);
         # each charge spends one; what is left goes back at the step's end.
@@ -94,6 +87,7 @@ class RequestState:
         "deferred",
         "gap_step",
         "prev_step",
+        "flushed",
         "last_step",
         "last_ns",
     )
@@ -104,11 +98,12 @@ class RequestState:
         self.held = False
         self.charged_step = -1
         self.preempted_step = -1
-        # Token intervals (Ledger.gap): a token in the step after the request's
-        # last one takes that step's period; others look the last one's step
-        # up in the Ledger's ring of step times.
+        # Token intervals (ledger.py): a token in the step after the request's
+        # last one takes that step's period, added per run; others look the
+        # last one's step up in the Ledger's ring of step times.
         self.gap_step = -1  # the step of its last token that was not consecutive
         self.prev_step = -1  # ... and the step of the token before that one
+        self.flushed = -1  # its run's intervals are in the histogram up to this step
         self.last_step = -1  # its last token's step when it stopped (hold, preemption)
         self.last_ns = 0  # ... and that step's time: for gaps longer than the ring
         self.held_since = 0
@@ -151,4 +146,4 @@ class StepScratch:
         self.admits: list[Request] = []  # counted resident before stock admitted them
         self.stash: list[Request] = []  # held victims preempted mid-loop, requeued after
         self.blocked_ready = 0  # earliest ready time of a user blocking admission
-        self.users: list[UserState] = []  # users granted tokens this step (fold)
+        self.users: list[UserState] = []  # users granted more than one token (fold)
