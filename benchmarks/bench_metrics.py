@@ -5,11 +5,13 @@
 
 Same rig as bench_scheduler.py (real vLLM schedulers, real KV cache manager,
 fake clock, fabricated outputs, every request in decode, interleaved paired
-rounds). Two outrate schedulers per cell: as shipped (metrics counted in the
-charging hook and folded once per step), and the same scheduler with the
-charging hook as it was before metrics (`hook_without_metrics` below: the
-shipped hook minus its counting lines, and a fold that only gives back the
-step's unspent tokens and forgets its users: `fold_without_metrics`).
+rounds). Two outrate schedulers per cell: as shipped (tokens counted on the
+user in the charging hook, a run's token intervals at its ends and at
+checkpoints: vllm_integration/ledger.py), and the same scheduler without
+them (`hook_without_metrics` below: the shipped hook minus its counting
+lines, and a fold that only gives back unspent tokens, with no checkpoint:
+`fold_without_metrics`). The step's start still notes its time and period
+bucket in both (`Ledger.begin`: two ring writes and a bisect per step).
 `ratio` = with / without, median over rounds of the per-round ratio of
 medians. Target: <= 1.02 in every cell.
 
