@@ -568,7 +568,7 @@ def isolated(cell: Cell, sizes: Sizes, reps: int = 200) -> tuple[float, float, f
 ABLATIONS = {
     "shipped": "outrate as shipped",
     "hot-bucket": "every user charges one shared bucket (the store's state stays hot)",
-    "no-store": "take_upto / give_back answer without state (a call each, no bucket)",
+    "no-store": "every take a call to take_upto, which answers without state (no bucket)",
     "hot-label": "every user counted under one shared label record (metrics state hot)",
     "no-metrics": "the hook and the fold without their metric lines (bench_metrics)",
     "bare": "outrate's scheduler with stock's hook and no end of step",
@@ -586,6 +586,7 @@ def _ablated(sched: Any, name: str) -> None:
         for u in sched._users.values():
             u.bucket = shared
     elif name == "no-store":
+        sched._inline_gen = -1  # (no inline take either: every take is a call)
         sched.limiter.take_upto = lambda b, now, n: n
         sched.limiter.give_back = lambda b, now, n=1: None
     elif name == "hot-label":
