@@ -132,14 +132,8 @@ def fold_without_metrics(
     """Ledger.fold without metrics (no checkpoint of live runs' intervals):
     what is left is giving back the step's unspent tokens (of the users
     granted more than one, in both variants)."""
-    users = st.users
-    if users:
-        give_back = self.limiter.give_back
-        for u in users:
-            if u.left:
-                give_back(u.bucket, now, u.left)
-                u.left = 0
-        users.clear()
+    if st.users:
+        self.give_back_unspent(st, now)
 
 
 def isolated(b: Bench, reps: int) -> tuple[float, float, float]:

@@ -184,16 +184,19 @@ class Ledger:
         and refunds give back at once, so the wake-ups armed before this read
         its final state); a checkpoint when one is due (`requests`, `users`:
         the scheduler's live ones)."""
-        granted = st.users
-        if granted:
-            give_back = self.limiter.give_back
-            for u in granted:
-                if u.left:
-                    give_back(u.bucket, now, u.left)
-                    u.left = 0
-            granted.clear()
+        if st.users:
+            self.give_back_unspent(st, now)
         if now - self.flushed_ns >= FLUSH_NS or step - self.flushed_step >= RING >> 1:
             self.checkpoint(requests, users, step, now)
+
+    def give_back_unspent(self, st: StepScratch, now: int) -> None:
+        """Tokens the users granted more than one this step did not spend."""
+        give_back = self.limiter.give_back
+        for u in st.users:
+            if u.left:
+                give_back(u.bucket, now, u.left)
+                u.left = 0
+        st.users.clear()
 
     def checkpoint(
         self, requests: Iterable[Any], users: Iterable[UserState], step: int, now: int
