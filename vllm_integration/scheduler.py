@@ -11,10 +11,11 @@ and defer admissions (`_handle_blocked_waiting_request`); then settle the step
 
 The machinery lives beside it: `Holdback` (holdback.py) parks throttled
 running requests outside `running` and wakes them; `Admission`
-(admission.py) defers and displaces; `Ledger` (ledger.py) settles refunds,
-reservations, metrics and the trace; `StepScratch` (state.py) is what one
-step carries to its end; `wire_engine` (engine.py) sets it all up in the
-engine core. Policy decisions are the core's (`outrate.limiter` behind the
+(admission.py) defers, displaces and answers a refused charge; `Ledger`
+(ledger.py) settles refunds, unspent tokens, metrics and the trace;
+`StepScratch` (state.py) is what one step carries to its end; `wire_engine`
+(engine.py) sets it all up in the engine core, and `swap_policy` applies a
+reload. Policy decisions are the core's (`outrate.limiter` behind the
 `BudgetStore` protocol).
 
 Holdback restores two stock behaviours explicitly: `len(running) + held <=
