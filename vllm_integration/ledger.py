@@ -127,10 +127,10 @@ class Ledger:
         times = self.times
         h.sum_ns += times[upto & MASK] - times[f & MASK]
         buckets = h.buckets
-        a, b = (f + 1) & MASK, (upto & MASK) + 1
         if n == 1:
             buckets[self.slots[upto & MASK]] += 1
             return
+        a, b = (f + 1) & MASK, (upto & MASK) + 1
         seg = self.slots[a:b] if a < b else self.slots[a:] + self.slots[:b]
         first = seg[0]
         same = seg.count(first)
@@ -208,8 +208,7 @@ class Ledger:
         self.flushed_step = step
         for u in users:
             if u.tokens:
-                u.m.tokens += u.tokens
-                u.tokens = 0
+                u.settle_tokens()
         flush = self.flush
         for r in requests:
             rs = r.__dict__.get(ATTR)
@@ -255,8 +254,7 @@ class Ledger:
         old = u.m
         if new is old:
             return
-        old.tokens += u.tokens  # charged under the old one
-        u.tokens = 0
+        u.settle_tokens()  # charged under the old one
         old.live -= u.live
         new.live += u.live
         for r in {e[2] for e in u.held if is_held(e[2])}:  # a request may have stale twins

@@ -53,8 +53,7 @@ class Roster:
         u.live -= 1
         u.m.live -= 1
         if u.live == 0:
-            u.m.tokens += u.tokens  # its last, before a checkpoint could add them
-            u.tokens = 0
+            u.settle_tokens()  # its last, before a checkpoint could add them
             del self.users[u.key]
             self.limiter.unpin(u.bucket)
 

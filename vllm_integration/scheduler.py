@@ -298,12 +298,7 @@ class OutrateMixin:
 
     def _after_schedule(self, scheduled: dict[str, int], now: int) -> None:
         st = self._st
-        if (
-            st.last_charge_running is not None
-            or st.last_charge_waiting is not None
-            or st.preempted_charged
-        ):
-            self.ledger.refund_missed(st, scheduled, self._step, now)  # charged, not scheduled
+        self.ledger.refund_missed(st, scheduled, self._step, now)  # charged, not scheduled
         if st.stash:  # held victims of a KV allocation (kv.py): back at the front
             for r in reversed(st.stash):
                 self.waiting.prepend_request(r)

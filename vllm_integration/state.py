@@ -70,6 +70,11 @@ class UserState:
         # each charge spends one; what is left goes back at the step's end.
         self.left = 0  # tokens taken for this step and not spent yet
 
+    def settle_tokens(self) -> None:
+        """Its tokens counted since the last checkpoint into its label's counter."""
+        self.m.tokens += self.tokens
+        self.tokens = 0
+
     def wakes_at(self, ready: int) -> bool:
         """Whether a wake-heap entry for `ready` is this user's live one."""
         return self.armed and ready == self.ready_at
