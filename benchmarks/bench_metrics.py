@@ -60,10 +60,6 @@ from bench_scheduler import (  # noqa: E402
     policy_for,
     workload,
 )
-from vllm.v1.request import RequestStatus  # noqa: E402
-
-_RUNNING = RequestStatus.RUNNING
-
 
 TARGET = 1.02
 
@@ -72,12 +68,6 @@ def hook_without_metrics(
     self: Any, request: Any, num_computed_tokens: int, num_new_tokens: int
 ) -> int:
     """OutrateMixin._reserve_prefill_lookahead without its metric lines."""
-    if self._lookahead:
-        num_new_tokens = (
-            type(self)
-            .__mro__[2]
-            ._reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens)
-        )
     if num_computed_tokens + num_new_tokens < len(request._all_token_ids) or not num_new_tokens:
         return num_new_tokens
     rs = request._outrate
@@ -86,43 +76,39 @@ def hook_without_metrics(
         return num_new_tokens
     u = rs.user
     left = u.left
-    if not left and u.refused_step != step:
-        if u.step != step:
-            u.step = step
-            want = u.resident - u.n_held
-            b = u.bucket
-            if want > 1 or b.gen != self._inline_gen:
-                left = self.limiter.take_upto(b, self._now, want if want > 1 else 1)
-                if left > 1:
-                    self._st.users.append(u)
-            else:
-                lim = b.limit
-                scale = lim.scale
-                left = 1
-                if scale:
-                    now_s = self._now * scale
-                    tat = b.tat
-                    if tat < now_s:
-                        tat = now_s
-                    elif tat - now_s > lim.tolerance:
-                        left = 0
-                    if left:
-                        b.tat = tat + lim.interval
-        else:
-            left = self.limiter.take_upto(u.bucket, self._now, 1)
     if left:
         u.left = left - 1
-    else:  # no shadow count; the refused path is the shipped one (its one metric
-        # line, `ledger.stopped`, runs in no timed step: nobody is refused there)
+    elif u.step != step:
+        u.step = step
+        want = u.resident - u.n_held
+        b = u.bucket
+        if want > 1 or b.gen != self._inline_gen:
+            left = self.limiter.take_upto(b, self._now, want if want > 1 else 1)
+            if left > 1:
+                u.left = left - 1
+                self._st.users.append(u)
+        else:
+            lim = b.limit
+            scale = lim.scale
+            left = 1
+            if scale:
+                now_s = self._now * scale
+                tat = b.tat
+                if tat < now_s:
+                    tat = now_s
+                elif tat - now_s > lim.tolerance:
+                    left = 0
+                if left:
+                    b.tat = tat + lim.interval
+    elif u.refused_step != step:
+        left = self.limiter.take_upto(u.bucket, self._now, 1)
+    if not left:  # no shadow count; the refused path is the shipped one (its one
+        # metric line, `ledger.stopped`, runs in no timed step: nobody is refused there)
         return self.admission.refuse(
             request, rs, u, step, num_computed_tokens, self._st, self.ledger
         )
     rs.charged_step = step
-    st = self._st
-    if request.status is _RUNNING:
-        st.last_charge_running = request
-    else:
-        st.last_charge_waiting = request
+    self._st.last_charge = request
     return num_new_tokens
 
 

@@ -202,6 +202,7 @@ class Limiter:
         self._swaps: deque[tuple[int, int | None, LimitSource]] = deque(maxlen=SWAP_HISTORY)
         self._buckets: dict[str, Bucket] = {}
         self._sweep: deque[str] = deque()
+        self._pinned = 0  # buckets with pins (cleanup never drops them)
         self.clock = clock
 
     # -- policy ------------------------------------------------------------
@@ -273,12 +274,15 @@ class Limiter:
     def pin(self, user: str) -> Bucket:
         """Take a reference a request can keep; cleanup will not drop it."""
         b = self.bucket(user)
+        if not b.pins:
+            self._pinned += 1
         b.pins += 1
         return b
 
-    @staticmethod
-    def unpin(b: Bucket) -> None:
+    def unpin(self, b: Bucket) -> None:
         b.pins -= 1
+        if not b.pins:
+            self._pinned -= 1
 
     def limit_of(self, b: Bucket, now: int) -> Limit:
         if b.gen != self._gen:
@@ -406,8 +410,10 @@ class Limiter:
         A user whose TAT is not ahead of `now` is indistinguishable from a user
         never seen, so dropping it changes no decision. Pinned buckets stay.
         """
-        now = self._now(now)
         sweep, buckets = self._sweep, self._buckets
+        if len(buckets) == self._pinned:
+            return 0  # every user has live requests: nobody to forget (each step's case)
+        now = self._now(now)
         removed = 0
         for _ in range(min(budget, len(sweep))):
             key = sweep.popleft()

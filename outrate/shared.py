@@ -207,8 +207,8 @@ class SharedLimiter(Limiter):
             self.kick.set()
         return b
 
-    def unpin(self, b: Bucket) -> None:  # type: ignore[override]
-        b.pins -= 1
+    def unpin(self, b: Bucket) -> None:
+        super().unpin(b)
         if b.pins == 0 and self.shared:
             sb: SharedBucket = b  # type: ignore[assignment]
             c = sb.granted - sb.spent - sb.released

@@ -284,6 +284,16 @@ def test_policy_swap_applies_at_the_next_step(kind):
     assert 45 <= d.tokens_of("a") - slow <= (1 + 0.1) * 50 + 1
 
 
+def test_a_prefill_lookahead_is_refused_not_skipped():
+    """The charging hook replaces stock's `_reserve_prefill_lookahead`, whose
+    body only multi-module MTP speculative decoding needs: a scheduler with
+    that lookahead refuses to start rather than silently drop it."""
+    s = make_scheduler("sync", policy_from_flags(None, {}))
+    s.num_prefill_lookahead = 2
+    with pytest.raises(ValueError, match="speculative decoding"):
+        s.outrate_configure(policy_from_flags(None, {}))
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_unlimited_policy_schedules_exactly_like_stock(kind):
     """Same workload, same decisions, step by step, as vLLM's own scheduler."""

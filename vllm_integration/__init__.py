@@ -26,7 +26,9 @@ PATCHES: tuple[Patch, ...] = (
         "Scheduler._reserve_prefill_lookahead",
         "scheduler.py",
         "charge one token per sampling dispatch; out of budget return 0 (skip) "
-        "or cap a prefill one short of sampling",
+        "or cap a prefill one short of sampling (stock's body, the prefill "
+        "lookahead of speculative decoding, is not called: outrate refuses "
+        "speculative decoding, and the scheduler refuses a lookahead)",
         _HOOK,
     ),
     Patch(

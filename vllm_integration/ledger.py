@@ -72,27 +72,32 @@ class Ledger:
     ) -> None:
         """Charged but not scheduled (KV allocation failed, or preempted later in
         the same step): give the token back. O(1): see StepScratch."""
-        refunded = 0
+        r = st.last_charge
+        if r is not None:
+            st.last_charge = None
+            if r.request_id not in scheduled:
+                self._refund(r, step, now)
         candidates = st.preempted_charged
-        for r in (st.last_charge_running, st.last_charge_waiting, *candidates):
-            if r is None or r.request_id in scheduled:
-                continue
-            rs = r.__dict__.get(ATTR)
-            if rs is None or rs.charged_step != step:
-                continue
-            u = rs.user
-            if rs.over_step == step:
-                u.m.shadow_over -= 1  # a shadow over-limit token: nothing was taken
-            elif u.bucket.limit.scale:
-                self.limiter.give_back(u.bucket, now)  # at once: a refused user may wait on it
-            u.tokens -= 1
-            if self.trace is not None:
-                self.trace_refunded[u.key] = self.trace_refunded.get(u.key, 0) + 1
-            self._unobserve(rs, u, step, now)  # and the request's last token is the one before
-            refunded += 1
-        self.stats["refunded"] += refunded
-        st.last_charge_running = st.last_charge_waiting = None
-        candidates.clear()
+        if candidates:
+            for r in candidates:
+                if r.request_id not in scheduled:
+                    self._refund(r, step, now)
+            candidates.clear()
+
+    def _refund(self, r: Any, step: int, now: int) -> None:
+        rs = r.__dict__.get(ATTR)
+        if rs is None or rs.charged_step != step:
+            return  # refunded already (the last charged, preempted too), or finished
+        u = rs.user
+        if rs.over_step == step:
+            u.m.shadow_over -= 1  # a shadow over-limit token: nothing was taken
+        elif u.bucket.limit.scale:
+            self.limiter.give_back(u.bucket, now)  # at once: a refused user may wait on it
+        u.tokens -= 1
+        if self.trace is not None:
+            self.trace_refunded[u.key] = self.trace_refunded.get(u.key, 0) + 1
+        self._unobserve(rs, u, step, now)  # and the request's last token is the one before
+        self.stats["refunded"] += 1
 
     @staticmethod
     def shadow_over(rs: RequestState, u: UserState, step: int) -> bool:

@@ -56,7 +56,7 @@ logger = logging.getLogger("vllm.outrate")  # under vLLM's logger: same format a
 IDLE_WAIT_MAX_NS = 50_000_000
 """Longest the engine waits on its input queue when everyone is throttled."""
 
-_RUNNING = RequestStatus.RUNNING  # compared with `is` in the hot path
+_RUNNING = RequestStatus.RUNNING
 
 
 class OutrateMixin:
@@ -123,7 +123,11 @@ class OutrateMixin:
         self._prev_step = -1
         self._now = 0
         self._cfg_active = self.max_num_active_reqs
-        self._lookahead = getattr(self, "num_prefill_lookahead", 0) > 1
+        if getattr(self, "num_prefill_lookahead", 0) > 1:  # the hook replaces stock's
+            raise ValueError(
+                "outrate does not support speculative decoding (it needs vLLM's "
+                "prefill lookahead, which outrate's charging hook replaces)"
+            )
         self._alloc = HeldFirstAllocation(self)
         for req in self.requests.values():  # only tests re-wire a scheduler with requests
             self._register(req)
@@ -206,10 +210,6 @@ class OutrateMixin:
     def _reserve_prefill_lookahead(
         self, request: Request, num_computed_tokens: int, num_new_tokens: int
     ) -> int:
-        if self._lookahead:
-            num_new_tokens = super()._reserve_prefill_lookahead(  # type: ignore[misc]
-                request, num_computed_tokens, num_new_tokens
-            )
         # `_all_token_ids`: request.num_tokens without a property call.
         if num_computed_tokens + num_new_tokens < len(request._all_token_ids) or not num_new_tokens:
             return num_new_tokens  # nothing sampled: middle prefill chunks are free
@@ -219,43 +219,39 @@ class OutrateMixin:
         if last == step:
             return num_new_tokens  # never charge a request twice in a step
         u = rs.user
-        left = u.left  # the user's tokens for this step not spent yet (0 between steps)
-        if not left and u.refused_step != step:
-            if u.step != step:  # its first charge this step: tokens for its running requests
-                u.step = step
-                want = u.resident - u.n_held
-                b = u.bucket
-                if want > 1 or b.gen != self._inline_gen:
-                    left = self.limiter.take_upto(b, self._now, want if want > 1 else 1)
-                    if left > 1:
-                        self._st.users.append(u)  # what it does not spend goes back at the fold
-                else:  # one token from the in-memory store: its `take`, inline (no call)
-                    lim = b.limit
-                    scale = lim.scale
-                    left = 1
-                    if scale:
-                        now_s = self._now * scale
-                        tat = b.tat
-                        if tat < now_s:
-                            tat = now_s
-                        elif tat - now_s > lim.tolerance:
-                            left = 0
-                        if left:
-                            b.tat = tat + lim.interval
-            else:  # more than it had running (admitted this step): one more
-                left = self.limiter.take_upto(u.bucket, self._now, 1)
+        left = u.left  # tokens it took for this step and has not spent (0 between steps)
         if left:
             u.left = left - 1
-        elif not (u.bucket.limit.shadow and self.ledger.shadow_over(rs, u, step)):
+        elif u.step != step:  # its first charge this step: tokens for its running requests
+            u.step = step
+            want = u.resident - u.n_held
+            b = u.bucket
+            if want > 1 or b.gen != self._inline_gen:
+                left = self.limiter.take_upto(b, self._now, want if want > 1 else 1)
+                if left > 1:
+                    u.left = left - 1
+                    self._st.users.append(u)  # what it does not spend goes back at the fold
+            else:  # one token from the in-memory store: its `take`, inline (no call)
+                lim = b.limit
+                scale = lim.scale
+                left = 1
+                if scale:
+                    now_s = self._now * scale
+                    tat = b.tat
+                    if tat < now_s:
+                        tat = now_s
+                    elif tat - now_s > lim.tolerance:
+                        left = 0
+                    if left:
+                        b.tat = tat + lim.interval
+        elif u.refused_step != step:  # more than it had running (admitted this step): one more
+            left = self.limiter.take_upto(u.bucket, self._now, 1)
+        if not left and not (u.bucket.limit.shadow and self.ledger.shadow_over(rs, u, step)):
             return self.admission.refuse(
                 request, rs, u, step, num_computed_tokens, self._st, self.ledger
             )
         rs.charged_step = step
-        st = self._st
-        if request.status is _RUNNING:
-            st.last_charge_running = request
-        else:
-            st.last_charge_waiting = request
+        self._st.last_charge = request  # a refund candidate (state.py)
         u.tokens += 1  # into its label's counter at the next checkpoint
         if last != self._prev_step:  # (not `step - 1`: an int per token)
             self.ledger.gap(rs, u, last, step, self._now)  # else its interval is the period

@@ -39,14 +39,14 @@ class UserState:
     __slots__ = (
         "left",
         "step",
-        "refused_step",
-        "tokens",
+        "resident",
+        "n_held",
         "bucket",
+        "tokens",
+        "refused_step",
         "m",
         "key",
         "live",
-        "resident",
-        "n_held",
         "held",
         "ready_at",
         "armed",
@@ -128,8 +128,7 @@ class StepScratch:
     emptied there. One record, so what a step carries is in one place."""
 
     __slots__ = (
-        "last_charge_running",
-        "last_charge_waiting",
+        "last_charge",
         "preempted_charged",
         "refused",
         "touched",
@@ -140,11 +139,13 @@ class StepScratch:
     )
 
     def __init__(self) -> None:
-        # Refund candidates: a charged request can miss the step only if its KV
-        # allocation failed (then it is the last one charged in its loop: both
-        # of stock's loops stop there) or if it was preempted afterwards.
-        self.last_charge_running: Request | None = None
-        self.last_charge_waiting: Request | None = None
+        # Refund candidates: a charged request can miss the step only if it was
+        # preempted afterwards, or if its KV allocation failed without that:
+        # in the waiting loop, which stops there (the running loop preempts
+        # the request itself unless a KV connector defers frees, and the
+        # engine refuses connectors). So the last one charged, and those
+        # preempted after their charge.
+        self.last_charge: Request | None = None
         self.preempted_charged: list[Request] = []
         self.refused: list[Request] = []  # resident requests refused a token
         self.touched: list[UserState] = []  # users refused: (re)armed after the step
