@@ -31,7 +31,9 @@ plus the fold, against the hook and fold without metrics, alternating on
 one scheduler's own requests, as a share of that scheduler's full step.
 It resolves what the end-to-end ratio cannot below its noise floor, and
 misses what a whole step adds around them (cache effects of the extra
-state); a throttled cell's resumes and holds are not in it.
+state); a throttled cell's resumes and holds are not in it. It also times
+the checkpoint (`checkpoint_cost`), which the step medians leave out: it
+comes once per 0.5 s of engine time, and its share is its time over that.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ from bench_scheduler import (  # noqa: E402
     policy_for,
     workload,
 )
+
+from vllm_integration.ledger import FLUSH_NS  # noqa: E402
 
 TARGET = 1.02
 
@@ -173,6 +177,36 @@ def isolated(b: Bench, reps: int) -> tuple[float, float, float]:
     return statistics.median(on), statistics.median(off), statistics.median(diff)
 
 
+def checkpoint_cost(b: Bench, steps: int = 49, reps: int = 20) -> float:
+    """What one checkpoint costs (`Ledger.checkpoint`: every live user's
+    counts into its label, every live run's intervals into the histograms),
+    after `steps` steps of the shipped hook: the runs it flushes are that
+    long, as they are at a checkpoint every 50 steps of 10 ms. It comes
+    once per `FLUSH_NS` of engine time, so the medians above leave it out.
+    Returns the median ns over `reps` checkpoints."""
+    sched = b.sched
+    reqs = list(sched.running)
+    computed = [len(q._all_token_ids) - 1 for q in reqs]
+    hook, ledger, st = sched._reserve_prefill_lookahead, sched.ledger, sched._st
+    live, users = sched.requests.values(), sched._users.values()
+    clock = time.perf_counter_ns
+    times = []
+    for _ in range(reps):
+        for _ in range(steps):
+            sched._prev_step = sched._step
+            sched._step += 1
+            sched._now += 10_000_000
+            ledger.begin(sched._step, sched._now)
+            for q, c in zip(reqs, computed, strict=True):
+                hook(q, c, 1)
+            if st.users:
+                ledger.give_back_unspent(st, sched._now)
+        t0 = clock()
+        ledger.checkpoint(live, users, sched._step, sched._now)
+        times.append(clock() - t0)
+    return statistics.median(times)
+
+
 def main_isolated(args: Any) -> int:
     sizes = QUICK if args.quick else FULL
     with contextlib.redirect_stdout(sys.stderr):
@@ -181,9 +215,11 @@ def main_isolated(args: Any) -> int:
     print("the charging hook over every running request plus the fold, shipped")
     print("and without metrics, alternating on one scheduler; `share` = the")
     print("difference over a full step of the same scheduler (median us).")
+    print("`ckpt us`: one checkpoint after 49 steps (`checkpoint_cost`); it runs")
+    print("once per 0.5 s of engine time: `ckpt share` = its time over 0.5 s.")
     print(
         f"{'mode':>5}  {'R':>5}  {'step us':>8}  {'with ns':>8}  {'without':>8}  "
-        f"{'diff ns':>8}  {'share':>6}"
+        f"{'diff ns':>8}  {'share':>6}  {'ckpt us':>8}  {'ckpt share':>10}"
     )
     for mode in ("sync", "async"):
         for r in (64, 256) if args.quick else (64, 256, 1024):
@@ -194,9 +230,11 @@ def main_isolated(args: Any) -> int:
             interleave([full], sizes)
             step_us = full.median_us()
             on, off, diff = isolated(full, 400)
+            ckpt = checkpoint_cost(full)
             print(
                 f"{mode:>5}  {r:>5}  {step_us:>8.0f}  {on:>8.0f}  {off:>8.0f}  "
-                f"{diff:>8.0f}  {diff / 1000 / step_us:>6.2%}",
+                f"{diff:>8.0f}  {diff / 1000 / step_us:>6.2%}  {ckpt / 1000:>8.0f}  "
+                f"{ckpt / FLUSH_NS:>10.3%}",
                 flush=True,
             )
     return 0

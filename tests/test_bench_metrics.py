@@ -67,3 +67,16 @@ def test_isolated_times_both() -> None:
     bench.interleave([b], TINY)
     on, off, diff = bench_metrics.isolated(b, 6)
     assert on > 0 and off > 0 and abs(diff) < on + off
+
+
+def test_checkpoint_cost_times_a_checkpoint_that_settles() -> None:
+    w = bench.workload(16, 4, 0.0)
+    b = bench.build("sync", w.users, TINY, bench.policy_for(w))
+    bench.interleave([b], TINY)
+    before = b.sched.charged
+    ns = bench_metrics.checkpoint_cost(b, steps=3, reps=2)
+    s = b.sched
+    assert ns > 0
+    assert s.charged == before + 2 * 3 * 16  # every token the timed steps charged
+    assert all(u.tokens == 0 for u in s._users.values())  # all in the labels now
+    assert all(r._outrate.flushed == r._outrate.charged_step for r in s.running)
