@@ -3,14 +3,16 @@ reached, against stock vLLM serving the same tiny model, in the same run.
 
     python benchmarks/bench_e2e.py [--rounds 10] [--check]
 
-Starts stock vLLM (plugins off) and `outrate serve` with a policy whose limits
-no user reaches, both on the same tiny model, and alternates rounds between
-them. Each round sends STREAMS concurrent streamed completions (ignore_eos)
-through the `openai` client, spread over USERS users, and counts output tokens
-per second of wall time. Prints each side's median, the median of the paired
-per-round ratios, and the ratio of the medians, which is the one judged
-(target: outrate >= 0.97 x stock): on a small shared VM single rounds of
-either side sometimes drop to a third, and medians shrug those off.
+Starts stock vLLM (with only outrate's CPU fixes loaded: the AMX request and
+the same spin sleep, so both sides wait alike; examples/serverproc.py) and
+`outrate serve` with a policy whose limits no user reaches, both on the same
+tiny model, and alternates rounds between them. Each round sends STREAMS
+concurrent streamed completions (ignore_eos) through the `openai` client,
+spread over USERS users, and counts output tokens per second of wall time.
+Prints each side's median, the median of the paired per-round ratios, and the
+ratio of the medians, which is the one judged (target: outrate >= 0.97 x
+stock): on a small shared VM single rounds of either side sometimes drop to a
+third, and medians shrug those off.
 """
 
 from __future__ import annotations

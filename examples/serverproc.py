@@ -9,7 +9,7 @@ and a useful error (the log tail) when it dies during startup.
 Pieces: :func:`cpu_server_env` (environment for a small, offline CPU server
 on 2 cores), :func:`tiny_model_flags` (engine flags for the tiny model, shared
 by every launcher), :func:`stock_vllm_argv` + :func:`stock_vllm_env` (stock
-vLLM, plugins off) and :class:`ServerProcess`. Measured on the 2-core CPU
+vLLM with only outrate's CPU fixes) and :class:`ServerProcess`. Measured on the 2-core CPU
 machine with vLLM 0.32.0: ready in ~30 s (three processes each import torch
 and vLLM), ~200-480 tokens/s for one stream depending on load, RSS about
 620 MiB API server + 600 MiB engine core + 900 MiB worker.
@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -77,14 +78,22 @@ def cpu_server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def stock_vllm_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """:func:`cpu_server_env` with vLLM plugins off.
+STOCK_PLUGINS = "outrate_cpu"
+"""The one plugin stock vLLM loads here: outrate's CPU platform fixes alone
+(vllm_integration/cpu_amx.py, cpu_spin.py). Without it, vLLM 0.32's CPU
+attention dies with SIGILL on its first forward on a CPU with AMX, and stock
+would busy-wait where outrate sleeps (an unfair comparison on 2 cores)."""
 
-    ``VLLM_PLUGINS`` is a comma-separated allow-list and the empty string
-    allows none, so an installed outrate (entry point group
-    ``vllm.general_plugins``) stays out and the server is vLLM as shipped.
+
+def stock_vllm_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """:func:`cpu_server_env` with only :data:`STOCK_PLUGINS` loaded.
+
+    ``VLLM_PLUGINS`` is a comma-separated allow-list, so the outrate plugin
+    (entry point ``outrate`` of ``vllm.general_plugins``) stays out: no flags,
+    no scheduler, no API patches. The server is vLLM as shipped, plus the
+    AMX permission request and the spin sleep that outrate's servers get too.
     """
-    return cpu_server_env({"VLLM_PLUGINS": "", **(extra or {})})
+    return cpu_server_env({"VLLM_PLUGINS": STOCK_PLUGINS, **(extra or {})})
 
 
 def tiny_model_flags(model_dir: str | os.PathLike[str]) -> list[str]:
@@ -263,6 +272,27 @@ def rss_bytes(pid: int) -> int:
 # references on purpose: a server nobody holds any more must still be stopped.
 # (atexit does not run when the test process itself is SIGKILLed.)
 _live: set[ServerProcess] = set()
+# Every server started in this process, in order: a failed test asks the ones
+# started during it whether their engine died (tests/conftest.py).
+started: list[ServerProcess] = []
+
+# What vLLM 0.32 logs when a process under the API server dies, and the death
+# it names: (pattern, which process, group of the exit code or None).
+_DEATHS: tuple[tuple[re.Pattern[str], str, int | None], ...] = (
+    (re.compile(r"Worker proc (\S+) died unexpectedly \(exit code: (-?\d+)\)"), "worker", 2),
+    (re.compile(r"Process (\S+) \(PID: \d+\) died with exit code (-?\d+)"), "process", 2),
+    (re.compile(r"Engine core process (\S+) died unexpectedly"), "engine core", None),
+    (re.compile(r"Fatal Python error: (.+)"), "a process", None),
+    (re.compile(r"EngineDeadError|EngineCore encountered an issue"), "the engine core", None),
+)
+
+
+def exit_reason(code: int) -> str:
+    """`exit code -4 (SIGILL)` for a death by signal, `exit code 3` otherwise."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"exit code {code} ({signal.Signals(-code).name})"
+    return f"exit code {code}"
 
 
 @atexit.register
@@ -336,6 +366,7 @@ class ServerProcess:
                 start_new_session=True,  # own process group: stop() reaches every child
             )
         _live.add(self)
+        started.append(self)
 
         last_report = began
         healthy = False
@@ -343,7 +374,7 @@ class ServerProcess:
             elapsed = time.monotonic() - began
             code = self.proc.poll()
             if code is not None:
-                self._fail(f"exited with code {code} after {elapsed:.0f} s")
+                self._fail(f"exited ({exit_reason(code)}) after {elapsed:.0f} s")
             if elapsed > timeout_s:
                 self._fail(f"not ready after {timeout_s:.0f} s")
             healthy = healthy or _http_ok(f"{self.root_url}/health")
@@ -431,6 +462,32 @@ class ServerProcess:
             with contextlib.suppress(OSError):
                 out[pid] = rss_bytes(pid)
         return out
+
+    def death(self) -> str | None:
+        """Why this server's engine is dead, from its log and exit code; None
+        while nothing says so. Names the process, the signal and the log, so a
+        test that failed because a worker died says that, not "EngineCore
+        encountered an issue"."""
+        try:
+            text = self.log_path.read_text("utf-8", "replace")
+        except OSError:
+            text = ""
+        for pattern, who, code_group in _DEATHS:
+            found = pattern.search(text)
+            if found is None:
+                continue
+            name = found.group(1) if pattern.groups else ""
+            if code_group is not None:
+                what = f"{who} {name} died with {exit_reason(int(found.group(code_group)))}"
+            elif who == "a process":
+                what = f"a process of it crashed: {name.strip()}"
+            else:
+                what = f"{who} {name} died".replace("  ", " ")
+            return f"{self.name}: {what} (log: {self.log_path})"
+        code = self.proc.poll() if self.proc is not None else None
+        if code is not None and self in _live:  # exited without being stopped
+            return f"{self.name}: the server exited with {exit_reason(code)} (log: {self.log_path})"
+        return None
 
     def log_tail(self, lines: int = 60) -> str:
         try:

@@ -13,6 +13,9 @@ for extra in (REPO / "examples", REPO / "tests"):
 
 import pytest  # noqa: E402
 
+# A failed test whose server's engine died says so (tests/engine_deaths.py).
+pytest_plugins = ["engine_deaths", "pytester"]
+
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -307,13 +309,30 @@ def test_vllm_args_before_the_double_dash_are_a_usage_error() -> None:
     assert code == 2 and "No such option: -t" in err
 
 
+def _closed_to_others(path: Path) -> Path | None:
+    """The first directory on the way to `path` that other users cannot enter."""
+    for parent in reversed(path.parents):
+        if not parent.stat().st_mode & stat.S_IXOTH:
+            return parent
+    return None
+
+
 def _unprivileged(*argv: str) -> subprocess.CompletedProcess[str]:
-    """Run `python -m outrate ...` as a user without rights to the test's files."""
+    """Run `python -m outrate ...` as a user without rights to the test's files.
+
+    That user must reach this interpreter and this checkout. A clone in a
+    directory only its owner may enter (a `mktemp -d` folder is 0700) cannot
+    be run by anyone else: the test is skipped, naming that directory."""
     prefix: list[str] = []
     if os.geteuid() == 0:
         if shutil.which("setpriv") is None:
             pytest.skip("running as root without setpriv")
         prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        for needed in (Path(sys.executable), ROOT / "outrate" / "cli.py"):
+            closed = _closed_to_others(needed)
+            if closed is not None:
+                mode = stat.S_IMODE(closed.stat().st_mode)
+                pytest.skip(f"uid 65534 cannot enter {closed} (mode {mode:o})")
     return subprocess.run(
         [*prefix, sys.executable, "-m", "outrate", *argv],
         capture_output=True, text=True, cwd="/", timeout=60,
@@ -321,12 +340,18 @@ def _unprivileged(*argv: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-def test_an_unreadable_policy_is_a_located_error_not_usage(tmp_path: Path) -> None:
-    path = tmp_path / "secret.yaml"
+def test_an_unreadable_policy_is_a_located_error_not_usage() -> None:
+    # Not under tmp_path: pytest's base directory is 0700, and the file, not
+    # a directory above it, must be what the user cannot read.
+    folder = Path(tempfile.mkdtemp(prefix="outrate-unreadable-", dir="/tmp"))
+    folder.chmod(0o755)
+    path = folder / "secret.yaml"
     path.write_text("version: 1\ndefault: 5\n")
     path.chmod(0)
-    tmp_path.chmod(0o755)
-    done = _unprivileged("lint", str(path))
+    try:
+        done = _unprivileged("lint", str(path))
+    finally:
+        shutil.rmtree(folder)
     assert (done.returncode, done.stdout) == (1, f"{path}: failed: 1 error, 0 warnings\n")
     assert done.stderr == f"{path}:1:1: <file>: cannot read: Permission denied\n"
 

@@ -1,7 +1,8 @@
 """The tiny local model, and the server harness that every end-to-end test uses.
 
-The e2e test serves the model with stock vLLM (plugins off): if it fails, the
-model or the harness is broken, not outrate. The fast tests check the builder
+The e2e test serves the model with stock vLLM (with only outrate's CPU fixes
+loaded: examples/serverproc.py `stock_vllm_env`): if it fails, the model or the
+harness is broken, not outrate. The fast tests check the builder
 and the harness's process handling against a stub server, without vLLM.
 """
 
@@ -133,10 +134,72 @@ def test_server_process_reports_early_exit_with_log_tail(tmp_path: Path) -> None
         log_path=tmp_path / "bad.log",
         name="bad",
     )
-    with pytest.raises(RuntimeError, match="exited with code 3") as info:
+    with pytest.raises(RuntimeError, match=r"exited \(exit code 3\)") as info:
         server.start(timeout_s=30)
     assert "model config is bad" in str(info.value)
     assert not server.group_alive()
+
+
+@pytest.mark.parametrize(
+    ("line", "said"),
+    [
+        (
+            "ERROR [multiproc_executor.py:316] Worker proc VllmWorker-0 died unexpectedly "
+            "(exit code: -4), shutting down executor.",
+            "worker VllmWorker-0 died with exit code -4 (SIGILL)",
+        ),
+        (
+            "RuntimeError: Process EngineCore_DP0 (PID: 77) died with exit code -9",
+            "process EngineCore_DP0 died with exit code -9 (SIGKILL)",
+        ),
+        ("Fatal Python error: Illegal instruction", "a process of it crashed: Illegal instruction"),
+        (
+            "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.",
+            "the engine core died",
+        ),
+    ],
+)
+def test_a_dead_engine_is_named_with_its_signal_and_log(
+    tmp_path: Path, line: str, said: str
+) -> None:
+    log = tmp_path / "server.log"
+    server = ServerProcess(["true"], log_path=log, name="srv")
+    log.write_text("INFO starting\n")
+    assert server.death() is None
+    log.write_text(f"INFO starting\n{line}\nINFO more\n")
+    assert server.death() == f"srv: {said} (log: {log})"
+
+
+def test_a_test_using_a_dead_server_says_so_and_does_not_run(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    here = Path(__file__).resolve().parent
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(here), str(here.parent / "examples")]))
+    pytester.makepyfile(
+        test_dead=textwrap.dedent(
+            """
+            import pytest, serverproc
+
+            @pytest.fixture(scope="module")
+            def srv(tmp_path_factory):
+                log = tmp_path_factory.mktemp("s") / "server.log"
+                log.write_text("Worker proc VllmWorker-0 died unexpectedly (exit code: -4)\\n")
+                return serverproc.ServerProcess(["true"], log_path=log, name="srv")
+
+            def test_first(srv):
+                assert False, "EngineCore encountered an issue"
+
+            def test_second(srv):
+                print("BODY RAN")
+            """
+        )
+    )
+    result = pytester.runpytest_subprocess("-p", "engine_deaths", "-rA")
+    result.assert_outcomes(failed=2)
+    out = result.stdout.str()
+    assert out.count("worker VllmWorker-0 died with exit code -4 (SIGILL) (log: ") >= 2
+    assert "engine dead before the test" in out  # the second fails without running
+    assert "BODY RAN" not in out
 
 
 @pytest.mark.e2e

@@ -142,6 +142,14 @@ PATCHES: tuple[Patch, ...] = (
         "vLLM's spin backs off on small machines",
     ),
     Patch(
+        "AMX permission (arch_prctl) on the CPU platform; torch.cpu._is_amx_tile_supported "
+        "answers False only where the kernel refuses it",
+        "cpu_amx.py",
+        "vLLM's CPU attention runs AMX tile instructions without asking Linux first: "
+        "SIGILL on a worker's first forward on CPUs with AMX (also entry point outrate_cpu)",
+        "vLLM's CPU attention asks for the AMX permission itself",
+    ),
+    Patch(
         "importlib.metadata.version('vllm') (launcher only)",
         "launcher.py",
         "the CPU build's `vllm` console script cannot find its own version",

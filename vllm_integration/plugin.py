@@ -19,6 +19,8 @@ non-default arguments shows the store URL (which may carry a password) as
 `***` (`_redact_store_url`).
 
 Without the flags nothing changes: no scheduler is swapped, no hook installed.
+Only the CPU platform fixes apply in every process (`register_cpu_fixes`): the
+AMX permission request (cpu_amx.py) and, when set, the spin sleep (cpu_spin.py).
 """
 
 from __future__ import annotations
@@ -39,9 +41,7 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    from vllm_integration.cpu_spin import install_spin_sleep
-
-    install_spin_sleep()  # only with OUTRATE_SHM_SPIN_SLEEP_US set (see cpu_spin.py)
+    register_cpu_fixes()
     from vllm_integration.metrics import install_in_spawned_api_server
 
     install_in_spawned_api_server()  # --api-server-count > 1: /metrics in each of them
@@ -61,6 +61,25 @@ def register() -> None:
 
     EngineArgs.add_cli_args = staticmethod(add_cli_args)  # type: ignore[method-assign]
     EngineArgs.from_cli_args = classmethod(from_cli_args)  # type: ignore[method-assign,assignment]
+
+
+def register_cpu_fixes() -> None:
+    """The fixes for vLLM's CPU platform alone (entry point `outrate_cpu`).
+
+    `register()` applies them too. They have an entry point of their own so
+    that stock vLLM, run with `VLLM_PLUGINS=outrate_cpu` (examples/serverproc.py),
+    gets the same AMX request and the same engine-loop wait as outrate and
+    nothing else. vLLM calls this outside any `try`: a failure here is logged,
+    never raised, so it cannot take `vllm serve` down.
+    """
+    from vllm_integration.cpu_amx import enable_amx
+    from vllm_integration.cpu_spin import install_spin_sleep
+
+    try:
+        install_spin_sleep()  # only with OUTRATE_SHM_SPIN_SLEEP_US set (see cpu_spin.py)
+        enable_amx()  # only on vLLM's CPU platform with an AMX CPU (see cpu_amx.py)
+    except Exception:  # noqa: BLE001 - see the docstring
+        logger.exception("outrate: a CPU platform fix failed; vLLM runs without it")
 
 
 def _redact_store_url() -> None:
