@@ -159,7 +159,12 @@ def top(
         typer.Option("--limit-filter", metavar="GLOB", help="Only limits matching GLOB: 'tier:*'."),
     ] = None,
     timeout: Annotated[
-        float, typer.Option("--timeout", min=0.05, help="Seconds to wait for each scrape.")
+        float,
+        typer.Option(
+            "--timeout",
+            min=0.05,
+            help="Seconds a whole scrape may take: connect, headers and body.",
+        ),
     ] = 5.0,
 ) -> None:
     """Per-limit rates, held requests and throttling, live from a server's /metrics."""

@@ -41,6 +41,11 @@ is refused before it is hashed."""
 _TOKEN68 = re.compile(rb"[A-Za-z0-9\-._~+/]+=*")
 """RFC 6750's b64token: the characters a Bearer credential may have."""
 
+_OWS = b" \t"
+"""Optional whitespace around a field value (RFC 9110 section 5.5), not part of
+it. Stripped here: h11 drops it, but uvicorn's httptools parser keeps
+trailing whitespace, and `alice   ` would be charged as a new user."""
+
 _AUTHORIZATION = b"authorization"
 _KEY = IDENTITY_KEY.encode()
 
@@ -108,11 +113,10 @@ def authenticate(identity: IdentityConfig, headers: Iterable[tuple[bytes, bytes]
         if len(values) > 1:
             return Verdict(400, message=f"{field} must be sent once", parameter=field)
         try:
-            text = values[0].decode("utf-8")
+            text = values[0].strip(_OWS).decode("utf-8")
         except UnicodeDecodeError:
             return Verdict(400, message=f"{field} must be UTF-8 text", parameter=field)
-        # ASGI servers strip the whitespace around a field value; an empty one remains
-        error = identity_error(text, field)
+        error = identity_error(text, field)  # other whitespace at an end is a 400
         if error is not None:
             return Verdict(400, message=error, parameter=field)
         return Verdict(200, text)

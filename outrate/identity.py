@@ -19,6 +19,13 @@ cannot see. Control characters (Cc) end log lines and spoof terminals; format
 characters (Cf: bidi overrides such as U+202E, zero-width marks such as
 U+200B) make two different ids look the same; line and paragraph separators
 (Zl, Zp) split log lines; lone surrogates (Cs) cannot be encoded at all.
+
+`padding_error` is the rule an identity adds: no whitespace at either end.
+`alice ` and `alice\u00a0` (NBSP, a space separator, Zs) read as `alice` in
+every log and dashboard, yet would be charged as two more users at the
+default rate. Headers lose their optional whitespace (SP, HTAB; RFC 9110
+section 5.5) before the rule runs, so a gateway's `alice   ` is alice; what
+is left at an end is refused, from every source (header, body, keys file).
 """
 
 from __future__ import annotations
@@ -69,6 +76,17 @@ def text_error(text: str) -> str | None:
     return None
 
 
+def padding_error(text: str) -> str | None:
+    """Why `text` is unfit as an identity for whitespace at an end, or None.
+
+    Whitespace is what `str.isspace` says: the ASCII blanks and every Unicode
+    space separator (Zs: NBSP, U+2000-U+200A, U+3000, ...)."""
+    for i in (0, len(text) - 1) if text else ():
+        if text[i].isspace():
+            return f"must not begin or end with whitespace (U+{ord(text[i]):04X} at index {i})"
+    return None
+
+
 def identity_error(value: Any, field: str = IDENTITY_FIELD) -> str | None:
     """Why `value` is not a usable identity, or None when it is.
 
@@ -80,7 +98,7 @@ def identity_error(value: Any, field: str = IDENTITY_FIELD) -> str | None:
         return f"{field} must not be empty"
     if len(value) > MAX_IDENTITY_LEN:
         return f"{field} must be at most {MAX_IDENTITY_LEN} characters, got {len(value)}"
-    bad = text_error(value)
+    bad = text_error(value) or padding_error(value)
     if bad is not None:
         return f"{field} {bad}"
     if value == ANONYMOUS:

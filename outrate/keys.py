@@ -8,21 +8,40 @@ Only digests are stored: a copy of the file (a backup, a ConfigMap, a leaked
 repository) gives nobody a key. The file is read like a policy file (the same
 bounded, non-blocking read and YAML limits) and every problem is located at
 its line and column, so `outrate lint`, startup and a reload print the same
-messages. An empty file, or `{}`, holds no keys (every request gets 401).
+messages. User ids follow the identity rules of requests (`check_identity`):
+an id no request can carry (`alice ` with a trailing space) is an error here.
+
+`{}`, or a file of comments only, holds no keys: every request gets 401. A
+file of zero bytes is refused instead: it is what an in-place rewrite (`>`
+in a shell, an editor that truncates first) shows before its first write, and
+taking it for "revoke every key" locked every client out until the write
+landed. A running server's reload refuses it like any broken edit: it keeps
+the last good keys and logs the refusal once (the reloader reports each
+content once). At startup and in `outrate lint`, with no last keys to keep,
+it is an error, with the same message: write `{}` to revoke every key.
 
 `add_key` and `revoke_keys` are what `outrate keys add/revoke` run: they
 rewrite the file through a temporary file and a rename, so the server's
-watcher never reads half an edit.
+watcher never reads half an edit, and they hold an exclusive `flock` on a
+sibling file (`keys.yaml.lock`, left in place) from the read to the rename,
+so two commands run at once both land: without it each read the same old
+file and the last rename won, dropping added keys and bringing back revoked
+ones. The lock orders outrate's own edits only: an editor or a script that
+writes the keys file by hand does not take it, and an edit made that way
+while a command runs can still be lost (run one or the other).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import re
 import secrets
 import stat
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pydantic_core import PydanticCustomError
@@ -31,7 +50,7 @@ from outrate.compose import compose
 from outrate.errors import OutrateError, PolicyError, Problem
 from outrate.identity import ANONYMOUS, DIGEST_PREFIX, KeyTable, key_digest
 from outrate.policy_file import decode_policy_bytes, read_policy_file
-from outrate.values import check_user_id, shown
+from outrate.values import check_identity, shown
 
 KEY_PREFIX = "ork_"
 """Generated keys start with it, so secret scanners and people recognise them."""
@@ -40,6 +59,11 @@ KEY_BYTES = 32
 
 DIGEST = re.compile(r"sha256:([0-9a-f]{64})")
 HEADER = "# outrate API keys: sha256 digests of keys -> user ids (outrate keys add/revoke)\n"
+EMPTY_FILE = (
+    "empty (0 bytes), as a file being rewritten in place is before its first write: "
+    "write '{}' to revoke every key (until then a running server keeps its last good keys)"
+)
+LOCK_SUFFIX = ".lock"
 
 
 def new_key() -> str:
@@ -54,6 +78,8 @@ def _field(key: object) -> str:
 
 def parse_keys(raw: bytes, source: str) -> KeyTable:
     """A keys file's bytes -> KeyTable, or a PolicyError listing every problem."""
+    if not raw:  # an edit in progress, never "revoke every key": see the module docstring
+        raise PolicyError([Problem(source, 1, 1, "<file>", EMPTY_FILE)])
     text = decode_policy_bytes(raw, source)
     sha = hashlib.sha256(raw).hexdigest()
     if not text.strip() or all(
@@ -92,7 +118,7 @@ def parse_keys(raw: bytes, source: str) -> KeyTable:
         digest = bytes.fromhex(m.group(1))
         vline, vcol = doc.pos.get((key,), (line, col))
         try:
-            entries.append((digest, check_user_id(user)))
+            entries.append((digest, check_identity(user)))
         except PydanticCustomError as e:
             message = e.message()
             if (e.context or {}).get("quote"):
@@ -116,11 +142,32 @@ def load_keys(path: str | os.PathLike[str]) -> KeyTable:
 
 
 def _current(path: Path) -> tuple[str, KeyTable]:
-    """The file's text and table; a missing file is an empty one."""
+    """The file's text and table; a missing or zero-byte file is an empty one
+    (what is written back is never zero bytes)."""
     if not path.exists() and not path.is_symlink():
         return "", KeyTable((), str(path))
     raw = read_policy_file(path)
+    if not raw:
+        return "", KeyTable((), str(path))
     return decode_policy_bytes(raw, str(path)), parse_keys(raw, str(path))
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold the exclusive lock of `path` (beside its symlink target) until the
+    block ends: from the read to the rename of one `outrate keys` edit. The
+    lock lives on a sibling file since the keys file itself is replaced."""
+    target = path.resolve() if path.is_symlink() else path
+    lock = target.with_name(target.name + LOCK_SUFFIX)
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        raise OutrateError(f"{path}: cannot write beside it: {e.strerror or e}") from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _write(path: Path, text: str) -> None:
@@ -155,10 +202,15 @@ def add_key(path: str | os.PathLike[str], user: str) -> tuple[str, str]:
     file that does not parse (fix it first: appending would hide the problem).
     """
     try:
-        check_user_id(user)
+        check_identity(user)
     except PydanticCustomError as e:
         raise OutrateError(f"{user!r}: {e.message()}") from None
     target = Path(path)
+    with _locked(target):
+        return _add(target, user)
+
+
+def _add(target: Path, user: str) -> tuple[str, str]:
     text, table = _current(target)
     key = new_key()
     digest = key_digest(key)
@@ -191,6 +243,11 @@ def revoke_keys(path: str | os.PathLike[str], who: str) -> list[tuple[str, str]]
     target = Path(path)
     if not target.exists():
         raise OutrateError(f"{target}: no such keys file")
+    with _locked(target):
+        return _revoke(target, who)
+
+
+def _revoke(target: Path, who: str) -> list[tuple[str, str]]:
     text, table = _current(target)
     entries = table.digests()
     m = DIGEST.fullmatch(who.lower()) if who.lower().startswith(DIGEST_PREFIX) else None
@@ -214,8 +271,8 @@ def revoke_keys(path: str | os.PathLike[str], who: str) -> list[tuple[str, str]]
     )
     if one_per_line:
         doomed = {line for line, keys in by_line.items() if keys[0] in drop}
-        kept = [text for i, text in enumerate(lines, 1) if i not in doomed]
-        _write(target, "".join(kept))
+        kept = "".join(text for i, text in enumerate(lines, 1) if i not in doomed)
+        _write(target, kept or HEADER)  # never zero bytes: that is an edit in progress
     else:
         rest = [(d, u) for d, u in entries.items() if d not in drop]
         _write(target, HEADER + "".join(f"{d}: {_yaml_string(u)}\n" for d, u in rest))

@@ -39,7 +39,7 @@ import time
 import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import parse_qs, unquote, unquote_plus, urlsplit
 
 from outrate.lease_scripts import HEARTBEAT_SCRIPT, LEASE_SCRIPT
 
@@ -146,34 +146,65 @@ class LeaseCall(NamedTuple):
 # -- connection details ----------------------------------------------------------
 
 
+SECRET_PARAMS = ("password", "username")
+"""Query parameters redis-py reads as credentials (`parse_url`), beside the
+userinfo; any other parameter named `*password` (`ssl_password`) is one too."""
+
+
+def _params(query: str) -> list[tuple[str, str]]:
+    """(piece, name) of each `name=value` of a URL's query, its name decoded
+    as redis-py's `parse_qs` decodes it (`pass%77ord` is `password`). Pieces
+    without `=` are left out: redis-py ignores them, and one may be the tail
+    of a password with an unescaped `&`."""
+    out = []
+    for piece in query.split("&") if query else ():
+        name, eq, _ = piece.partition("=")
+        if eq:
+            out.append((piece, unquote_plus(name)))
+    return out
+
+
+def _secret(name: str) -> bool:
+    return name in SECRET_PARAMS or name.endswith("password")
+
+
 def redact_url(url: str) -> str:
-    """The URL with its password (and user) replaced: safe for logs."""
+    """The URL with every credential redis-py would read in it replaced by
+    `***`: safe for logs. The userinfo (`user:pw@`, `:pw@`, `user@`) and the
+    credential query parameters (`?password=`, `?username=`), percent-encoded
+    or not; the fragment, which redis-py ignores, is dropped. A URL that
+    still has an `@` after its host (a password with an unescaped `/`, `?`
+    or `#`, whose tail landed in the path or the query) shows its scheme only."""
     parts = urlsplit(url)
-    if parts.password is None and parts.username is None:
-        return url
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urlunsplit((parts.scheme, f"***@{host}", parts.path, parts.query, parts.fragment))
+    _, at, host = parts.netloc.rpartition("@")
+    params = _params(parts.query)
+    secret = {piece for piece, name in params if _secret(name)}
+    shown = [piece for piece in parts.query.split("&") if piece not in secret]
+    if "@" in parts.path + parts.fragment + "&".join(shown):
+        return f"{parts.scheme}://***"
+    query = "&".join(f"{p.partition('=')[0]}=***" if p in secret else p for p, _ in params)
+    return f"{parts.scheme}://{'***@' if at else ''}{host}{parts.path}" + (
+        f"?{query}" if query else ""
+    )
 
 
 def split_password(url: str) -> tuple[str, str | None]:
-    """(URL without credentials, password or None). The username stays."""
+    """(URL without its password, the password or None). The password is the
+    one redis-py would use: the userinfo's, else the first non-empty
+    `password` query parameter; every `password` parameter leaves the URL,
+    so the URL that travels on (vLLM's config, the engine's settings) never
+    carries one. The username stays, where it was."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url, None
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    user = f"{quote(parts.username, safe='')}@" if parts.username else ""
-    from urllib.parse import unquote
-
-    bare = urlunsplit((parts.scheme, f"{user}{host}", parts.path, parts.query, parts.fragment))
-    return bare, unquote(parts.password)
+    userinfo, _, host = parts.netloc.rpartition("@")
+    user = userinfo.partition(":")[0]
+    params = _params(parts.query)
+    password = unquote(parts.password) if parts.password else None
+    if password is None:
+        given = parse_qs(parts.query).get("password")
+        password = given[0] if given else None
+    query = "&".join(piece for piece, name in params if name != "password")
+    netloc = f"{user}@{host}" if user else host
+    return f"{parts.scheme}://{netloc}{parts.path}{f'?{query}' if query else ''}", password
 
 
 def check_url(url: str) -> str:
@@ -203,8 +234,8 @@ class RedisLink:
         from redis.retry import Retry
 
         check_url(url)
-        if password is None and urlsplit(url).password is None:
-            password = os.environ.get(PASSWORD_ENV) or None
+        bare, in_url = split_password(url)  # the URL's password first, as redis-py would
+        password = in_url or password or os.environ.get(PASSWORD_ENV) or None
         kwargs: dict[str, Any] = {
             "socket_timeout": timeout_s,
             "socket_connect_timeout": timeout_s,
@@ -214,7 +245,7 @@ class RedisLink:
         if password is not None:
             kwargs["password"] = password
         self.url = redact_url(url)
-        self.client = redis.Redis.from_url(url, **kwargs)
+        self.client = redis.Redis.from_url(bare, **kwargs)
         self._lease_sha: str | None = None
         self._beat_sha: str | None = None
         self._users: dict[tuple[str, Units], tuple[bytes, bytes]] = {}

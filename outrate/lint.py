@@ -13,6 +13,7 @@ Codes are stable (tools and CI filter on them); never renumber, only add:
 - OR006 warning  two user ids that look alike (equal after NFKC and case folding)
 - OR007 warning  identity source api_key with a keys file that lists no key
 - OR008 warning  a user id that is also a rule's metrics label (default, tier:NAME, ...)
+- OR009 warning  a user id with whitespace at an end (`alice `): no request can carry it
 - OR101 error    speculative decoding
 - OR102 error    data parallel size > 1 without a budget store (--outrate-store)
 - OR103 error    pipeline parallel size > 1
@@ -42,6 +43,7 @@ from typing import Any
 from outrate.compiler import CompiledPolicy, compile_policy, is_rule_label
 from outrate.deployment import Deployment
 from outrate.errors import PolicyError, Problem
+from outrate.identity import padding_error
 from outrate.pipeline import load_compiled
 from outrate.policy import LimitRule, Policy
 from outrate.rules import Finding, lint_deployment, lint_exposure
@@ -212,6 +214,28 @@ def _lookalike_findings(policy: Policy, where: _Where) -> list[Finding]:
     return out
 
 
+def _padding_findings(policy: Policy, where: _Where) -> list[Finding]:
+    """`alice ` or `alice\u00a0` under `users:`: requests with such an id are
+    refused (400) and a header loses its spaces, so the entry limits nobody,
+    while the author thinks alice is limited. A warning, not an error: such
+    policies loaded before the rule, and must keep loading."""
+    out = []
+    for uid in policy.users:
+        bad = padding_error(uid)
+        if bad is not None:
+            out.append(
+                Finding(
+                    "OR009",
+                    "warning",
+                    f"user id {shown(uid)} {bad}: no request can carry it (a header loses "
+                    "its spaces and tabs, any other id with whitespace at an end is refused "
+                    "with 400), so this limit applies to nobody; remove the whitespace",
+                    where("users", uid),
+                )
+            )
+    return out
+
+
 def _label_findings(policy: Policy, where: _Where) -> list[Finding]:
     """A listed user's metrics series is labelled with its id: `default` or
     `tier:gold` would be added into that rule's series."""
@@ -261,6 +285,7 @@ def lint_policy(compiled_or_policy: CompiledPolicy | Policy) -> list[Finding]:
         out += _tier_findings(policy, where)
         out += _pattern_findings(policy, where)
         out += _lookalike_findings(policy, where)
+        out += _padding_findings(policy, where)
         out += _label_findings(policy, where)
     out += _anonymous_finding(policy, compiled, where)
     out += _keys_finding(compiled, where)

@@ -11,8 +11,6 @@ No vLLM import here: `outrate top` runs on an operator's laptop.
 from __future__ import annotations
 
 import math
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,6 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from outrate.errors import OutrateError
+from outrate.fetch import PageError, fetch
 
 Clock = Callable[[], float]
 Sleep = Callable[[float], None]
@@ -84,8 +83,8 @@ class Row(NamedTuple):
     rate: float | None  # tok/s charged
     rate_limit: float | None  # configured tok/s, inf = unlimited
     mode: str | None
-    held: int | None  # requests held now
-    live: int | None  # requests in the engine now
+    held: float | None  # requests held now: whole, or what the page says (inf, nan)
+    live: float | None  # requests in the engine now
     throttled: float | None  # share of live request-time spent held, in [0, 1]
     shadow_over: float | None  # tok/s a shadow rule would have refused
 
@@ -99,33 +98,6 @@ def metrics_url(url: str) -> str:
         raise TopError(f"{url}: not an http(s) URL")
     url = url.rstrip("/")
     return url if url.endswith("/metrics") else url + "/metrics"
-
-
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-"""No proxies: the engine is local or on the cluster network, never behind HTTP_PROXY."""
-
-
-def fetch(url: str, timeout: float) -> str:
-    """The page at `url` as text, or a TopError saying why not in a few words."""
-    request = urllib.request.Request(url, headers={"Accept": "text/plain;version=0.0.4"})
-    try:
-        with _OPENER.open(request, timeout=timeout) as response:
-            body: bytes = response.read()
-    except urllib.error.HTTPError as e:
-        raise TopError(f"cannot read {url}: HTTP {e.code} {e.reason}") from e
-    except urllib.error.URLError as e:
-        raise TopError(f"cannot read {url}: {_reason(e.reason)}") from e
-    except OSError as e:  # timeouts and resets while reading the body
-        raise TopError(f"cannot read {url}: {_reason(e)}") from e
-    return body.decode("utf-8", errors="replace")
-
-
-def _reason(reason: object) -> str:
-    if isinstance(reason, TimeoutError):
-        return "timed out"
-    if isinstance(reason, OSError) and reason.strerror:
-        return reason.strerror
-    return str(reason)
 
 
 def parse(text: str, at: float) -> Snapshot:
@@ -204,7 +176,10 @@ def scrape(url: str, timeout: float, clock: Clock | None = None) -> Snapshot:
     """Fetch and parse `url` (a /metrics URL); a page without outrate is an error."""
     now = clock or monotonic
     before = now()
-    text = fetch(url, timeout)
+    try:
+        text = fetch(url, timeout)
+    except PageError as e:
+        raise TopError(str(e)) from e
     at = (before + now()) / 2  # the server rendered the page somewhere in between
     try:
         snapshot = parse(text, at)
@@ -241,8 +216,8 @@ def rows(prev: Snapshot | None, cur: Snapshot, limit_filter: str | None = None) 
                 rate=rate,
                 rate_limit=now.rate_limit,
                 mode=now.mode,
-                held=_int(now.held),
-                live=_int(now.live),
+                held=_count(now.held),
+                live=_count(now.live),
                 throttled=throttled,
                 shadow_over=shadow_over,
             )
@@ -266,12 +241,13 @@ def _per_second(before: float | None, now: float | None, dt: float) -> float | N
     return None if increase is None else increase / dt
 
 
-def _int(value: float | None) -> int | None:
-    return None if value is None or math.isnan(value) else round(value)
+def _count(value: float | None) -> float | None:
+    """A gauge of requests, whole; a non-finite one (a page may say +Inf) as it is."""
+    return round(value) if value is not None and math.isfinite(value) else value
 
 
 def _or(value: float | None) -> float:
-    return -1.0 if value is None else value
+    return -1.0 if value is None or math.isnan(value) else value
 
 
 def header(snapshot: Snapshot) -> str:
@@ -321,7 +297,7 @@ def render(
 ) -> RenderableType:
     """Two header lines and the table. `max_rows` crops it to a terminal and says so."""
     over = f"rates over {cur.at - prev.at:.2f}s" if prev is not None else "first scrape"
-    lines = [Text(f"outrate top {url} ({over})"), Text(header(cur))]
+    lines = [Text(f"outrate top {url} ({over})"), Text(_shown(header(cur)))]
     if error is not None:
         lines.append(Text(f"{error}; retrying, figures below are from the last scrape", "red"))
     table = Table(box=None, header_style="bold", pad_edge=False)
@@ -337,17 +313,25 @@ def render(
     return Group(*parts)
 
 
-def _cells(row: Row) -> tuple[str, ...]:
-    return (
+def _cells(row: Row) -> tuple[Text, ...]:
+    """Text, never markup: a user id like `[/]` or `[bold]x` is shown as it is."""
+    cells = (
         row.limit,
         _fixed(row.rate),
         _configured(row.rate_limit),
         row.mode or "-",
         _whole(row.held),
         _whole(row.live),
-        "-" if row.throttled is None else f"{row.throttled:.0%}",
+        _share(row.throttled),
         _fixed(row.shadow_over),
     )
+    return tuple(Text(_shown(cell)) for cell in cells)
+
+
+def _shown(text: str) -> str:
+    """`text` with each unprintable character escaped (`\\x1b`, `\\u202e`): labels
+    come from the page, and an escape sequence in one would reach the terminal."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _style(row: Row) -> str:
@@ -356,20 +340,31 @@ def _style(row: Row) -> str:
     return "yellow" if row.held else ""
 
 
+# Non-finite values print as Python prints them (inf, -inf, nan): a page may say anything.
+
+
 def _fixed(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
 def _configured(value: float | None) -> str:
-    if value is None or math.isnan(value):
+    if value is None:
         return "-"
-    if math.isinf(value):
+    if value == math.inf:
         return "unlimited"
-    return f"{value:.0f}" if value == int(value) else f"{value:.3f}".rstrip("0")
+    if not math.isfinite(value) or value == int(value):
+        return f"{value:.0f}"
+    return f"{value:.3f}".rstrip("0")
 
 
 def _whole(value: float | None) -> str:
-    return "-" if value is None or math.isnan(value) else f"{value:.0f}"
+    return "-" if value is None else f"{value:.0f}"
+
+
+def _share(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.0%}" if math.isfinite(value) else f"{value:.0f}"
 
 
 UNWRAPPED = 10_000

@@ -20,17 +20,27 @@ The scheduler only appends a tuple to a bounded deque; a daemon thread formats
 and writes, and stops writing at `max_bytes` (a last line says so). If the
 writer falls behind by more than `max_pending` steps, the oldest steps are
 dropped and a `dropped` line counts them: the scheduler never waits on disk.
+
+The path is checked where the flags are parsed (`check_trace_path`, before the
+model loads) and opened by `open_trace_file` in the engine core, which cannot
+block or follow a link even if the path was swapped in between: outrate
+writes only to a regular file that is new, empty or already a trace.
 """
 
 from __future__ import annotations
 
 import collections
+import errno
 import json
 import logging
 import os
+import stat
 import threading
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, TextIO
+
+from outrate.errors import OutrateError
 
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 FLUSH_INTERVAL_S = 0.1
@@ -41,6 +51,129 @@ Step = tuple[int, int, Counts, Counts, Counts, Counts, Counts]
 """(t, step, charged, refunded, held, released, over)."""
 
 _KEYS = ("charged", "refunded", "held", "released", "over")
+
+TRACE_START = b'{"trace":"outrate"'
+"""How every trace's first line begins (the header, written compact). A file
+that begins otherwise is someone else's and is never overwritten."""
+
+_KINDS = (  # the same names as outrate.policy_file's
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+_NEVER_BLOCK = (
+    os.O_NONBLOCK
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+    | getattr(os, "O_NOCTTY", 0)
+)
+"""A FIFO or device opens at once (and is then refused), a symlink fails."""
+
+
+def _not_regular(where: str, mode: int) -> OutrateError:
+    if stat.S_ISLNK(mode):
+        return OutrateError(
+            f"{where}: is a symbolic link (outrate does not follow links: name the file itself)"
+        )
+    if stat.S_ISDIR(mode):
+        return OutrateError(f"{where}: is a directory")
+    kind = next((name for test, name in _KINDS if test(mode)), "not a file")
+    return OutrateError(f"{where}: is not a regular file ({kind})")
+
+
+def _not_a_trace(where: str) -> OutrateError:
+    return OutrateError(f"{where}: is not an outrate trace; refusing to overwrite it")
+
+
+def _starts_as_trace(fd: int) -> bool:
+    """Whether an open regular file is empty or begins like a trace (a header
+    torn by a full disk included: shorter than TRACE_START, but its start)."""
+    return TRACE_START.startswith(os.pread(fd, len(TRACE_START), 0))
+
+
+def check_trace_path(path: str | os.PathLike[str]) -> Path:
+    """The absolute path, if the trace may be written there; OutrateError
+    `PATH: why` if not. Startup and `outrate lint` run it, so a bad path fails
+    in a second with one line, not after the model loads (or never: a FIFO
+    blocked the engine core in open()).
+
+    Allowed: a path that does not exist, in an existing directory outrate can
+    write to, or an existing regular file that is empty or an outrate trace
+    (rewritten, as every start does). Refused: a symbolic link (not followed:
+    the trace would replace whatever it points to), a directory, a FIFO, a
+    socket or a device (/dev/full too), a missing parent (not created), a
+    file that is not a trace. Links among the parent directories are
+    followed, as in any path. "Can write" is `os.access`: the real user's
+    permission, so root passes every mode bit, as its open() would."""
+    abspath = Path(os.path.abspath(path))
+    where, parent = str(abspath), abspath.parent
+    try:
+        parent_mode = os.stat(parent).st_mode
+    except FileNotFoundError:
+        raise OutrateError(f"{where}: directory {parent} does not exist") from None
+    except NotADirectoryError:
+        raise OutrateError(f"{where}: {parent} is not a directory") from None
+    except OSError as e:
+        raise OutrateError(f"{where}: cannot reach {parent}: {e.strerror or e}") from e
+    if not stat.S_ISDIR(parent_mode):
+        raise OutrateError(f"{where}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutrateError(f"{where}: directory {parent} is not writable")
+    try:
+        st = os.lstat(abspath)
+    except FileNotFoundError:
+        return abspath
+    except OSError as e:
+        raise OutrateError(f"{where}: {e.strerror or e}") from e
+    if not stat.S_ISREG(st.st_mode):
+        raise _not_regular(where, st.st_mode)
+    if not os.access(abspath, os.W_OK):
+        raise OutrateError(f"{where}: is not writable")
+    if st.st_size:
+        try:
+            fd = os.open(abspath, os.O_RDONLY | _NEVER_BLOCK)
+            try:
+                trace = _starts_as_trace(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise OutrateError(f"{where}: cannot read: {e.strerror or e}") from e
+        if not trace:
+            raise _not_a_trace(where)
+    return abspath
+
+
+def open_trace_file(path: str) -> TextIO:
+    """Open the trace for writing from the start, in the engine core. The
+    path was checked at startup; this open holds the same rules whatever the
+    path has become since: it never blocks (O_NONBLOCK), never follows a
+    link (O_NOFOLLOW), and truncates only a regular file that is empty or a
+    trace (checked on the open file, fstat and its first bytes)."""
+    flags = os.O_RDWR | os.O_CREAT | _NEVER_BLOCK
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        kind = {errno.ELOOP: stat.S_IFLNK, errno.EISDIR: stat.S_IFDIR}.get(e.errno or 0)
+        if kind is not None:
+            raise _not_regular(path, kind) from e
+        raise OutrateError(f"{path}: cannot open: {e.strerror or e}") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(path, st.st_mode)
+        if not _starts_as_trace(fd):
+            raise _not_a_trace(path)
+        os.ftruncate(fd, 0)
+    except OutrateError:
+        os.close(fd)
+        raise
+    except OSError as e:
+        os.close(fd)
+        raise OutrateError(f"{path}: cannot open: {e.strerror or e}") from e
+    # O_NONBLOCK stays set: it changes nothing for a regular file.
+    return open(fd, "w", encoding="utf-8")
 
 
 class TraceWriter:
@@ -59,13 +192,14 @@ class TraceWriter:
         )
         self._max_pending = max_pending
         self._dropped = 0
+        self.dropped_total = 0
+        """Steps dropped since start, as the `dropped` lines add up (counted
+        when the writer catches up): `outrate_trace_dropped_steps_total`."""
         self._written = 0
         self._full = False
         self._logger = logger or logging.getLogger("vllm.outrate")
         self._stop = threading.Event()
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
-        self._file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed in stop()
+        self._file = open_trace_file(path)  # closed in stop()
         self._thread = threading.Thread(target=self._run, name="outrate-trace", daemon=True)
         first = {
             "trace": "outrate",
@@ -76,7 +210,10 @@ class TraceWriter:
             **(header or {}),
         }
         self._write_line(json.dumps(first, separators=(",", ":")))
-        self._file.flush()
+        try:
+            self._file.flush()
+        except OSError as e:  # a full disk at startup: like one later, the engine serves on
+            self._give_up(f"cannot write the trace: {e}")
 
     def start(self) -> None:
         self._thread.start()
@@ -101,7 +238,10 @@ class TraceWriter:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         self._drain()
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError as e:  # the last flush; said at most once, like every failed write
+            self._give_up(f"cannot write the trace: {e}")
 
     def _run(self) -> None:
         while not self._stop.wait(FLUSH_INTERVAL_S):
@@ -114,6 +254,7 @@ class TraceWriter:
         lines = []
         dropped, self._dropped = self._dropped, 0
         if dropped:
+            self.dropped_total += dropped
             lines.append(json.dumps({"t": time.monotonic_ns(), "dropped": dropped}))
         while pending:
             try:

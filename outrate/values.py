@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import PlainSerializer, PlainValidator, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
-from outrate.identity import ANONYMOUS, MAX_IDENTITY_LEN, text_error
+from outrate.identity import ANONYMOUS, MAX_IDENTITY_LEN, padding_error, text_error
 from outrate.limiter import NS_PER_S, exact_rate
 from outrate.units import format_duration
 
@@ -236,7 +236,11 @@ def _check_text(what: str, value: str, limit: int) -> None:
 
 
 def check_user_id(value: object) -> str:
-    """User ids arrive from request bodies; reject ones no request can carry."""
+    """User ids arrive from request bodies; reject ones no request can carry.
+
+    A policy's `users:` key with whitespace at an end (`alice `) passes: no
+    request can carry it either (`check_identity`), but refusing it would stop
+    a policy that served before; `outrate lint` warns (OR009) instead."""
     if not isinstance(value, str):
         raise not_a_string("user id", value)
     if value == "":
@@ -248,6 +252,17 @@ def check_user_id(value: object) -> str:
             "set their limit with the top-level 'anonymous' key"
         )
     return value
+
+
+def check_identity(value: object) -> str:
+    """A user id a source of identity hands out (the keys file): the rules of
+    `check_user_id`, and the request's own (`identity.padding_error`), so the
+    keys file can name no user that a request could not."""
+    user = check_user_id(value)
+    bad = padding_error(user)
+    if bad is not None:
+        raise problem(f"user id {bad}: {shown(user)}")
+    return user
 
 
 UserId = Annotated[

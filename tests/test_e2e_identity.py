@@ -329,6 +329,46 @@ def test_in_header_mode_a_spoofed_body_claim_never_changes_who_is_charged(server
     assert charged(server, since) == {"dave": 2}
 
 
+def test_whitespace_around_an_id_never_makes_a_new_user(server) -> None:
+    """uvicorn's httptools parser keeps a header's trailing whitespace: `carol   `
+    was charged as a new, unlimited user. Spaces and tabs around a header value
+    are dropped (RFC 9110 section 5.5); any whitespace left at an end (NBSP), or
+    at an end of a body's id, is a 400 naming the field."""
+    use_policy(server, HEADER_REJECT, lambda: tokenize(server, [], claim="eve") == 403)
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 3, "ignore_eos": True}
+    since = time.monotonic_ns()
+    for sent in (b"carol   ", b"carol \t", b"  carol"):
+        status, answer = raw(server, "POST", "/v1/completions", json.dumps(body).encode(),
+                             [(HEADER, sent)])  # fmt: skip
+        assert status == 200, (sent, answer)
+        assert answer["usage"]["completion_tokens"] == 3
+    assert charged(server, since) == {"carol": 9}  # carol's budget, at carol's 20 tok/s
+
+    nbsp = "carol\u00a0"
+    status, answer = raw(server, "POST", "/v1/completions", json.dumps(body).encode(),
+                         [(HEADER, nbsp.encode())])  # fmt: skip
+    field = f"header {HEADER}"
+    assert (status, answer["error"]["message"], answer["error"]["param"]) == (
+        400, f"{field} must not begin or end with whitespace (U+00A0 at index 5) "
+        f"(parameter={field})", field,
+    )  # fmt: skip
+    claimed = json.dumps({**body, "vllm_xargs": {"output_rate_user": nbsp}}).encode()
+    x = "vllm_xargs.output_rate_user"
+    expected = (
+        400, f"{x} must not begin or end with whitespace (U+00A0 at index 5) (parameter={x})", x,
+    )  # fmt: skip
+    status, answer = raw(server, "POST", "/v1/completions", claimed, [(HEADER, b"carol")])
+    assert (status, answer["error"]["message"], answer["error"]["param"]) == expected
+    use_policy(server, LIMITS, lambda: tokenize(server, [], claim="eve") == 200)  # source: body
+    status, answer = raw(server, "POST", "/v1/completions", claimed)
+    assert (status, answer["error"]["message"], answer["error"]["param"]) == expected
+    since = time.monotonic_ns()
+    with pytest.raises(openai.BadRequestError):
+        complete(api(server), 2, claim="carol ")
+    assert complete(api(server), 2, claim="carol") == 2
+    assert charged(server, since) == {"carol": 2}
+
+
 # -- after all of it -----------------------------------------------------------------
 
 

@@ -1,6 +1,6 @@
 """End to end: two `outrate serve` replicas of the tiny model share one budget
 through one real redis-server. Replica A is one engine (the password in its
-URL); replica B runs `--data-parallel-size 2` (the password from
+URL's query, `?password=`); replica B runs `--data-parallel-size 2` (the password from
 $OUTRATE_STORE_PASSWORD), so three engine cores, each with its own scheduler
 and lease thread, make one budget. One module, one Redis and two server
 starts cover replicas, data parallel and the outage (a data-parallel server
@@ -89,7 +89,13 @@ def replicas(tmp_path_factory):
     # stalled for 1 s while the other's ran (seen in the merged trace).
     # B's mask is per data-parallel rank: rank 0 on core 1, rank 1 on core 0.
     a = outrate_serve_argv(
-        model, policy, *common, "--outrate-trace", str(trace_a), "--outrate-store", redis.url
+        model,
+        policy,
+        *common,
+        "--outrate-trace",
+        str(trace_a),
+        "--outrate-store",
+        f"{redis.bare_url}?password={PASSWORD}",
     )
     b = outrate_serve_argv(
         model,
@@ -162,12 +168,13 @@ def run_split(replicas: Replicas, plan: list[list[tuple[str, int, int]]]):
     return [s for r in results for s in r]
 
 
-def test_no_password_in_any_log(replicas):
-    for s in replicas.servers:
+def test_no_password_in_any_log_or_metrics_page(replicas):
+    for i, s in enumerate(replicas.servers):
         log = s.log_path.read_text(errors="replace")
         assert PASSWORD not in log
         assert "sharing budgets through redis://" in log  # the engine says where
         assert "'outrate_store': '***'" in log  # vLLM's non-default args line, redacted
+        assert PASSWORD not in replicas.metrics(i)
 
 
 def test_every_engine_heartbeats(replicas):

@@ -88,6 +88,31 @@ def test_the_gateway_header_names_the_user() -> None:
     assert authenticate(BODY, [(b"x-outrate-user", b"carol")]) == Verdict(200, None)
 
 
+def test_a_gateway_header_loses_its_optional_whitespace_and_nothing_else() -> None:
+    """RFC 9110 section 5.5: SP and HTAB around a field value are not part of
+    it (uvicorn's httptools parser keeps trailing ones). Any other whitespace
+    left at an end, NBSP included, is refused: never a second alice."""
+    f = "header x-outrate-user"
+    for sent in (b"alice   ", b"  alice", b"\talice \t", b"alice\t"):
+        assert authenticate(HEADER, [(b"x-outrate-user", sent)]) == Verdict(200, "alice"), sent
+    assert authenticate(HEADER, [(b"x-outrate-user", b"Zo\xc3\xab M\xc3\xbcller ")]) == (
+        Verdict(200, "Zoë Müller")
+    )
+    assert authenticate(HEADER, [(b"x-outrate-user", b" \t ")]) == Verdict(
+        400, message=f"{f} must not be empty", parameter=f
+    )
+    nbsp = "alice\u00a0".encode()  # UTF-8, as the gate decodes every header
+    assert authenticate(HEADER, [(b"x-outrate-user", nbsp)]) == Verdict(
+        400, message=f"{f} must not begin or end with whitespace (U+00A0 at index 5)",
+        parameter=f,
+    )  # fmt: skip
+    assert authenticate(HEADER, [(b"x-outrate-user", "alice\u00a0 ".encode())]).status == 400
+    assert authenticate(HEADER, [(b"x-outrate-user", "\u3000alice".encode())]).status == 400
+    assert authenticate(HEADER, [(b"x-outrate-user", b"alice\xa0")]) == Verdict(
+        400, message=f"{f} must be UTF-8 text", parameter=f
+    )  # latin-1 NBSP: not UTF-8, as any other latin-1 byte
+
+
 def test_a_claim_of_another_user() -> None:
     alice = Verdict(200, "alice")
     assert check_claims(API_KEY, alice, [(X, "alice")]) == alice
@@ -111,6 +136,13 @@ def test_a_claim_of_another_user() -> None:
             parameter=X,
         )  # fmt: skip
     assert check_claims(BODY, Verdict(200), [(X, "bob")]) == Verdict(200)
+    # a body claim is never stripped: whitespace at an end is a 400 from every source
+    for identity in (BODY, API_KEY, HEADER):
+        assert check_claims(identity, alice, [(X, "alice\u00a0")]) == Verdict(
+            400, message=f"{X} must not begin or end with whitespace (U+00A0 at index 5)",
+            parameter=X,
+        )  # fmt: skip
+        assert check_claims(identity, alice, [(X, "alice ")]).status == 400
 
 
 def test_body_claims_where_vllm_reads_them() -> None:

@@ -167,6 +167,7 @@ def server(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("hostile")
     live = workdir / "policy.yaml"
     live.write_text(good_policy(0))
+    (workdir / "trace").mkdir()  # the trace's directory must exist: outrate creates none
     argv = outrate_serve_argv(
         build(REPO / "models" / "tiny-llama"),
         live,
@@ -291,6 +292,61 @@ def test_a_real_startup_exits_at_once_with_the_message(case: str, tmp_path: Path
     last = done.stderr.rstrip("\n").split("\n")[-len(expected_lines(case, path)) :]
     assert last == ["outrate: " + expected_lines(case, path)[0], *expected_lines(case, path)[1:]]
     assert "Traceback" not in done.stdout + done.stderr
+
+
+def _precious_link(path: Path) -> None:
+    precious = path.with_name("precious.txt")
+    precious.write_text("someone's notes\n")
+    path.symlink_to(precious)
+
+
+TRACE_CASES: dict[str, tuple[Callable[[Path], None], str]] = {
+    "fifo": (_fifo, "is not a regular file (a FIFO)"),
+    "directory": (lambda path: path.mkdir(), "is a directory"),
+    "symlink": (
+        _precious_link,
+        "is a symbolic link (outrate does not follow links: name the file itself)",
+    ),
+}
+TRACE_EXIT_S = 30
+"""Importing vLLM takes 8-21 s here (2 busy cores); a directory used to fail
+after that plus 35 s of model loading, a FIFO never. No engine core may start."""
+
+
+@pytest.mark.parametrize("case", list(TRACE_CASES))
+def test_a_real_startup_refuses_a_bad_trace_path_before_the_model_loads(
+    case: str, tmp_path: Path
+) -> None:
+    """`--outrate-trace` at a FIFO blocked the engine core in open() for good
+    (no /health, SIGTERM ignored); at a directory the engine died after the
+    model loaded, with a traceback; at a symlink the trace replaced its
+    target. Each now exits 1 in seconds with one located line."""
+    make, why = TRACE_CASES[case]
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(good_policy(0))
+    trace = tmp_path / "trace.jsonl"
+    make(trace)
+    argv = outrate_serve_argv(
+        build(REPO / "models" / "tiny-llama"),
+        policy,
+        "--host", "127.0.0.1", "--port", str(free_port()), "--outrate-trace", str(trace),
+    )  # fmt: skip
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        env=cpu_server_env(ENV), stdin=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=TRACE_EXIT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # the engine core too: it may be the one blocked
+        out, err = proc.communicate()
+        pytest.fail(f"still running after {TRACE_EXIT_S} s:\n{err[-3000:]}")
+    assert proc.returncode == 1
+    assert err.rstrip("\n").split("\n")[-1] == f"outrate: --outrate-trace: {trace}: {why}"
+    assert "Traceback" not in out + err
+    assert "(EngineCore" not in out + err  # refused before any engine process started
+    if case == "symlink":
+        assert (tmp_path / "precious.txt").read_text() == "someone's notes\n"
 
 
 # -- live reload ---------------------------------------------------------------------

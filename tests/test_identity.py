@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import sys
+import unicodedata
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +18,7 @@ from outrate.identity import (
     Stamper,
     identity_error,
     key_digest,
+    padding_error,
     resolve_identity,
     text_error,
 )
@@ -43,6 +46,11 @@ F = "vllm_xargs.output_rate_user"
         ("a\u2028b", f"{F} must not contain line separators (U+2028 at index 1)"),
         ("a\u2029b", f"{F} must not contain paragraph separators (U+2029 at index 1)"),
         ("a\ud800b", f"{F} must not contain surrogates (U+D800 at index 1)"),
+        ("alice ", f"{F} must not begin or end with whitespace (U+0020 at index 5)"),
+        ("\talice", f"{F} must not contain control characters (U+0009 at index 0)"),
+        ("alice\u00a0", f"{F} must not begin or end with whitespace (U+00A0 at index 5)"),
+        ("\u3000alice", f"{F} must not begin or end with whitespace (U+3000 at index 0)"),
+        ("a\u00a0b", None),  # inside an id a space of any kind is fine, as in "Zoë Müller"
         (ANONYMOUS, f"{F} must not be the reserved id '__anonymous__'"),
         (5, f"{F} must be a string, got number"),
         (1.5, f"{F} must be a string, got number"),
@@ -68,6 +76,20 @@ def test_text_error_checks_every_character() -> None:
     assert text_error("ok") is None
 
 
+def test_padding_error_refuses_every_unicode_space_at_either_end() -> None:
+    """Zs (NBSP, EN QUAD ... HAIR SPACE, NARROW NBSP, IDEOGRAPHIC SPACE) and
+    the ASCII blanks: each at either end is named; inside an id it is fine."""
+    spaces = [chr(c) for c in range(sys.maxunicode + 1) if unicodedata.category(chr(c)) == "Zs"]
+    assert len(spaces) == 17 and "\u00a0" in spaces and "\u3000" in spaces
+    for c in [*spaces, "\t", "\n", "\r", "\x0b", "\x0c"]:
+        at = f"must not begin or end with whitespace (U+{ord(c):04X} at index"
+        assert padding_error(c + "bob") == f"{at} 0)"
+        assert padding_error("bob" + c) == f"{at} 3)"
+        assert padding_error("b" + c + "b") is None
+    assert padding_error("") is None and padding_error("bob") is None
+    assert padding_error("\u200bbob") is None  # Cf, not whitespace: text_error refuses it
+
+
 def test_the_engine_counts_an_invisible_identity_as_anonymous(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -77,6 +99,14 @@ def test_the_engine_counts_an_invisible_identity_as_anonymous(
         assert resolve_identity(params, logger) == ANONYMOUS
     assert caplog.messages == [
         f"outrate: {F} must not contain format characters (U+200B at index 3); "
+        "request counted in the anonymous budget"
+    ]
+    caplog.clear()
+    params = SimpleNamespace(extra_args={"output_rate_user": "alice\u00a0"})
+    with caplog.at_level(logging.WARNING, logger="test.identity"):
+        assert resolve_identity(params, logger) == ANONYMOUS  # never a second alice
+    assert caplog.messages == [
+        f"outrate: {F} must not begin or end with whitespace (U+00A0 at index 5); "
         "request counted in the anonymous budget"
     ]
 

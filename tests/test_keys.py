@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -68,6 +70,30 @@ BAD_KEYS: dict[str, tuple[str, list[str]]] = {
         f'{A}: ""\n',
         ["FILE:1:74: sha256:aaaaaaaaaaaaaaaaaaaaaaaaaaaaaa...: user id must not be empty"],
     ),
+    "user id with a trailing space": (
+        f'{A}: "alice "\n',
+        [
+            "FILE:1:74: sha256:aaaaaaaaaaaaaaaaaaaaaaaaaaaaaa...: user id must not begin or "
+            "end with whitespace (U+0020 at index 5): 'alice '"
+        ],
+    ),  # fmt: skip
+    "user id with a trailing NBSP": (
+        f'{A}: "alice\u00a0"\n{B}: "\u2003bob"\n',
+        [
+            "FILE:1:74: sha256:aaaaaaaaaaaaaaaaaaaaaaaaaaaaaa...: user id must not begin or "
+            "end with whitespace (U+00A0 at index 5): 'alice\\xa0'",
+            "FILE:2:74: sha256:bbbbbbbbbbbbbbbbbbbbbbbbbbbbbb...: user id must not begin or "
+            "end with whitespace (U+2003 at index 0): '\\u2003bob'",
+        ],
+    ),  # fmt: skip
+    "zero bytes": (
+        "",
+        [
+            "FILE:1:1: <file>: empty (0 bytes), as a file being rewritten in place is before "
+            "its first write: write '{}' to revoke every key (until then a running server "
+            "keeps its last good keys)"
+        ],
+    ),
     "a list": (
         f"- {A}\n",
         ["FILE:1:1: <root>: a keys file is a mapping of 'sha256:<hex>: user id' (got a list)"],
@@ -100,8 +126,9 @@ def test_a_good_keys_file() -> None:
     assert repr(table) == "KeyTable(3 keys from k.yaml)"  # never the digests
 
 
-@pytest.mark.parametrize("text", ["", "\n", "# no keys yet\n", "{}\n"])
+@pytest.mark.parametrize("text", ["{}\n", "{}", "# no keys yet\n", "\n", "\ufeff"])
 def test_an_empty_keys_file_holds_no_keys(text: str) -> None:
+    """`{}` (or comments only) is "revoke every key"; zero bytes is not (above)."""
     assert len(parse_keys(text.encode(), "k.yaml")) == 0
 
 
@@ -189,6 +216,22 @@ def test_revoke_by_user_or_digest_keeps_comments(tmp_path: Path) -> None:
         revoke_keys(path, "bob")
 
 
+def test_revoking_the_last_key_never_leaves_a_zero_byte_file(tmp_path: Path) -> None:
+    """Zero bytes reads as an edit in progress (the server keeps the old keys):
+    revoking the last key must leave a file that means "no keys"."""
+    path = tmp_path / "keys.yaml"
+    path.write_text(f"{A}: alice\n")
+    assert revoke_keys(path, "alice") == [(A, "alice")]
+    assert path.read_text() == HEADER and len(load_keys(path)) == 0
+    path.write_bytes(b"")  # `touch keys.yaml`, or an in-place rewrite cut short
+    _, digest = add_key(path, "bob")
+    assert load_keys(path).digests() == {digest: "bob"}
+    path.write_bytes(b"")
+    with pytest.raises(OutrateError, match="no key of user 'bob'"):
+        revoke_keys(path, "bob")
+    assert path.read_bytes() == b""  # nothing to revoke: not rewritten
+
+
 def test_revoke_rewrites_a_flow_style_file(tmp_path: Path) -> None:
     path = tmp_path / "keys.yaml"
     path.write_text(f"{{{A}: alice, {B}: bob}}\n")
@@ -214,6 +257,9 @@ def test_the_keys_commands(tmp_path: Path) -> None:
     assert (done.exit_code, done.stderr) == (1, f"{path}: no key of user 'alice'\n")
     done = runner.invoke(app, ["keys", "add", "__anonymous__", "--file", str(path)])
     assert done.exit_code == 2 and "reserved" in done.stderr
+    for padded in ("alice ", "alice\u00a0"):  # no request could carry it
+        done = runner.invoke(app, ["keys", "add", padded, "--file", str(path)])
+        assert done.exit_code == 2 and "must not begin or end with whitespace" in done.stderr
     done = runner.invoke(app, ["keys", "add", "alice"])
     assert done.exit_code == 2 and "--file" in done.stderr
 
@@ -236,8 +282,55 @@ def test_a_keys_file_that_cannot_be_written_is_an_error_not_a_traceback(
     with pytest.raises(OutrateError, match="keys.yaml: cannot write: Read-only file system"):
         revoke_keys(path, "alice")
     assert path.read_text() == f"{A}: alice\n"
-    assert [p.name for p in tmp_path.iterdir()] == ["keys.yaml"]  # no temporary file left
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["keys.yaml", "keys.yaml.lock"]  # no temporary file left
     monkeypatch.setattr("outrate.keys.tempfile.mkstemp", read_only)
     done = CliRunner().invoke(app, ["keys", "add", "bob", "--file", str(path)])
     assert done.exit_code == 1
     assert done.stderr == f"{path}: cannot write beside it: Read-only file system\n"
+
+
+# -- concurrent edits: one lock from read to rename -----------------------------------
+
+FORK = multiprocessing.get_context("fork")
+
+
+def _run_together(*jobs: tuple[Callable[..., object], tuple[object, ...]]) -> None:
+    """Each job in its own process, released at once by a barrier (as `outrate
+    keys` commands run from two shells or a script's `&`)."""
+    barrier = FORK.Barrier(len(jobs))
+
+    def run(job: Callable[..., object], args: tuple[object, ...]) -> None:
+        barrier.wait()
+        job(*args)
+
+    procs = [FORK.Process(target=run, args=job) for job in jobs]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(30)
+        assert proc.exitcode == 0
+
+
+def test_parallel_adds_all_land(tmp_path: Path) -> None:
+    """Unlocked, 20 parallel adds left 3 to 6 entries: each read the same file."""
+    path = tmp_path / "keys.yaml"
+    _run_together(*[(add_key, (path, f"user{i}")) for i in range(20)])
+    users = sorted(load_keys(path).digests().values())
+    assert users == sorted(f"user{i}" for i in range(20))
+    assert path.read_text().startswith(HEADER) and path.read_text().count(HEADER) == 1
+
+
+def test_a_revoke_beside_an_add_stays_revoked(tmp_path: Path) -> None:
+    """Unlocked, the add's rename brought mallory's key back in most trials."""
+    path = tmp_path / "keys.yaml"
+    wrong = []
+    for trial in range(20):
+        path.unlink(missing_ok=True)
+        add_key(path, "mallory")
+        add_key(path, "alice")
+        _run_together((revoke_keys, (path, "mallory")), (add_key, (path, "dave")))
+        users = sorted(load_keys(path).digests().values())
+        if users != ["alice", "dave"]:
+            wrong.append((trial, users))
+    assert wrong == []

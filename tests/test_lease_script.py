@@ -15,7 +15,14 @@ import pytest
 pytest.importorskip("redis")
 
 from redis.crc import key_slot  # noqa: E402
-from redis_support import RedisServer  # noqa: E402
+from redis_support import (  # noqa: E402
+    PLAIN_PASSWORD,
+    SECRET,
+    STORE_USER,
+    STORE_USER_PASSWORD,
+    RedisServer,
+    credential_urls,
+)
 
 from outrate.lease import (  # noqa: E402
     ENGINES_KEY,
@@ -352,8 +359,65 @@ def test_passwords_never_reach_a_log_line():
     assert redact_url("redis://:s3cret@h:6379/0") == "redis://***@h:6379/0"
     assert redact_url("rediss://u:s3cret@h/1") == "rediss://***@h/1"
     assert redact_url("redis://h:6379/0") == "redis://h:6379/0"
+    assert redact_url("redis://h/0?password=s3cret&db=2") == "redis://h/0?password=***&db=2"
+    assert redact_url("redis://h/0?username=u&pass%77ord=s%33cret") == (
+        "redis://h/0?username=***&pass%77ord=***"
+    )
+    assert redact_url("unix:///run/r.sock?db=1&password=s3cret") == (
+        "unix:///run/r.sock?db=1&password=***"
+    )
+    assert redact_url("unix://:s3cret@/run/r.sock") == "unix://***@/run/r.sock"
+    assert redact_url("rediss://h/0?ssl_password=s3cret") == "rediss://h/0?ssl_password=***"
+    assert redact_url("redis://h/0?password=s3c&ret") == "redis://h/0?password=***"
+    assert redact_url("redis://h/0#s3cret") == "redis://h/0"  # redis-py ignores a fragment
+    # A password with an unescaped `/`, `?` or `#`: its tail is not in the userinfo.
+    for sep in "/?#":
+        assert redact_url(f"redis://:s3{sep}cret@h/0") == "redis://***"
     assert split_password("redis://u:p%40ss@h:1/2") == ("redis://u@h:1/2", "p@ss")
     assert split_password("redis://h:1/2") == ("redis://h:1/2", None)
+    assert split_password("redis://h:1/2?db=3&password=p%40ss&password=x") == (
+        "redis://h:1/2?db=3",
+        "p@ss",
+    )
+    assert split_password("redis://:a@h/0?password=b") == ("redis://h/0", "a")  # redis-py's pick
+    assert split_password("unix:///run/r.sock?password=p") == ("unix:///run/r.sock", "p")
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory):
+    """A Redis with a password (requirepass) and an ACL user of its own."""
+    server = RedisServer(
+        tmp_path_factory.mktemp("secured"),
+        password=PLAIN_PASSWORD,
+        users={STORE_USER: STORE_USER_PASSWORD},
+    ).start()
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("form", list(credential_urls(0)))
+def test_every_credential_form_connects_and_leaves_the_url(secured, form):
+    """Each way redis-py takes a password (and a user) connects; the redacted
+    URL shows neither; `split_password` takes out the very password redis-py
+    reads (its own `parse_url` is the oracle) and changes nothing else, so the
+    URL that travels on (the engine's settings) connects with it moved aside."""
+    from redis.connection import parse_url
+
+    url = credential_urls(secured.port)[form]
+    given = parse_url(url)
+    assert given["password"].startswith(SECRET)  # (the form is what it says)
+    redacted = redact_url(url)
+    assert SECRET not in redacted and STORE_USER not in redacted
+    assert redacted.startswith(f"redis://{'***@' if '@' in url else ''}127.0.0.1:{secured.port}/0")
+    bare, password = split_password(url)
+    assert SECRET not in bare
+    assert password == given["password"]
+    assert parse_url(bare) == {k: v for k, v in given.items() if k != "password"}
+    lim = Limit(10, 100 * MS)
+    for i, link in enumerate((RedisLink(url), RedisLink(bare, password))):
+        assert SECRET not in link.url and STORE_USER not in link.url
+        assert one(link, call(f"{form}-{i}", lim, want=1)).granted == 1
+        link.close()
 
 
 def test_a_password_comes_from_the_url_or_the_environment(tmp_path, monkeypatch):

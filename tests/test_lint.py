@@ -565,6 +565,34 @@ def test_lookalike_user_ids() -> None:
     ]
 
 
+def test_user_ids_with_whitespace_at_an_end() -> None:
+    """No request can carry `alice ` or `alice\u00a0` (400; a header loses its
+    spaces), so their limits apply to nobody: a warning, since such policies
+    loaded before and must keep loading."""
+    text = 'version: 1\ndefault: 5\nusers:\n  "alice ": 1\n  "\\u00a0bob": 2\n  carol: 3\n'
+    assert [(f.code, f.severity, f.location, f.message) for f in lint_text(text)] == [
+        (
+            "OR009",
+            "warning",
+            "p.yaml:4:13",
+            "user id 'alice ' must not begin or end with whitespace (U+0020 at index 5): no "
+            "request can carry it (a header loses its spaces and tabs, any other id with "
+            "whitespace at an end is refused with 400), so this limit applies to nobody; "
+            "remove the whitespace",
+        ),
+        (
+            "OR009",
+            "warning",
+            "p.yaml:5:16",
+            "user id '\\xa0bob' must not begin or end with whitespace (U+00A0 at index 0): no "
+            "request can carry it (a header loses its spaces and tabs, any other id with "
+            "whitespace at an end is refused with 400), so this limit applies to nobody; "
+            "remove the whitespace",
+        ),
+    ]
+    assert lint_text('version: 1\ndefault: 5\nusers:\n  "Zoë Müller": 1\n') == []
+
+
 def test_lint_policy_takes_a_policy_too() -> None:
     policy = parse_policy("version: 1\ndefault: 5\nburst: 1ms\n", "p.yaml")
     assert lint_policy(policy) == lint_text("version: 1\ndefault: 5\nburst: 1ms\n")
@@ -703,6 +731,25 @@ def test_an_empty_keys_file_is_a_warning(tmp_path: Path) -> None:
             f"{policy}:6:9",
         ),
     )
+
+
+def test_a_zero_byte_keys_file_is_an_error_and_braces_revoke_every_key(tmp_path: Path) -> None:
+    """Zero bytes is a rewrite caught in the middle, not "no keys": the error
+    says to write `{}`, which lints as the no-key warning (OR007)."""
+    policy = identity_policy(tmp_path, API_KEY, "")
+    keys = tmp_path / "keys.yaml"
+    assert [(f.code, f.location, f.message) for f in lint_all(policy).findings] == [
+        ("OR000", f"{policy}:6:9", f"identity.keys: keys file {keys} is not usable"),
+        (
+            "OR000",
+            f"{keys}:1:1",
+            "<file>: empty (0 bytes), as a file being rewritten in place is before its first "
+            "write: write '{}' to revoke every key (until then a running server keeps its "
+            "last good keys)",
+        ),
+    ]
+    keys.write_text("{}\n")
+    assert codes(list(lint_all(policy).findings)) == ["OR007"]
 
 
 def test_keys_file_problems_are_located_errors(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from outrate.values import (
     DEFAULT_BURST_NS,
     MAX_RATE,
     UNLIMITED,
+    check_identity,
     check_user_id,
     parse_duration,
     parse_rate,
@@ -103,6 +104,18 @@ def test_user_ids() -> None:
     for bad in ("", "a" * 257, "a\nb", "a\x7fb", *invisible, ANONYMOUS, 5, None):
         with pytest.raises(ValueError):
             check_user_id(bad)
+        with pytest.raises(ValueError):
+            check_identity(bad)
+
+
+def test_whitespace_at_an_end_is_refused_where_an_identity_comes_from() -> None:
+    """The keys file (check_identity) names no user a request could not carry;
+    a policy's `users:` key keeps loading (lint warns, OR009)."""
+    assert check_identity("Zoë Müller") == "Zoë Müller"
+    for padded in ("alice ", " alice", "alice\u00a0", "\u2003alice", "alice\u3000"):
+        assert check_user_id(padded) == padded
+        with pytest.raises(ValueError, match=r"user id must not begin or end with whitespace"):
+            check_identity(padded)
 
 
 # -- round trips ------------------------------------------------------------------

@@ -678,6 +678,65 @@ def test_a_broken_keys_file_keeps_the_last_good_keys(
     assert key_users(h.r.current) == {KEY_B: "bob"}
 
 
+def test_an_in_place_rewrite_of_the_keys_file_never_revokes_every_key(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Truncate, then write: in between the file is zero bytes, which applied as
+    "no keys" and answered every client 401 until the write landed. Here on the
+    API server's own path: its `Gate`, fed by a `Reloader` that loads with
+    `load_checked`, and `authenticate`, which decides each request's 401."""
+    from outrate.gate import authenticate
+    from outrate.identity import key_digest
+    from vllm_integration.config import load_checked
+    from vllm_integration.identity import Gate
+
+    policy = tmp_path / "policy.yaml"
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(f"{key_digest('ork_alice')}: alice\n")
+    policy.write_text(keys_policy())
+    initial = load_checked(policy)
+    gate = Gate(initial.identity)
+    r = Reloader(policy, gate.publish, initial=initial, loader=load_checked)
+
+    def who(key: str) -> str | int | None:
+        verdict = authenticate(gate.identity, [(b"authorization", f"Bearer {key}".encode())])
+        return verdict.user if verdict.status == 200 else verdict.status
+
+    caplog.set_level(logging.INFO, logger="outrate.reload")
+    r.start()
+    try:
+        checks = r.checks
+        with open(keys, "w") as f:  # truncated: zero bytes until the write below
+            assert r.wait_checked(checks + 1, T)
+            assert (r.applied, r.rejected) == (0, 1)
+            assert who("ork_alice") == "alice"  # the last good keys keep serving
+            (tmp_path / "unrelated").write_text("x")  # another look at the same bytes
+            assert r.wait_checked(checks + 2, T)
+            assert r.rejected == 1 and who("ork_alice") == "alice"
+            f.write(f"{key_digest('ork_bob')}: bob\n")
+        assert r.wait_applied(1, T), r.last_error
+        assert (who("ork_bob"), who("ork_alice")) == ("bob", 401)
+        write_atomic(keys, "{}\n")  # what revokes every key
+        assert r.wait_applied(2, T), r.last_error
+        assert who("ork_bob") == 401 and gate.identity.keys is not None
+        assert len(gate.identity.keys) == 0
+    finally:
+        r.stop()
+    # Only the reloader's lines: the gate's own summary says "claims rejected".
+    logged = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "outrate.reload" and "rejected" in r.getMessage()
+    ]
+    assert logged == [
+        f"{policy}: reload rejected, keeping the last good policy:\n"
+        f"{policy}:5:9: identity.keys: keys file {keys} is not usable\n"
+        f"{keys}:1:1: <file>: empty (0 bytes), as a file being rewritten in place is before "
+        "its first write: write '{}' to revoke every key (until then a running server keeps "
+        "its last good keys)"
+    ]  # once: the same bytes seen again are not reported again
+
+
 def test_a_keys_file_elsewhere_is_watched_too_even_before_it_exists(
     start: Callable[..., Harness], tmp_path: Path
 ) -> None:

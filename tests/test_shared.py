@@ -15,13 +15,21 @@ from hypothesis import strategies as st
 
 pytest.importorskip("redis")
 
-from redis_support import RedisServer  # noqa: E402
+from redis_support import (  # noqa: E402
+    PLAIN_PASSWORD,
+    SECRET,
+    STORE_USER,
+    STORE_USER_PASSWORD,
+    RedisServer,
+    credential_urls,
+)
 
 from outrate.compiler import compile_policy  # noqa: E402
 from outrate.lease import RedisLink, user_keys  # noqa: E402
 from outrate.lease_runner import TIMEOUT_S, LeaseRunner  # noqa: E402
 from outrate.limiter import Limiter  # noqa: E402
 from outrate.loader import parse_policy  # noqa: E402
+from outrate.metrics import Metrics, SnapshotCollector, snapshot, write_snapshot  # noqa: E402
 from outrate.shared import SharedLimiter  # noqa: E402
 from outrate.trace import engine_rate, max_window_excess  # noqa: E402
 
@@ -382,6 +390,48 @@ def test_lost_mid_run_falls_back_then_resumes_without_a_burst(tmp_path, caplog):
         ra.stop()
         rb.stop()
         server.stop()
+
+
+@pytest.mark.parametrize("form", list(credential_urls(0)))
+def test_no_log_line_or_metric_shows_the_store_credentials(tmp_path, caplog, form):
+    """Every line the lease thread logs with the store's URL (unreachable at
+    start, sharing, lost, back) and the /metrics page it feeds, for each way
+    a URL can carry a password and a user."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    caplog.set_level(logging.INFO, logger="vllm.outrate")
+    server = RedisServer(tmp_path, password=PLAIN_PASSWORD, users={STORE_USER: STORE_USER_PASSWORD})
+    pol = policy()
+    lim, runner = engine(credential_urls(server.port)[form], pol, engines_hint=2)
+    try:
+        server.start()
+        runner._try_connect()
+        lim.pin("alice")
+        assert runner.round() and runner.up
+        server.stop()
+        runner._last_beat = 0  # (a round with something to send)
+        assert not runner.round() and not runner.round()  # lost
+        server.start()
+        runner._try_connect()
+        assert runner.up
+        # /metrics as the API server renders it, from the engine's snapshot.
+        data = snapshot(Metrics(), pol, store=runner.metrics.snapshot())
+        write_snapshot(str(tmp_path / "engine-metrics.json"), data)
+        registry = CollectorRegistry()
+        registry.register(SnapshotCollector(str(tmp_path)))
+        page = generate_latest(registry).decode()
+    finally:
+        runner.stop()
+        server.stop()
+    lines = [
+        r.getMessage() for r in caplog.records if f"127.0.0.1:{server.port}/0" in r.getMessage()
+    ]
+    said = " | ".join(lines)
+    for line in ("unreachable at start", "sharing budgets through", " lost ", "is back"):
+        assert line in said
+    assert SECRET not in caplog.text and STORE_USER not in caplog.text
+    assert "outrate_store_up 1.0" in page and "outrate_store_transitions_total" in page
+    assert SECRET not in page and STORE_USER not in page
 
 
 def test_a_slow_store_never_blocks_the_scheduler(tmp_path):

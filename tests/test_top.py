@@ -10,7 +10,9 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+import time
+import tracemalloc
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -29,6 +31,7 @@ from typer.testing import CliRunner
 
 from outrate import top
 from outrate.cli import app
+from outrate.fetch import MAX_PAGE_BYTES
 from outrate.top import LimitValues, Row, Snapshot, TopError
 
 ROOT = Path(__file__).parent.parent
@@ -454,6 +457,239 @@ def test_not_a_metrics_page(fake_time: FakeTime) -> None:
         code, _, err = run(server.root, "--once")
     assert code == 1
     assert err == f"outrate top: {server.url} is not a Prometheus metrics page\n"
+
+
+# --- a hostile server --------------------------------------------------------------------
+
+Answer = Callable[[socket.socket, threading.Event], None]
+
+
+class Hostile:
+    """A raw-socket server on 127.0.0.1 that answers each connection with
+    `answer(conn, stop)` in a thread of its own. Every answer ends by itself
+    within seconds, and at once when the test leaves the `with` block."""
+
+    def __init__(self, answer: Answer) -> None:
+        self.answer, self.stop = answer, threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.05)
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/metrics"
+        self.accepter = threading.Thread(target=self._accept, daemon=True)
+        self.answers: list[threading.Thread] = []
+
+    def __enter__(self) -> Hostile:
+        self.accepter.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.accepter.join(timeout=5)
+        for t in self.answers:
+            t.join(timeout=5)
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            self.answers.append(t)
+            t.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.recv(65536)  # the request
+                self.answer(conn, self.stop)
+            except OSError:
+                pass  # the client hung up: what it should do
+
+
+HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nConnection: close\r\n"
+LINES = b'outrate_live_requests{limit="alice"} 1.0\n' * 1600  # 64 KiB of a valid page
+
+
+def endless(head: bytes, most: int = 2 * MAX_PAGE_BYTES) -> Answer:
+    """A valid page that never ends (it stops at `most` bytes, so that a
+    client without a cap fails this test instead of the machine)."""
+
+    def answer(conn: socket.socket, stop: threading.Event) -> None:
+        conn.sendall(head + b"\r\n")
+        sent = 0
+        while sent < most and not stop.is_set():
+            conn.sendall(LINES)
+            sent += len(LINES)
+
+    return answer
+
+
+def drip(response: bytes, most_s: float = 6.0) -> Answer:
+    """`response` a byte a second, for at most `most_s` seconds."""
+
+    def answer(conn: socket.socket, stop: threading.Event) -> None:
+        for i in range(min(len(response), int(most_s))):
+            conn.sendall(response[i : i + 1])
+            if stop.wait(1.0):
+                return
+
+    return answer
+
+
+def sends(response: bytes) -> Answer:
+    def answer(conn: socket.socket, stop: threading.Event) -> None:
+        conn.sendall(response)
+
+    return answer
+
+
+@pytest.mark.parametrize(
+    "head",
+    [HEAD, HEAD + b"Content-Length: 1000000000000\r\n", HEAD + b"Transfer-Encoding: chunked\r\n"],
+    ids=["until-closed", "content-length-1TB", "chunked"],
+)
+def test_an_endless_page_stops_at_the_cap(head: bytes) -> None:
+    """Memory stays bounded by the cap: the most Python allocated while the
+    command ran is measured (tracemalloc), not guessed."""
+    chunked = b"chunked" in head
+    answer = endless(head) if not chunked else _chunked(head)
+    tracemalloc.start()
+    try:
+        with Hostile(answer) as server:
+            code, out, err = run(server.url, "--once")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (code, out) == (1, "")
+    assert err == f"outrate top: cannot read {server.url}: response larger than 16 MiB\n"
+    print(f"peak Python memory while reading an endless page: {peak / 2**20:.1f} MiB")
+    assert peak < 2 * MAX_PAGE_BYTES
+
+
+def _chunked(head: bytes) -> Answer:
+    chunk = b"%x\r\n%s\r\n" % (len(LINES), LINES)
+
+    def answer(conn: socket.socket, stop: threading.Event) -> None:
+        conn.sendall(head + b"\r\n")
+        for _ in range(2 * MAX_PAGE_BYTES // len(LINES)):
+            if stop.is_set():
+                return
+            conn.sendall(chunk)
+
+    return answer
+
+
+PAGE = BEFORE.page().encode()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        drip(HEAD + b"Content-Length: %d\r\n\r\n" % len(PAGE) + PAGE),  # from the status line
+        lambda conn, stop: (
+            conn.sendall(HEAD + b"Content-Length: %d\r\n\r\n" % len(PAGE)),
+            drip(PAGE)(conn, stop),
+        ),
+    ],
+    ids=["headers", "body"],
+)
+def test_a_drip_is_cut_off_at_the_timeout(answer: Answer) -> None:
+    """--timeout is a deadline for the whole scrape: a byte a second never
+    trips a socket timeout of 1 s, yet the command returns in about 1 s."""
+    with Hostile(answer) as server:
+        t0 = time.monotonic()
+        code, out, err = run(server.url, "--once", "--timeout", "1")
+        took = time.monotonic() - t0
+    assert (code, out) == (1, "")
+    assert err == f"outrate top: cannot read {server.url}: timed out\n"
+    print(f"a drip cut off after {took:.2f} s (--timeout 1)")
+    assert 1.0 <= took < 2.0
+
+
+@pytest.mark.parametrize(
+    ("response", "why"),
+    [
+        (b"SSH-2.0-OpenSSH_9.6\r\n\x00\xff\xfe" * 50, "not a valid HTTP response (BadStatusLine)"),
+        (HEAD + b"X-A: b\r\n" * 101 + b"\r\n", "not a valid HTTP response (HTTPException)"),
+        (b"HTTP/1.1 404 \x1b[2J[red]gone" + b"!" * 200 + b"\r\n\r\n", None),
+        (HEAD + b"Content-Length: 9000\r\n\r\n" + PAGE[:100], "not a valid HTTP response"),
+        (HEAD + b"\r\n" + b"\x00\xff\xfe{{{ ]]] garbage = \n" * 100, "is not a Prometheus"),
+    ],
+    ids=["not-http", "too-many-headers", "odd-reason", "cut-short", "garbage-body"],
+)
+def test_garbage_is_one_clear_line(response: bytes, why: str | None) -> None:
+    with Hostile(sends(response)) as server:
+        code, out, err = run(server.url, "--once", "--timeout", "2")
+    assert (code, out) == (1, "")
+    assert err.startswith("outrate top: ") and err.count("\n") == 1 and "\x1b" not in err
+    if why is None:  # the server's reason phrase, shortened and made printable
+        assert (
+            err == f"outrate top: cannot read {server.url}: HTTP 404 ?[2J[red]gone{'!' * 67}...\n"
+        )
+    elif why.startswith("not"):
+        assert err.startswith(f"outrate top: cannot read {server.url}: {why}")
+    else:
+        assert err == f"outrate top: {server.url} {why} metrics page\n"
+
+
+EVIL = "x\x1b[2J\u202e"  # an escape sequence that clears the screen, a bidi override
+MARKUP = replace(
+    BEFORE,
+    tokens={"[/]": 10, "[bold]x": 20, EVIL: 0},
+    held={"[/]": 1, "[bold]x": 0, EVIL: 0},
+    live={"[/]": 2, "[bold]x": 1, EVIL: 0},
+    throttled={"[/]": 0.0, "[bold]x": 0.0, EVIL: 0.0},
+    limits={"[/]": (20.0, "enforce"), "[bold]x": (5.0, "[i]shadow"), EVIL: (1.0, "enforce")},
+    shadow_over={},
+)
+
+
+def test_user_ids_are_data_not_markup(fake_time: FakeTime) -> None:
+    """`metrics: {per_user: ["*"]}` puts any id on the page: `[/]` crashed
+    rich's markup parser, `[bold]x` printed as a bold `x`; and a label may
+    carry what a terminal obeys."""
+    later = replace(MARKUP, tokens={"[/]": 30, "[bold]x": 24, EVIL: 0})
+    with Server([MARKUP.page(), later.page()]) as server:
+        code, out, err = run(server.root, "--once", "--interval", "2")
+    assert (code, err) == (0, "")
+    assert [" ".join(line.split()) for line in out.splitlines()[3:]] == [
+        "[/] 10.0 20 enforce 1 2 0% -",
+        "[bold]x 2.0 5 [i]shadow 0 1 0% -",
+        "x\\x1b[2J\\u202e 0.0 1 enforce 0 0 - -",
+    ]
+    assert "\x1b" not in out and "\u202e" not in out
+
+
+INF, NAN = float("inf"), float("nan")
+NON_FINITE = replace(
+    BEFORE,
+    tokens={"alice": INF, "bob": NAN, "carol": 5},
+    held={"alice": INF, "bob": NAN, "carol": -INF},
+    live={"alice": INF, "bob": NAN, "carol": 1},
+    throttled={"alice": 1.0, "bob": NAN, "carol": INF},
+    limits={"alice": (NAN, "enforce"), "bob": (-INF, "enforce"), "carol": (INF, "shadow")},
+    shadow_over={"carol": NAN},
+    displaced=INF,
+    deferred={"budget": NAN},
+)
+
+
+def test_non_finite_values_print_as_such(fake_time: FakeTime) -> None:
+    """+Inf in a gauge crashed `round()`; every figure may be inf, -inf or nan."""
+    page = NON_FINITE.page()
+    assert 'outrate_held_requests{limit="alice"} +Inf' in page
+    assert 'outrate_held_requests{limit="bob"} NaN' in page
+    with Server([page, page]) as server:
+        code, out, err = run(server.root, "--once", "--interval", "2")
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[1].endswith("displaced: inf; deferred: budget nan")
+    assert sorted(" ".join(line.split()) for line in lines[3:]) == [
+        "alice nan nan enforce inf inf 0% -",
+        "bob nan -inf enforce nan nan nan -",
+        "carol 0.0 unlimited shadow -inf 1 nan nan",
+    ]
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from outrate.lease import PASSWORD_ENV, check_url, split_password
 from outrate.pipeline import load_compiled, policy_from_flags
 from outrate.rules import API_KEY_CONFLICT, Finding, lint_deployment, lint_exposure
 from outrate.shared import FALLBACKS
+from outrate.trace import check_trace_path
 
 CONFIG_KEY = "outrate"
 SCHEDULER_CLS = "vllm_integration.scheduler.outrate_scheduler"
@@ -52,7 +53,7 @@ def outrate_settings(args: Any) -> dict[str, Any] | None:
     settings.update(store_settings(args))
     trace = getattr(args, "outrate_trace", None)
     if trace is not None:
-        settings["trace"] = os.path.abspath(trace)
+        settings["trace"] = checked_trace_path(trace, getattr(args, "data_parallel_size", 1))
         max_bytes = getattr(args, "outrate_trace_max_bytes", None)
         if max_bytes is not None:
             if max_bytes < 1:
@@ -64,6 +65,25 @@ def outrate_settings(args: Any) -> dict[str, Any] | None:
         settings["default_rate"] = default
         settings["user_rates"] = users if users is None or isinstance(users, dict) else str(users)
     return settings
+
+
+def checked_trace_path(path: str, data_parallel_size: int | None = 1) -> str:
+    """`--outrate-trace PATH` as an absolute path, checked here in the API
+    server before the model loads (`check_trace_path`, which `outrate lint`
+    runs on PATH too). With data parallel each rank's file is checked as well
+    (`trace.dp0.jsonl`, ...): those are the files the engines write."""
+    from vllm_integration.threads import rank_path
+
+    abspath = os.path.abspath(path)
+    files = [abspath]
+    if data_parallel_size and data_parallel_size > 1:
+        files += [rank_path(abspath, f".dp{rank}") for rank in range(data_parallel_size)]
+    try:
+        for file in files:
+            check_trace_path(file)
+    except OutrateError as e:
+        raise OutrateError(f"--outrate-trace: {e}") from e
+    return abspath
 
 
 def store_settings(args: Any) -> dict[str, Any]:
