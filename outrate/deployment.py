@@ -60,6 +60,8 @@ class Deployment:
     """`--outrate-store` given: budgets are shared between engines."""
     store_fallback: str | None = None
     """`--outrate-store-fallback` (`share` when unset)."""
+    trace: str | None = None
+    """`--outrate-trace`, absolute, checked like the server checks it."""
     model_kind: str | None = None
     """"multimodal", "encoder-decoder", "hybrid", "attention-free", "diffusion",
     or None (plain decoder-only text, or unknown from flags alone)."""
@@ -177,6 +179,13 @@ def _store_url(value: Any) -> bool:
     return True
 
 
+def _trace_path(value: Any) -> str | None:
+    """`--outrate-trace PATH`: refused where startup would refuse it."""
+    from outrate.trace import check_trace_path
+
+    return None if value is None else str(check_trace_path(str(value)))
+
+
 def _diffusion(value: Any) -> str | None:
     return "diffusion" if _present(value) else None
 
@@ -232,6 +241,7 @@ _FLAGS: dict[str, _Flag] = {
     "api-key": _Flag("api_key", _api_key),
     "outrate-store": _Flag("store", _store_url),
     "outrate-store-fallback": _Flag("store_fallback", _str),
+    "outrate-trace": _Flag("trace", _trace_path),
 }
 _SHORT = {
     "sc": "speculative-config",
@@ -414,10 +424,21 @@ _NUMBER = re.compile(r"-\d+(\.\d*)?([eE][-+]?\d+)?|-\.\d+")
 
 
 def _serve_flag_arity() -> dict[str, str]:
-    from outrate import vllm_flags as f
+    """Every flag of every supported vLLM -> its arity. Lint cannot know which
+    vLLM a deployment runs, so it accepts a flag any of them accepts. A flag
+    whose arity differs between versions takes the newer one's."""
+    from outrate import vllm_flags_0_32, vllm_flags_0_33
 
-    groups = ((f.NO_VALUE, "0"), (f.ONE_VALUE, "1"), (f.OPTIONAL_VALUE, "?"), (f.SOME_VALUES, "+"))
-    return {flag: arity for flags, arity in groups for flag in flags}
+    arity: dict[str, str] = {}
+    for f in (vllm_flags_0_32, vllm_flags_0_33):
+        groups = (
+            (f.NO_VALUE, "0"),
+            (f.ONE_VALUE, "1"),
+            (f.OPTIONAL_VALUE, "?"),
+            (f.SOME_VALUES, "+"),
+        )
+        arity.update({flag: n for flags, n in groups for flag in flags})
+    return arity
 
 
 def _resolve_flag(head: str, arity: dict[str, str]) -> str:
@@ -441,8 +462,8 @@ def _resolve_flag(head: str, arity: dict[str, str]) -> str:
 def check_serve_argv(argv: list[str]) -> list[str]:
     """`argv` with every flag spelled out in full, or a DeploymentError where
     vllm serve would refuse it: an unknown or ambiguous flag, a missing value,
-    a second positional argument. Flags are those of vLLM 0.32.0
-    (`outrate.vllm_flags`), with vLLM's spellings: `--a_b`, `--a=v`, dotted
+    a second positional argument. Flags are those of vLLM 0.32 and 0.33
+    (`outrate.vllm_flags_0_32`, `_0_33`), with vLLM's spellings: `--a_b`, `--a=v`, dotted
     JSON keys (`--kv-transfer-config.kv_connector X`), `-O3`."""
     arity = _serve_flag_arity()
     out = argv[:1] if argv[:1] == ["serve"] else []

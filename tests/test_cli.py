@@ -125,6 +125,20 @@ def test_lint_bad_deployment_input_exits_1() -> None:
     assert err == "--max-num-seqs: expected an integer (got 'lots')\n"
 
 
+def test_lint_refuses_a_trace_path_as_startup_does(tmp_path: Path) -> None:
+    code, out, err = run("lint", POLICIES / "demo.yaml", "--", "--outrate-trace", tmp_path)
+    assert (code, out) == (1, "")
+    assert err == f"--outrate-trace: {tmp_path}: is a directory\n"
+    serve = tmp_path / "serve.yaml"
+    serve.write_text(f"host: 127.0.0.1\noutrate_trace: {tmp_path / 'no' / 't.jsonl'}\n")
+    code, _, err = run("lint", POLICIES / "demo.yaml", "--vllm-config", serve)
+    assert code == 1
+    missing = tmp_path / "no"
+    assert err == (
+        f"{serve}:2:1: outrate_trace: {missing / 't.jsonl'}: directory {missing} does not exist\n"
+    )
+
+
 def test_lint_json() -> None:
     code, out, err = run(
         "lint", POLICIES / "demo.yaml", "--format", "json", "--", "--no-enable-chunked-prefill",

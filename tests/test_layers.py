@@ -17,8 +17,9 @@ LAYERS: dict[str, int] = {
     "errors": 1,
     "identity": 1,
     "limiter": 1,  # the bottom of the path: imports only units
-    "trace": 1,
-    "vllm_flags": 1,
+    "trace": 2,  # imports errors
+    "vllm_flags_0_32": 1,  # generated flag lists: text only
+    "vllm_flags_0_33": 1,
     "policy_file": 2,
     "gate": 2,  # the API server's per-request identity decision
     "store": 2,
@@ -40,6 +41,7 @@ LAYERS: dict[str, int] = {
     "lint": 6,
     "changes": 5,
     "reload": 6,
+    "fetch": 2,  # top's scrape: one HTTP page within a deadline and a size cap
     "top": 6,
     "cli": 7,
     "__main__": 8,

@@ -60,7 +60,15 @@ def test_policy_flag_selects_the_scheduler_and_travels_to_the_engine(parser):
     assert compile_settings(settings).limit_for("user-a").rate == 20
 
 
-def test_store_flags_travel_without_the_password(parser, monkeypatch, caplog):
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://:s3cret@127.0.0.1:6379/2",
+        "redis://127.0.0.1:6379/2?password=s3cret",
+        "redis://127.0.0.1:6379/2?pass%77ord=s%33cret",
+    ],
+)
+def test_store_flags_travel_without_the_password(parser, monkeypatch, caplog, url):
     from outrate.lease import PASSWORD_ENV
 
     monkeypatch.delenv(PASSWORD_ENV, raising=False)
@@ -69,7 +77,7 @@ def test_store_flags_travel_without_the_password(parser, monkeypatch, caplog):
         "--outrate-policy",
         "policies/demo.yaml",
         "--outrate-store",
-        "redis://:s3cret@127.0.0.1:6379/2",
+        url,
         "--data-parallel-size",
         "2",
         "--outrate-store-fallback",
@@ -84,8 +92,9 @@ def test_store_flags_travel_without_the_password(parser, monkeypatch, caplog):
     assert os.environ[PASSWORD_ENV] == "s3cret"  # the engine core inherits it
     assert "s3cret" not in caplog.text
     # vLLM's "non-default args" log line redacts the whole URL.
-    from vllm.entrypoints.serve.utils import api_utils
+    from vllm_integration.compat import locate
 
+    [(api_utils, _)] = locate("_SENSITIVE_ARG_FIELDS")  # the module moved in vLLM 0.33
     assert api_utils.redact_sensitive_args({"outrate_store": "redis://:s3cret@h/0"}) == {
         "outrate_store": "***"
     }
@@ -251,15 +260,33 @@ def test_reload_mode_trace_and_metrics_travel_to_the_engine(parser, tmp_path):
     assert Path(settings["metrics_dir"]).is_dir()
 
 
+def test_a_trace_path_outrate_must_not_write_stops_startup_in_one_line(parser, tmp_path):
+    """Checked when the flags are parsed: a directory used to kill the engine
+    only after the model loaded. With data parallel each rank's file counts."""
+    policy = ["--outrate-policy", "policies/demo.yaml"]
+    with pytest.raises(SystemExit) as exc:
+        engine_args(parser, *policy, "--outrate-trace", str(tmp_path))
+    assert exc.value.code == f"outrate: --outrate-trace: {tmp_path}: is a directory"
+    (tmp_path / "precious.txt").write_text("notes")
+    (tmp_path / "t.dp1.jsonl").symlink_to(tmp_path / "precious.txt")
+    dp = ["--data-parallel-size", "2", "--outrate-store", "redis://h:6379/0"]
+    with pytest.raises(SystemExit) as exc:
+        engine_args(parser, *policy, *dp, "--outrate-trace", str(tmp_path / "t.jsonl"))
+    assert exc.value.code == (
+        f"outrate: --outrate-trace: {tmp_path / 't.dp1.jsonl'}: is a symbolic link "
+        "(outrate does not follow links: name the file itself)"
+    )
+
+
 def test_the_vllm_flag_list_lint_reads_matches_the_installed_vllm():
-    """outrate/vllm_flags.py is generated from vLLM's parser; regenerate it with
-    `python -m vllm_integration.flags` when vLLM moves."""
-    from vllm_integration.flags import TARGET, module_text, serve_flags
+    """outrate/vllm_flags_0_NN.py is generated from vLLM's parser; regenerate it
+    with `python -m vllm_integration.flags` in that vLLM's venv when it moves."""
+    from vllm_integration.flags import module_text, serve_flags, target
 
     flags = serve_flags()
     assert flags["--max-num-seqs"] == "1" and flags["--no-enforce-eager"] == "0"
     assert flags["--outrate-policy"] == "1" and flags["-tp"] == "1"
-    assert TARGET.read_text() == module_text(flags)
+    assert target().read_text() == module_text(flags)
 
 
 # -- the identity guard in front of every route -------------------------------
@@ -350,10 +377,14 @@ def test_the_guard_reads_the_token_in_route_and_answers_anthropic_in_its_format(
     body = {"model": "m", "messages": [], "vllm_xargs": {"output_rate_user": "__anonymous__"}}
     status, response, _ = _through_guard(json.dumps(body).encode(), "/v1/messages")
     assert status == 400
+    from vllm_integration.compat import minor, vllm_version
+
+    # vLLM's own Anthropic error translation: 0.33 answers Anthropic's type.
+    kind = {"0.32": "BadRequestError", "0.33": "invalid_request_error"}[minor(vllm_version())]
     assert json.loads(response) == {
         "type": "error",
         "error": {
-            "type": "BadRequestError",
+            "type": kind,
             "message": "vllm_xargs.output_rate_user must not be the reserved id '__anonymous__' "
             "(parameter=vllm_xargs.output_rate_user)",
         },

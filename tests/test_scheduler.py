@@ -88,6 +88,34 @@ def test_async_look_ahead_after_a_stop_token_is_the_only_over_charge():
     assert s.charged - d.emitted["stop-me"] <= 1
 
 
+def test_async_stop_over_charge_is_the_placeholders_left_at_free(monkeypatch):
+    """vLLM 0.33 moved `_update_request_with_output` (and its placeholder
+    count) from AsyncScheduler into Scheduler. On both versions: a dispatched
+    async decode holds one placeholder; a stop leaves the look-ahead's
+    placeholder when the request is freed, and that is exactly the over-charge."""
+    clock = FakeClock()
+    s = make_scheduler("async", policy_from_flags(None, {"a": 1000}), clock)
+    d = Driver(s, clock)
+    seen: dict[str, int] = {}
+    stock_free = s._free_request
+
+    def free(request, *a, **kw):
+        seen[request.request_id] = request.num_output_placeholders
+        return stock_free(request, *a, **kw)
+
+    monkeypatch.setattr(s, "_free_request", free)
+    sp = SamplingParams(max_tokens=50, stop_token_ids=[7])  # the fake model always samples 7
+    req = Request("stop-me", [5, 6, 8, 9], sp, None, block_hasher=None)
+    d.user_of[req.request_id] = ANONYMOUS
+    s.add_request(req)
+    d.step()
+    assert req.num_output_placeholders == 1  # dispatched, not yet returned
+    d.run_until_done()
+    d.drain()
+    assert d.emitted["stop-me"] == 1
+    assert seen["stop-me"] == s.charged - d.emitted["stop-me"] == 1
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_update_from_output_never_touches_the_limiter(kind, monkeypatch):
     clock = FakeClock()

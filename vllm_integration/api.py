@@ -35,7 +35,6 @@ stream. Installed only in the API server, only when a policy is active.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Awaitable, Callable, MutableMapping
 from contextvars import ContextVar
 from http import HTTPStatus
@@ -43,12 +42,6 @@ from typing import Any, NamedTuple
 
 from outrate.gate import Verdict, authenticate, body_claims, check_claims, is_exempt
 from outrate.identity import IDENTITY_FIELD, IDENTITY_KEY, STAMP_KEY, identity_error
-
-_MODELS = (
-    ("vllm.entrypoints.openai.completion.protocol", "CompletionRequest"),
-    ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest"),
-    ("vllm.entrypoints.openai.responses.protocol", "ResponsesRequest"),
-)
 
 GUARD_MIDDLEWARE = "vllm_integration.api.IdentityGuard"
 """What the plugin appends to `--middleware`."""
@@ -239,8 +232,9 @@ def install_engine_client_guard() -> None:
     """Patch `AsyncLLM.add_request` (vLLM 0.32), the one door of every route to
     the engine: an invalid identity is refused before the request is sent, and
     the identity the API server resolved is signed into it."""
-    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm_integration.compat import locate
 
+    AsyncLLM = locate("AsyncLLM.add_request")[0][0]
     if getattr(AsyncLLM, "_outrate_guarded", False):
         return
     stock = AsyncLLM.add_request
@@ -252,19 +246,17 @@ def install_engine_client_guard() -> None:
         stamp_params(prompt, params)
         return await stock(self, request_id, prompt, params, *a, **kw)
 
-    AsyncLLM.add_request = add_request  # type: ignore[method-assign]
-    AsyncLLM._outrate_guarded = True  # type: ignore[attr-defined]
+    AsyncLLM.add_request = add_request
+    AsyncLLM._outrate_guarded = True
 
 
 def install_request_guards() -> None:
     from vllm.exceptions import VLLMValidationError
 
+    from vllm_integration.compat import locate
+
     install_engine_client_guard()
-    for module_name, class_name in _MODELS:
-        try:
-            cls = getattr(importlib.import_module(module_name), class_name)
-        except (ImportError, AttributeError):
-            continue
+    for cls, _ in locate("OpenAI request models"):  # each model's to_sampling_params
         if getattr(cls, "_outrate_guarded", False):
             continue
         stock_sampling = cls.to_sampling_params

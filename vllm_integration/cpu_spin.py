@@ -36,7 +36,9 @@ def install_spin_sleep() -> bool:
         return False
     if seconds <= 0:
         return False
-    from vllm.distributed.device_communicators import shm_broadcast
+    from vllm_integration.compat import locate
+
+    shm_broadcast = locate("shm_broadcast.sched_yield")[0][0]
 
     if getattr(shm_broadcast, "_outrate_spin_sleep", None) == seconds:
         return True

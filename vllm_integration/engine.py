@@ -62,8 +62,9 @@ def swap_policy(sched: Any, policy: Any, now: int) -> None:
 
 def install_idle_wait() -> None:
     """Patch `EngineCoreProc._process_engine_step` once per process."""
-    from vllm.v1.engine.core import EngineCoreProc
+    from vllm_integration.compat import locate
 
+    EngineCoreProc = locate("EngineCoreProc._process_engine_step")[0][0]
     if getattr(EngineCoreProc, "_outrate_idle_wait", False):
         return
     stock = EngineCoreProc._process_engine_step

@@ -1,9 +1,11 @@
 """The flags of `vllm serve`, read from vLLM's own parser, for `outrate lint`.
 
 `outrate lint POLICY -- ARGS` must refuse a flag vLLM would refuse, without
-importing vLLM (lint runs where vLLM is not installed). So the list lives in
-`outrate/vllm_flags.py`, written by this module from the installed vLLM
-(`python -m vllm_integration.flags`), and a test checks the two agree.
+importing vLLM (lint runs where vLLM is not installed). So the lists live in
+`outrate/vllm_flags_0_32.py` and `outrate/vllm_flags_0_33.py`, one per
+supported vLLM, each written by this module from that vLLM
+(`python -m vllm_integration.flags` in its venv), and a test on each leg checks
+the installed one. Lint accepts a flag any supported vLLM accepts.
 """
 
 from __future__ import annotations
@@ -13,7 +15,15 @@ import sys
 import textwrap
 from pathlib import Path
 
-TARGET = Path(__file__).resolve().parent.parent / "outrate" / "vllm_flags.py"
+OUTRATE = Path(__file__).resolve().parent.parent / "outrate"
+
+
+def target() -> Path:
+    """The flag list of the installed vLLM's minor version (one file each, so
+    each venv regenerates only its own): `outrate/vllm_flags_0_33.py`."""
+    from vllm_integration.compat import minor, vllm_version
+
+    return OUTRATE / f"vllm_flags_{minor(vllm_version()).replace('.', '_')}.py"
 
 _GROUPS = (
     ("NO_VALUE", "0", "Switches: `--x` (and `--no-x` for booleans)."),
@@ -52,7 +62,7 @@ def serve_flags() -> dict[str, str]:
 
 
 def module_text(flags: dict[str, str]) -> str:
-    """The source of `outrate/vllm_flags.py`."""
+    """The source of the installed vLLM's `outrate/vllm_flags_0_NN.py`."""
     import vllm
 
     vllm_version = vllm.__version__.split("+")[0]  # the CPU build says 0.32.0+cpu
@@ -75,8 +85,9 @@ def module_text(flags: dict[str, str]) -> str:
 
 
 def main() -> int:
-    TARGET.write_text(module_text(serve_flags()))
-    print(f"wrote {TARGET}")
+    path = target()
+    path.write_text(module_text(serve_flags()))
+    print(f"wrote {path}")
     return 0
 
 

@@ -88,10 +88,9 @@ def install_metrics(directory: str | None = None) -> str:
         yield from collector.collect()
 
     multiprocess.MultiProcessCollector.collect = collect  # type: ignore[method-assign]
-    try:
-        from vllm.entrypoints.serve.instrumentator import metrics as instrumentator
-    except ImportError:  # another vLLM layout: the global registry is all we have
-        return directory
+    from vllm_integration.compat import locate
+
+    instrumentator = locate("get_prometheus_registry")[0][0]
     stock = getattr(instrumentator, "get_prometheus_registry")  # noqa: B009 - not re-exported
 
     def get_prometheus_registry() -> Any:

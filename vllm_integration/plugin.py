@@ -2,7 +2,8 @@
 
 vLLM calls `register()` in every process it starts (API server, engine core,
 workers), possibly more than once; it is cheap and idempotent and imports vLLM
-lazily. It patches two static/class methods of vLLM 0.32's `EngineArgs`:
+lazily. On a vLLM outside `compat.SUPPORTED` it logs one warning and does
+nothing else. It patches two static/class methods of vLLM's `EngineArgs`:
 
 - `add_cli_args`: adds the outrate flags to vLLM's own parser (so they show
   in `vllm serve --help` and parse like any vLLM flag);
@@ -13,8 +14,8 @@ lazily. It patches two static/class methods of vLLM 0.32's `EngineArgs`:
   `--middleware` (vllm_integration/api.py), handing it the policy's
   `identity:` section (vllm_integration/identity.py).
 
-And one module global of vLLM 0.32's `entrypoints.serve.utils.api_utils`:
-`_SENSITIVE_ARG_FIELDS` gains `outrate_store`, so the startup log line of
+And one module global, `_SENSITIVE_ARG_FIELDS` (whose module moved in vLLM
+0.33; `compat.locate` finds it), gains `outrate_store`, so the startup log line of
 non-default arguments shows the store URL (which may carry a password) as
 `***` (`_redact_store_url`).
 
@@ -29,6 +30,7 @@ import argparse
 import logging
 import os
 import secrets
+import sys
 from typing import Any
 
 logger = logging.getLogger("vllm.outrate")
@@ -41,14 +43,42 @@ def register() -> None:
     if _registered:
         return
     _registered = True
+    from vllm_integration.compat import PatchError, is_supported, vllm_version
+
+    version = vllm_version()
+    if not is_supported(version):
+        _stay_out(version)
+        return
+    try:
+        _register()
+    except PatchError as exc:
+        raise SystemExit(f"outrate: {exc}") from exc
+
+
+def _stay_out(version: str) -> None:
+    """An unsupported vLLM runs as shipped: one warning, nothing patched. A
+    command line that asks for outrate exits 1 with the reason instead of
+    argparse's usage error, since the flags are not there."""
+    from vllm_integration.compat import unsupported_message
+
+    message = unsupported_message(version)
+    asked = [arg.split("=")[0] for arg in sys.argv[1:] if arg.split("=")[0] in OUTRATE_FLAGS]
+    if asked:
+        raise SystemExit(f"outrate: {message}; {asked[0]} cannot be honoured")
+    logger.warning("outrate: %s", message)
+
+
+def _register() -> None:
+    from vllm_integration.compat import locate
+
     register_cpu_fixes()
     from vllm_integration.metrics import install_in_spawned_api_server
 
     install_in_spawned_api_server()  # --api-server-count > 1: /metrics in each of them
-    from vllm.engine.arg_utils import EngineArgs
+    EngineArgs = locate("EngineArgs.add_cli_args")[0][0]  # the class that owns both
 
     stock_add = EngineArgs.add_cli_args
-    stock_from = EngineArgs.from_cli_args.__func__  # type: ignore[attr-defined]
+    stock_from = EngineArgs.from_cli_args.__func__
 
     def add_cli_args(parser: Any) -> Any:
         parser = stock_add(parser)
@@ -59,8 +89,8 @@ def register() -> None:
     def from_cli_args(cls: Any, args: argparse.Namespace) -> Any:
         return apply_outrate_args(stock_from(cls, args), args)
 
-    EngineArgs.add_cli_args = staticmethod(add_cli_args)  # type: ignore[method-assign]
-    EngineArgs.from_cli_args = classmethod(from_cli_args)  # type: ignore[method-assign,assignment]
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)
+    EngineArgs.from_cli_args = classmethod(from_cli_args)
 
 
 def register_cpu_fixes() -> None:
@@ -83,17 +113,30 @@ def register_cpu_fixes() -> None:
 
 
 def _redact_store_url() -> None:
-    """vLLM 0.32 logs every non-default argument at startup, except the names
-    in `api_utils._SENSITIVE_ARG_FIELDS`: add `outrate_store` there, so the
+    """vLLM logs every non-default argument at startup, except the names in
+    `_SENSITIVE_ARG_FIELDS`: add `outrate_store` there, so the
     store URL (which may carry a password) is printed as `***`. Can go when
     vLLM lets plugins mark their arguments sensitive."""
-    try:
-        from vllm.entrypoints.serve.utils import api_utils
-    except ImportError:  # another vLLM layout: nothing of ours to hide there
-        return
-    fields = api_utils._SENSITIVE_ARG_FIELDS
+    from vllm_integration.compat import locate
+
+    [(module, name)] = locate("_SENSITIVE_ARG_FIELDS")  # moved in vLLM 0.33
+    fields = getattr(module, name)
     if "outrate_store" not in fields:
-        api_utils._SENSITIVE_ARG_FIELDS = frozenset({*fields, "outrate_store"})
+        setattr(module, name, frozenset({*fields, "outrate_store"}))
+
+
+OUTRATE_FLAGS = (
+    "--outrate-policy",
+    "--outrate-reload",
+    "--outrate-trace",
+    "--outrate-trace-max-bytes",
+    "--outrate-store",
+    "--outrate-store-fallback",
+    "--outrate-store-lease-ms",
+    "--default-user-output-tokens-per-second",
+    "--user-output-tokens-per-second",
+)
+"""Every flag `add_outrate_args` adds (a test keeps the two equal)."""
 
 
 def add_outrate_args(parser: Any) -> None:

@@ -44,6 +44,7 @@ from outrate.limiter import Limiter
 from outrate.metrics import Metrics
 from outrate.store import BudgetStore
 from vllm_integration.admission import Admission
+from vllm_integration.compat import check_overrides
 from vllm_integration.engine import swap_policy, wire_engine
 from vllm_integration.holdback import Holdback
 from vllm_integration.kv import HeldFirstAllocation
@@ -343,7 +344,10 @@ class OutrateAsyncScheduler(OutrateMixin, AsyncScheduler):
 
 
 def outrate_scheduler(*args: Any, **kwargs: Any) -> Scheduler:
-    """`--scheduler-cls` target: picks the variant vLLM itself would pick."""
+    """`--scheduler-cls` target: picks the variant vLLM itself would pick, once
+    this vLLM's scheduler is checked to have every method outrate overrides,
+    with the same parameters (compat.check_overrides)."""
+    check_overrides(OutrateMixin, Scheduler)
     vllm_config: Any = kwargs.get("vllm_config", args[0] if args else None)
     cls = (
         OutrateAsyncScheduler if vllm_config.scheduler_config.async_scheduling else OutrateScheduler
