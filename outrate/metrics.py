@@ -155,10 +155,12 @@ def snapshot(
     now: int | None = None,
     reloads: dict[str, int] | None = None,
     store: dict[str, Any] | None = None,
+    trace_dropped: int | None = None,
 ) -> dict[str, Any]:
     """A JSON-able picture of `metrics` (and of the reloader's counts, which
-    live on the reloader, and the budget store's, `StoreMetrics.snapshot()`,
-    which live on the lease thread). Safe to call from another thread."""
+    live on the reloader, the budget store's, `StoreMetrics.snapshot()`,
+    which live on the lease thread, and the trace writer's dropped lines,
+    with `--outrate-trace`). Safe to call from another thread."""
     now = time.monotonic_ns() if now is None else now
     labels = {}
     for m in list(metrics.labels.values()):
@@ -182,6 +184,8 @@ def snapshot(
     }
     if store is not None:
         out["store"] = store
+    if trace_dropped is not None:
+        out["trace"] = {"dropped": trace_dropped}
     return out
 
 
@@ -297,6 +301,9 @@ def merge_snapshots(snaps: list[dict[str, Any]]) -> dict[str, Any] | None:
                 mine[k] = add_json(mine[k], row[k])
         if out.get("store") is not None and s.get("store") is not None:
             merge_store(out["store"], s["store"])
+        if s.get("trace") is not None:  # each rank writes its own trace
+            trace = out.setdefault("trace", {"dropped": 0})
+            trace["dropped"] += s["trace"]["dropped"]
     return out
 
 
@@ -385,6 +392,14 @@ def families(data: dict[str, Any] | None) -> Iterator[Any]:
     policy = data.get("policy", {})
     info.add_metric([policy.get("sha256", ""), policy.get("source", "")], 1)
     yield info
+    trace = data.get("trace")
+    if trace is not None:
+        dropped = CounterMetricFamily(
+            "outrate_trace_dropped_steps",
+            "Trace lines (steps) dropped because the trace writer fell behind.",
+        )
+        dropped.add_metric([], trace["dropped"])
+        yield dropped
     store = data.get("store")
     if store is not None:
         yield from store_families(store)

@@ -110,7 +110,10 @@ def start_engine_threads(
             if reloader is not None:
                 reloads = {"applied": reloader.applied, "rejected": reloader.rejected}
             lease = None if store is None else store.runner.metrics.snapshot()
-            return snapshot(scheduler.metrics, box.current, reloads=reloads, store=lease)
+            dropped = None if threads.trace is None else threads.trace.dropped_total
+            return snapshot(
+                scheduler.metrics, box.current, reloads=reloads, store=lease, trace_dropped=dropped
+            )
 
         threads.publisher = Publisher(settings["metrics_dir"], take, logger=logger, suffix=suffix)
         threads.publisher.publish()  # /metrics shows the policy before the first request
