@@ -93,13 +93,22 @@ def test_an_unsupported_vllm_is_left_as_shipped_with_one_warning(
 ) -> None:
     from vllm.engine.arg_utils import EngineArgs
 
+    from vllm_integration import cpu_amx, cpu_spin
+
+    def never(*a: object) -> None:
+        raise AssertionError("a CPU fix ran on an unsupported vLLM")
+
     monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setattr(plugin, "_warned", False)
     monkeypatch.setattr(compat, "vllm_version", lambda: "0.35.0")
+    monkeypatch.setattr(cpu_amx, "enable_amx", never)
+    monkeypatch.setattr(cpu_spin, "install_spin_sleep", never)
     monkeypatch.setattr(sys, "argv", ["vllm", "serve", "--model", "m"])
     before = (EngineArgs.__dict__["add_cli_args"], EngineArgs.__dict__["from_cli_args"])
     with caplog.at_level(logging.WARNING, logger="vllm.outrate"):
         plugin.register()
         plugin.register()  # idempotent: still one warning
+        plugin.register_cpu_fixes()  # the outrate_cpu entry point stays out too
     said = [r.getMessage() for r in caplog.records if r.name == "vllm.outrate"]
     assert said == [
         "outrate: vLLM 0.35.0 is not supported by outrate (supported: vllm>=0.32,<0.34); "

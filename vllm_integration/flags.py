@@ -25,6 +25,7 @@ def target() -> Path:
 
     return OUTRATE / f"vllm_flags_{minor(vllm_version()).replace('.', '_')}.py"
 
+
 _GROUPS = (
     ("NO_VALUE", "0", "Switches: `--x` (and `--no-x` for booleans)."),
     ("ONE_VALUE", "1", "`--x V` or `--x=V`."),

@@ -36,6 +36,7 @@ from typing import Any
 logger = logging.getLogger("vllm.outrate")
 
 _registered = False
+_warned = False
 
 
 def register() -> None:
@@ -61,11 +62,14 @@ def _stay_out(version: str) -> None:
     argparse's usage error, since the flags are not there."""
     from vllm_integration.compat import unsupported_message
 
+    global _warned
     message = unsupported_message(version)
     asked = [arg.split("=")[0] for arg in sys.argv[1:] if arg.split("=")[0] in OUTRATE_FLAGS]
     if asked:
         raise SystemExit(f"outrate: {message}; {asked[0]} cannot be honoured")
-    logger.warning("outrate: %s", message)
+    if not _warned:  # both entry points may find it: one line
+        _warned = True
+        logger.warning("outrate: %s", message)
 
 
 def _register() -> None:
@@ -99,12 +103,18 @@ def register_cpu_fixes() -> None:
     `register()` applies them too. They have an entry point of their own so
     that stock vLLM, run with `VLLM_PLUGINS=outrate_cpu` (examples/serverproc.py),
     gets the same AMX request and the same engine-loop wait as outrate and
-    nothing else. vLLM calls this outside any `try`: a failure here is logged,
-    never raised, so it cannot take `vllm serve` down.
+    nothing else. On an unsupported vLLM it stays out, as `register()` does.
+    vLLM calls this outside any `try`: a failure here is logged, never raised,
+    so it cannot take `vllm serve` down.
     """
+    from vllm_integration.compat import is_supported, vllm_version
     from vllm_integration.cpu_amx import enable_amx
     from vllm_integration.cpu_spin import install_spin_sleep
 
+    version = vllm_version()
+    if not is_supported(version):
+        _stay_out(version)
+        return
     try:
         install_spin_sleep()  # only with OUTRATE_SHM_SPIN_SLEEP_US set (see cpu_spin.py)
         enable_amx()  # only on vLLM's CPU platform with an AMX CPU (see cpu_amx.py)
