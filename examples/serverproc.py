@@ -482,7 +482,7 @@ class ServerProcess:
             elif who == "a process":
                 what = f"a process of it crashed: {name.strip()}"
             else:
-                what = f"{who} {name} died".replace("  ", " ")
+                what = " ".join(filter(None, (who, name, "died")))
             return f"{self.name}: {what} (log: {self.log_path})"
         code = self.proc.poll() if self.proc is not None else None
         if code is not None and self in _live:  # exited without being stopped

@@ -108,6 +108,8 @@ class _Response(http.client.HTTPResponse):
 
 
 class _Connection(http.client.HTTPConnection):
+    """Connects within what is left of the scrape; answers with `_Response`."""
+
     response_class = _Response
 
     def connect(self) -> None:
@@ -115,12 +117,8 @@ class _Connection(http.client.HTTPConnection):
         super().connect()
 
 
-class _TLSConnection(http.client.HTTPSConnection):
-    response_class = _Response
-
-    def connect(self) -> None:
-        self.timeout = _SCRAPE.get().seconds_left()
-        super().connect()
+class _TLSConnection(_Connection, http.client.HTTPSConnection):
+    pass
 
 
 class _TLSContext(ssl.SSLContext):

@@ -16,19 +16,13 @@ import stat
 from typing import NoReturn
 
 from outrate.errors import PolicyError, Problem
+from outrate.filekind import file_kind
 
 MAX_POLICY_BYTES_ENV = "OUTRATE_MAX_POLICY_BYTES"
 DEFAULT_MAX_POLICY_BYTES = 64 * 1024 * 1024
 """About a million users written as `user-0123456: {rate: 100, max_streams: 4}`."""
 
 _CHUNK = 1 << 20
-_KINDS = (
-    (stat.S_ISDIR, "a directory"),
-    (stat.S_ISFIFO, "a FIFO"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISSOCK, "a socket"),
-)
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
 
 
@@ -49,8 +43,7 @@ def max_policy_bytes(source: str = "<policy>") -> int:
 def _check_kind(source: str, st: os.stat_result) -> None:
     if stat.S_ISREG(st.st_mode):
         return
-    kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a file")
-    _fail(source, f"not a regular file ({kind})")
+    _fail(source, f"not a regular file ({file_kind(st.st_mode)})")
 
 
 def _too_big(source: str, what: str, limit: int) -> NoReturn:

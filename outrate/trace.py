@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from outrate.errors import OutrateError
+from outrate.filekind import file_kind
 
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 FLUSH_INTERVAL_S = 0.1
@@ -56,13 +57,6 @@ TRACE_START = b'{"trace":"outrate"'
 """How every trace's first line begins (the header, written compact). A file
 that begins otherwise is someone else's and is never overwritten."""
 
-_KINDS = (  # the same names as outrate.policy_file's
-    (stat.S_ISDIR, "a directory"),
-    (stat.S_ISFIFO, "a FIFO"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISSOCK, "a socket"),
-)
 _NEVER_BLOCK = (
     os.O_NONBLOCK
     | getattr(os, "O_NOFOLLOW", 0)
@@ -79,8 +73,7 @@ def _not_regular(where: str, mode: int) -> OutrateError:
         )
     if stat.S_ISDIR(mode):
         return OutrateError(f"{where}: is a directory")
-    kind = next((name for test, name in _KINDS if test(mode)), "not a file")
-    return OutrateError(f"{where}: is not a regular file ({kind})")
+    return OutrateError(f"{where}: is not a regular file ({file_kind(mode)})")
 
 
 def _not_a_trace(where: str) -> OutrateError:

@@ -13,6 +13,7 @@ CORE = Path(__file__).resolve().parent.parent / "outrate"
 LAYERS: dict[str, int] = {
     "units": 0,  # formatting only: imports nothing
     "histogram": 0,  # imports nothing
+    "filekind": 0,  # the words for a path that is not a regular file
     # leaves
     "errors": 1,
     "identity": 1,

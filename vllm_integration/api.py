@@ -232,9 +232,9 @@ def install_engine_client_guard() -> None:
     """Patch `AsyncLLM.add_request` (vLLM 0.32), the one door of every route to
     the engine: an invalid identity is refused before the request is sent, and
     the identity the API server resolved is signed into it."""
-    from vllm_integration.compat import locate
+    from vllm_integration.compat import owner_of
 
-    AsyncLLM = locate("AsyncLLM.add_request")[0][0]
+    AsyncLLM = owner_of("AsyncLLM.add_request")
     if getattr(AsyncLLM, "_outrate_guarded", False):
         return
     stock = AsyncLLM.add_request

@@ -4,8 +4,9 @@ Every difference between the supported versions lives here or in the patch
 index (`vllm_integration.PATCHES`, column `versions`): a patch site asks
 `locate(name)` for its target instead of importing it, so on a vLLM where the
 target moved or is gone startup stops with a message that names the patch,
-never an `AttributeError` later. `check_version()` is the plugin's first
-step: on a version outside `SUPPORTED` the plugin stays out of vLLM's way.
+never an `AttributeError` later. `is_supported(vllm_version())` is the
+plugin's first step: on a version outside `SUPPORTED` the plugin stays out
+of vLLM's way.
 """
 
 from __future__ import annotations
@@ -56,9 +57,7 @@ def unsupported_message(version: str) -> str:
 
 
 def _patch(name: str, version: str) -> Any:
-    from vllm_integration import PATCHES
-
-    for patch in PATCHES:
+    for patch in _patches():
         if patch.target == name and minor(version) in patch.versions:
             return patch
     raise PatchError(f"patch index: no entry {name!r} for vLLM {version}")
@@ -89,6 +88,11 @@ def locate(name: str, version: str | None = None) -> list[tuple[Any, str]]:
                 f"({type(exc).__name__}: {exc}); outrate supports vllm{SUPPORTED}"
             ) from exc
     return found
+
+
+def owner_of(name: str) -> Any:
+    """The object patch `name` patches (the owner of its first target)."""
+    return locate(name)[0][0]
 
 
 def check_overrides(mixin: type, base: type) -> None:

@@ -36,7 +36,7 @@ logger = logging.getLogger("vllm.outrate")
 
 
 class Amx(Enum):
-    """What `enable_amx` found: the words of its one log line."""
+    """What `enable_amx` found (the tests read it)."""
 
     NOT_CPU = "not vLLM's CPU platform"
     ABSENT = "the CPU reports no AMX"

@@ -36,9 +36,9 @@ def install_spin_sleep() -> bool:
         return False
     if seconds <= 0:
         return False
-    from vllm_integration.compat import locate
+    from vllm_integration.compat import owner_of
 
-    shm_broadcast = locate("shm_broadcast.sched_yield")[0][0]
+    shm_broadcast = owner_of("shm_broadcast.sched_yield")
 
     if getattr(shm_broadcast, "_outrate_spin_sleep", None) == seconds:
         return True

@@ -62,9 +62,9 @@ def swap_policy(sched: Any, policy: Any, now: int) -> None:
 
 def install_idle_wait() -> None:
     """Patch `EngineCoreProc._process_engine_step` once per process."""
-    from vllm_integration.compat import locate
+    from vllm_integration.compat import owner_of
 
-    EngineCoreProc = locate("EngineCoreProc._process_engine_step")[0][0]
+    EngineCoreProc = owner_of("EngineCoreProc._process_engine_step")
     if getattr(EngineCoreProc, "_outrate_idle_wait", False):
         return
     stock = EngineCoreProc._process_engine_step

@@ -88,9 +88,9 @@ def install_metrics(directory: str | None = None) -> str:
         yield from collector.collect()
 
     multiprocess.MultiProcessCollector.collect = collect  # type: ignore[method-assign]
-    from vllm_integration.compat import locate
+    from vllm_integration.compat import owner_of
 
-    instrumentator = locate("get_prometheus_registry")[0][0]
+    instrumentator = owner_of("get_prometheus_registry")
     stock = getattr(instrumentator, "get_prometheus_registry")  # noqa: B009 - not re-exported
 
     def get_prometheus_registry() -> Any:

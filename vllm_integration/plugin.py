@@ -73,13 +73,13 @@ def _stay_out(version: str) -> None:
 
 
 def _register() -> None:
-    from vllm_integration.compat import locate
+    from vllm_integration.compat import owner_of
 
-    register_cpu_fixes()
+    _apply_cpu_fixes()  # the version was checked by register()
     from vllm_integration.metrics import install_in_spawned_api_server
 
     install_in_spawned_api_server()  # --api-server-count > 1: /metrics in each of them
-    EngineArgs = locate("EngineArgs.add_cli_args")[0][0]  # the class that owns both
+    EngineArgs = owner_of("EngineArgs.add_cli_args")  # the class that owns both
 
     stock_add = EngineArgs.add_cli_args
     stock_from = EngineArgs.from_cli_args.__func__
@@ -108,13 +108,18 @@ def register_cpu_fixes() -> None:
     so it cannot take `vllm serve` down.
     """
     from vllm_integration.compat import is_supported, vllm_version
-    from vllm_integration.cpu_amx import enable_amx
-    from vllm_integration.cpu_spin import install_spin_sleep
 
     version = vllm_version()
     if not is_supported(version):
         _stay_out(version)
         return
+    _apply_cpu_fixes()
+
+
+def _apply_cpu_fixes() -> None:
+    from vllm_integration.cpu_amx import enable_amx
+    from vllm_integration.cpu_spin import install_spin_sleep
+
     try:
         install_spin_sleep()  # only with OUTRATE_SHM_SPIN_SLEEP_US set (see cpu_spin.py)
         enable_amx()  # only on vLLM's CPU platform with an AMX CPU (see cpu_amx.py)
