@@ -66,6 +66,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check outrate vllm_integration tests examples benchmarks
 	$(BIN)/ruff format --check outrate vllm_integration tests examples benchmarks
 	$(BIN)/mypy outrate vllm_integration
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) $(VENV033) models out

@@ -30,8 +30,8 @@ import time
 import tracemalloc
 from collections.abc import Callable, Sequence
 
-from outrate.limiter import Limiter
-from outrate.pipeline import policy_from_flags
+from outrate.budget.limiter import Limiter
+from outrate.policy.pipeline import policy_from_flags
 
 RATE = 100  # tokens/s for every user; burst: the policy default (100ms)
 START_NS = 10**12

@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from outrate.reload import Reloader
+from outrate.policy.reload import Reloader
 
 
 def policy_text(rate: int) -> str:

@@ -103,8 +103,8 @@ from vllm_harness import (  # noqa: E402
     model_dir,
 )
 
-from outrate.compiler import CompiledPolicy, compile_policy  # noqa: E402
-from outrate.loader import parse_policy  # noqa: E402
+from outrate.policy.compiler import CompiledPolicy, compile_policy  # noqa: E402
+from outrate.policy.loader import parse_policy  # noqa: E402
 
 PROMPT_LEN = 8
 MAX_TOKENS = 1_000_000  # never reached: the run is far shorter
@@ -590,7 +590,7 @@ def _ablated(sched: Any, name: str) -> None:
         sched.limiter.take_upto = lambda b, now, n: n
         sched.limiter.give_back = lambda b, now, n=1: None
     elif name == "hot-label":
-        from outrate.metrics import LabelMetrics
+        from outrate.observe.metrics import LabelMetrics
 
         label = LabelMetrics("ablate/shared")
         for u in sched._users.values():

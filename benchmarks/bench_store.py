@@ -50,12 +50,12 @@ for extra in (REPO / "tests", REPO / "examples", REPO / "benchmarks"):
 
 from redis_support import RedisServer  # noqa: E402
 
-from outrate.compiler import CompiledPolicy, compile_policy  # noqa: E402
-from outrate.lease import RedisLink  # noqa: E402
-from outrate.lease_runner import LeaseRunner  # noqa: E402
-from outrate.loader import parse_policy  # noqa: E402
-from outrate.shared import LEASE_INTERVAL_S, SharedLimiter  # noqa: E402
-from outrate.trace import max_window_excess  # noqa: E402
+from outrate.budget.shared.credit import LEASE_INTERVAL_S, SharedLimiter  # noqa: E402
+from outrate.budget.shared.lease import RedisLink  # noqa: E402
+from outrate.budget.shared.runner import LeaseRunner  # noqa: E402
+from outrate.observe.trace import max_window_excess  # noqa: E402
+from outrate.policy.compiler import CompiledPolicy, compile_policy  # noqa: E402
+from outrate.policy.loader import parse_policy  # noqa: E402
 
 TARGET_STEP = 1.05
 SAMPLE = 50

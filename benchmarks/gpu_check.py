@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO / "examples"))
 from loadgen import run_concurrently  # noqa: E402
 from serverproc import STOCK_PLUGINS, ServerProcess, cpu_server_env  # noqa: E402
 
-from outrate.trace import engine_rate, max_window_excess, read_trace, user_tokens  # noqa: E402
+from outrate.observe.trace import engine_rate, max_window_excess, read_trace, user_tokens  # noqa: E402
 
 BURST_NS = 100_000_000
 POLICY = """\

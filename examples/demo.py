@@ -31,8 +31,8 @@ from build_tiny_model import build  # noqa: E402
 from loadgen import Stream, run_concurrently, token_times, user_rate  # noqa: E402
 from serverproc import ServerProcess, outrate_serve_argv  # noqa: E402
 
-from outrate.identity import ANONYMOUS  # noqa: E402
-from outrate.trace import (  # noqa: E402
+from outrate.identity.core import ANONYMOUS  # noqa: E402
+from outrate.observe.trace import (  # noqa: E402
     engine_rate,
     largest_gap_s,
     max_tokens_in,

@@ -15,12 +15,12 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperCommand
 
-from outrate.deployment import Deployment, load_deployment
+from outrate.check.deployment import Deployment, load_deployment
+from outrate.check.lint import LintReport, lint_all
 from outrate.errors import OutrateError
-from outrate.identity import identity_error
-from outrate.keys import add_key, revoke_keys
-from outrate.lint import LintReport, lint_all
-from outrate.policy import policy_json_schema
+from outrate.identity.core import identity_error
+from outrate.policy.keys import add_key, revoke_keys
+from outrate.policy.model import policy_json_schema
 from outrate.units import format_count
 
 app = typer.Typer(
@@ -168,7 +168,7 @@ def top(
     ] = 5.0,
 ) -> None:
     """Per-limit rates, held requests and throttling, live from a server's /metrics."""
-    from outrate import top as view  # prometheus_client only for `top`: `lint` stays quick
+    from outrate.observe import top as view  # prometheus_client only for `top`: `lint` stays quick
 
     try:
         target = view.metrics_url(url)

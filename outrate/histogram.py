@@ -1,6 +1,6 @@
 """Histograms in integer nanoseconds, with one JSON shape in every snapshot:
 `[counts per bucket (the last is +Inf), sum_ns]`. The scheduler's metrics
-(outrate.metrics) and the budget store's (outrate.store_metrics) share it.
+(outrate.observe.metrics) and the budget store's (outrate.budget.shared.metrics) share it.
 """
 
 from __future__ import annotations

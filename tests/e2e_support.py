@@ -11,13 +11,13 @@ from build_tiny_model import build
 from loadgen import Stream, max_window_excess, run_concurrently, token_times, user_rate
 from serverproc import ServerProcess, outrate_serve_argv
 
-from outrate.trace import (
+from outrate.observe.trace import (
     engine_rate,
     largest_gap_s,
     read_trace,
     user_tokens,
 )
-from outrate.trace import max_window_excess as engine_excess
+from outrate.observe.trace import max_window_excess as engine_excess
 
 REPO = Path(__file__).resolve().parent.parent
 

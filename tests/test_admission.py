@@ -4,10 +4,10 @@ over the scheduler's plain records with a real Limiter."""
 
 from __future__ import annotations
 
-from outrate.compiler import compile_policy
-from outrate.limiter import Limiter
-from outrate.loader import parse_policy
-from outrate.metrics import Metrics
+from outrate.budget.limiter import Limiter
+from outrate.observe.metrics import Metrics
+from outrate.policy.compiler import compile_policy
+from outrate.policy.loader import parse_policy
 from vllm_integration.admission import DISPLACE_SCAN, Admission
 from vllm_integration.holdback import Holdback
 from vllm_integration.roster import Roster

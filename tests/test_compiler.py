@@ -11,14 +11,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from outrate import compiler
-from outrate.compiler import compile_policy
+from outrate.budget.limiter import Limit, Limiter
 from outrate.errors import PolicyError
-from outrate.identity import ANONYMOUS
-from outrate.limiter import Limit, Limiter
-from outrate.loader import parse_policy
-from outrate.pipeline import load_compiled, policy_from_flags
-from outrate.policy import Policy
+from outrate.identity.core import ANONYMOUS
+from outrate.policy import compiler
+from outrate.policy.compiler import compile_policy
+from outrate.policy.loader import parse_policy
+from outrate.policy.model import Policy
+from outrate.policy.pipeline import load_compiled, policy_from_flags
 
 POLICIES = Path(__file__).parent.parent / "policies"
 

@@ -38,8 +38,8 @@ from loadgen import (  # noqa: E402
 )
 from serverproc import cpu_seconds  # noqa: E402
 
-from outrate.trace import engine_rate  # noqa: E402
-from outrate.trace import max_window_excess as engine_excess  # noqa: E402
+from outrate.observe.trace import engine_rate  # noqa: E402
+from outrate.observe.trace import max_window_excess as engine_excess  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 

@@ -29,7 +29,7 @@ from build_tiny_model import build  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from serverproc import HOST, ServerProcess, outrate_serve_argv  # noqa: E402
 
-from outrate.trace import read_trace  # noqa: E402
+from outrate.observe.trace import read_trace  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 

@@ -28,8 +28,8 @@ from build_tiny_model import build  # noqa: E402
 from loadgen import Stream, stream_completion  # noqa: E402
 from serverproc import HOST, ServerProcess, outrate_serve_argv  # noqa: E402
 
-from outrate.keys import add_key, revoke_keys  # noqa: E402
-from outrate.trace import read_trace  # noqa: E402
+from outrate.observe.trace import read_trace  # noqa: E402
+from outrate.policy.keys import add_key, revoke_keys  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 

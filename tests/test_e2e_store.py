@@ -28,9 +28,9 @@ from loadgen import run_concurrently  # noqa: E402
 from redis_support import RedisServer  # noqa: E402
 from serverproc import ServerProcess, cpu_server_env, outrate_serve_argv  # noqa: E402
 
-from outrate.lease import ENGINES_KEY  # noqa: E402
-from outrate.shared import LEASE_INTERVAL_S  # noqa: E402
-from outrate.trace import engine_rate, max_window_excess, read_trace, user_tokens  # noqa: E402
+from outrate.budget.shared.credit import LEASE_INTERVAL_S  # noqa: E402
+from outrate.budget.shared.lease import ENGINES_KEY  # noqa: E402
+from outrate.observe.trace import engine_rate, max_window_excess, read_trace, user_tokens  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 

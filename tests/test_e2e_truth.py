@@ -22,7 +22,7 @@ from e2e_support import POLICY, assert_complete, engine_steps  # noqa: E402
 from loadgen import Stream, client, run_concurrently, stream_completion  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from outrate.trace import engine_rate, max_window_excess, read_trace  # noqa: E402
+from outrate.observe.trace import engine_rate, max_window_excess, read_trace  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 

@@ -1,4 +1,4 @@
-"""The API server's per-request identity decision (outrate.gate), without a server."""
+"""The API server's per-request identity decision (outrate.identity.gate), without a server."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from outrate.gate import (
+from outrate.identity.core import BODY, IdentityConfig, KeyTable, key_digest
+from outrate.identity.gate import (
     MAX_AUTHORIZATION_BYTES,
     Verdict,
     authenticate,
@@ -15,7 +16,6 @@ from outrate.gate import (
     check_claims,
     is_exempt,
 )
-from outrate.identity import BODY, IdentityConfig, KeyTable, key_digest
 
 KEY = "ork_alices-key"
 TABLE = KeyTable([(bytes.fromhex(key_digest(KEY)[7:]), "alice")])

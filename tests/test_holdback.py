@@ -3,9 +3,9 @@ scheduler's plain records, with a real Limiter and a fake clock."""
 
 from __future__ import annotations
 
-from outrate.limiter import Limiter
-from outrate.metrics import Metrics
-from outrate.pipeline import policy_from_flags
+from outrate.budget.limiter import Limiter
+from outrate.observe.metrics import Metrics
+from outrate.policy.pipeline import policy_from_flags
 from vllm_integration.holdback import Holdback
 from vllm_integration.state import ATTR, RequestState, UserState
 

@@ -42,7 +42,7 @@ from serverproc import (  # noqa: E402
 )
 from test_loader import EXPECTED  # noqa: E402  (the exact messages of each bad fixture)
 
-from outrate.trace import engine_rate, max_window_excess, read_trace, user_tokens  # noqa: E402
+from outrate.observe.trace import engine_rate, max_window_excess, read_trace, user_tokens  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from outrate.identity import (
+from outrate.identity.core import (
     ANONYMOUS,
     STAMP_KEY,
     KeyTable,
@@ -135,7 +135,7 @@ def test_lookup_compares_the_digest_with_every_entry_whatever_matches(monkeypatc
         calls.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr("outrate.identity.hmac.compare_digest", compare_digest)
+    monkeypatch.setattr("outrate.identity.core.hmac.compare_digest", compare_digest)
     presented = [keys[0], keys[-1], keys[-1][:-1] + "X", "nothing like it", "x" * 1000]
     answers = []
     for key in presented:

@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 
 from outrate.cli import app
 from outrate.errors import OutrateError, PolicyError
-from outrate.identity import KeyTable, key_digest
-from outrate.keys import HEADER, KEY_PREFIX, add_key, load_keys, parse_keys, revoke_keys
-from outrate.pipeline import load_compiled
+from outrate.identity.core import KeyTable, key_digest
+from outrate.policy.keys import HEADER, KEY_PREFIX, add_key, load_keys, parse_keys, revoke_keys
+from outrate.policy.pipeline import load_compiled
 
 A = "sha256:" + "a" * 64
 B = "sha256:" + "b" * 64
@@ -276,7 +276,7 @@ def test_a_keys_file_that_cannot_be_written_is_an_error_not_a_traceback(
     def read_only(*_: object, **__: object) -> None:
         raise OSError(errno.EROFS, "Read-only file system")
 
-    monkeypatch.setattr("outrate.keys.os.replace", read_only)
+    monkeypatch.setattr("outrate.policy.keys.os.replace", read_only)
     with pytest.raises(OutrateError, match="keys.yaml: cannot write: Read-only file system"):
         add_key(path, "bob")
     with pytest.raises(OutrateError, match="keys.yaml: cannot write: Read-only file system"):
@@ -284,7 +284,7 @@ def test_a_keys_file_that_cannot_be_written_is_an_error_not_a_traceback(
     assert path.read_text() == f"{A}: alice\n"
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["keys.yaml", "keys.yaml.lock"]  # no temporary file left
-    monkeypatch.setattr("outrate.keys.tempfile.mkstemp", read_only)
+    monkeypatch.setattr("outrate.policy.keys.tempfile.mkstemp", read_only)
     done = CliRunner().invoke(app, ["keys", "add", "bob", "--file", str(path)])
     assert done.exit_code == 1
     assert done.stderr == f"{path}: cannot write beside it: Read-only file system\n"

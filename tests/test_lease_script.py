@@ -24,7 +24,8 @@ from redis_support import (  # noqa: E402
     credential_urls,
 )
 
-from outrate.lease import (  # noqa: E402
+from outrate.budget.limiter import Limit  # noqa: E402
+from outrate.budget.shared.lease import (  # noqa: E402
     ENGINES_KEY,
     GROUPS,
     MAX_BATCH,
@@ -38,8 +39,7 @@ from outrate.lease import (  # noqa: E402
     split_password,
     user_keys,
 )
-from outrate.limiter import Limit  # noqa: E402
-from outrate.trace import max_window_excess  # noqa: E402
+from outrate.observe.trace import max_window_excess  # noqa: E402
 
 MS = 1_000_000
 

@@ -26,13 +26,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from outrate.compiler import CompiledPolicy, compile_policy
-from outrate.identity import ANONYMOUS
-from outrate.limiter import NS_PER_S, Bucket, Limit, Limiter, gcra
-from outrate.loader import parse_policy
-from outrate.pipeline import policy_from_flags
-from outrate.shared import SharedLimiter
-from outrate.store import BudgetStore
+from outrate.budget.limiter import NS_PER_S, Bucket, Limit, Limiter, gcra
+from outrate.budget.shared.credit import SharedLimiter
+from outrate.budget.store import BudgetStore
+from outrate.identity.core import ANONYMOUS
+from outrate.policy.compiler import CompiledPolicy, compile_policy
+from outrate.policy.loader import parse_policy
+from outrate.policy.pipeline import policy_from_flags
 
 SETTINGS = settings(max_examples=200, deadline=None)
 

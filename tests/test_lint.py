@@ -14,21 +14,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from outrate.compiler import CompiledPolicy, compile_policy
-from outrate.deployment import (
+from outrate.budget.limiter import Limit
+from outrate.check.deployment import (
     Deployment,
     DeploymentError,
     deployment_from_args,
     deployment_from_config,
     load_deployment,
 )
+from outrate.check.lint import lint_all, lint_policy
+from outrate.check.rules import REJECTED_MODEL_KINDS, Finding, lint_deployment
 from outrate.errors import OutrateError
-from outrate.limiter import Limit
-from outrate.lint import lint_all, lint_policy
-from outrate.loader import parse_policy
-from outrate.pipeline import load_compiled, policy_from_flags
-from outrate.policy import MAX_PATTERNS
-from outrate.rules import REJECTED_MODEL_KINDS, Finding, lint_deployment
+from outrate.policy.compiler import CompiledPolicy, compile_policy
+from outrate.policy.loader import parse_policy
+from outrate.policy.model import MAX_PATTERNS
+from outrate.policy.pipeline import load_compiled, policy_from_flags
 
 DEPLOY = Path(__file__).parent / "fixtures" / "deploy"
 POLICIES = Path(__file__).parent.parent / "policies"

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from outrate import compose
 from outrate.errors import OutrateError, PolicyError, Problem
-from outrate.loader import field_path, load_policy, parse_policy
-from outrate.values import UNLIMITED
+from outrate.policy import compose
+from outrate.policy.loader import field_path, load_policy, parse_policy
+from outrate.policy.values import UNLIMITED
 
 BAD = Path(__file__).parent / "fixtures" / "bad"
 LOADERS = [compose.FAST_LOADER, compose.PureLoader]  # libyaml first, where installed

@@ -24,10 +24,10 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_support import binaries, metric_names, value, without_prometheus
 
-from outrate.compiler import compile_policy
-from outrate.loader import parse_policy
-from outrate.metrics import Metrics, families, snapshot
-from outrate.store_metrics import StoreMetrics
+from outrate.budget.shared.metrics import StoreMetrics
+from outrate.observe.metrics import Metrics, families, snapshot
+from outrate.policy.compiler import compile_policy
+from outrate.policy.loader import parse_policy
 
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARD = REPO / "ops" / "grafana" / "outrate.json"
@@ -312,7 +312,7 @@ def _write(path: Path, text: str) -> None:
 
 
 def _wait_reloads(url: str, result: str, n: int, timeout_s: float = 10) -> None:
-    from outrate.top import scrape
+    from outrate.observe.top import scrape
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -341,7 +341,7 @@ def run(tmp_path_factory):
     from redis_support import RedisServer
     from serverproc import ServerProcess, outrate_serve_argv
 
-    from outrate import top
+    from outrate.observe import top
 
     began = time.monotonic()
     tmp = tmp_path_factory.mktemp("ops")

@@ -69,7 +69,7 @@ def test_policy_flag_selects_the_scheduler_and_travels_to_the_engine(parser):
     ],
 )
 def test_store_flags_travel_without_the_password(parser, monkeypatch, caplog, url):
-    from outrate.lease import PASSWORD_ENV
+    from outrate.budget.shared.lease import PASSWORD_ENV
 
     monkeypatch.delenv(PASSWORD_ENV, raising=False)
     ea = engine_args(
@@ -279,7 +279,7 @@ def test_a_trace_path_outrate_must_not_write_stops_startup_in_one_line(parser, t
 
 
 def test_the_vllm_flag_list_lint_reads_matches_the_installed_vllm():
-    """outrate/vllm_flags_0_NN.py is generated from vLLM's parser; regenerate it
+    """outrate/check/vllm_flags_0_NN.py is generated from vLLM's parser; regenerate it
     with `python -m vllm_integration.flags` in that vLLM's venv when it moves."""
     from vllm_integration.flags import module_text, serve_flags, target
 
@@ -452,7 +452,7 @@ API_KEY_SECTION = "  source: api_key\n  keys: keys.yaml\n"
 
 @pytest.mark.parametrize("how", ["flag", "env"])
 def test_api_key_identity_beside_vllms_api_key_is_refused_at_startup(tmp_path, monkeypatch, how):
-    from outrate.rules import API_KEY_CONFLICT
+    from outrate.check.rules import API_KEY_CONFLICT
 
     policy = identity_policy(tmp_path, API_KEY_SECTION)
     argv = ["--outrate-policy", str(policy), "--host", "127.0.0.1"]
@@ -481,7 +481,7 @@ def test_the_identity_settings_reach_the_api_server_and_the_secret_the_engine(tm
     import json
     import os
 
-    from outrate.identity import SECRET_ENV, Stamper
+    from outrate.identity.core import SECRET_ENV, Stamper
     from vllm_integration.api import GUARD_MIDDLEWARE
     from vllm_integration.identity import SETTINGS_ENV, gate, reset_gate
 
@@ -503,7 +503,7 @@ def test_the_identity_settings_reach_the_api_server_and_the_secret_the_engine(tm
 @pytest.fixture
 def identity_gate():
     """Install an IdentityConfig as this process's gate (undone by conftest)."""
-    from outrate.identity import Stamper
+    from outrate.identity.core import Stamper
     from vllm_integration import identity as module
 
     def use(identity):
@@ -514,7 +514,7 @@ def identity_gate():
 
 
 def _keys(on_claim_mismatch: str = "reject"):
-    from outrate.identity import IdentityConfig, KeyTable
+    from outrate.identity.core import IdentityConfig, KeyTable
 
     table = KeyTable([(bytes.fromhex(IDENTITY_KEY_FILE[7:]), "alice")])
     return IdentityConfig(source="api_key", keys=table, on_claim_mismatch=on_claim_mismatch)
@@ -596,7 +596,7 @@ def test_every_route_but_probes_needs_the_key(identity_gate):
 
 
 def test_the_gateway_header_names_the_user(identity_gate):
-    from outrate.identity import IdentityConfig
+    from outrate.identity.core import IdentityConfig
     from vllm_integration.api import Resolved
 
     identity_gate(IdentityConfig(source="header", header="x-user"))
@@ -613,7 +613,7 @@ def test_the_engine_client_signs_what_the_guard_decided(identity_gate):
     from vllm import SamplingParams
     from vllm.exceptions import GracefulHTTPError
 
-    from outrate.identity import STAMP_KEY, IdentityConfig
+    from outrate.identity.core import STAMP_KEY, IdentityConfig
     from vllm_integration.api import RESOLVED, Resolved, stamp_params
 
     g = identity_gate(_keys())

@@ -14,11 +14,10 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from outrate.cli import schema_text
-from outrate.identity import ANONYMOUS, text_error
-from outrate.loader import parse_policy
-from outrate.policy import LimitRule, MatchRule, Policy, TierRule, policy_json_schema
-from outrate.units import format_count, format_duration, format_rate
-from outrate.values import (
+from outrate.identity.core import ANONYMOUS, text_error
+from outrate.policy.loader import parse_policy
+from outrate.policy.model import LimitRule, MatchRule, Policy, TierRule, policy_json_schema
+from outrate.policy.values import (
     DEFAULT_BURST_NS,
     MAX_RATE,
     UNLIMITED,
@@ -27,6 +26,7 @@ from outrate.values import (
     parse_duration,
     parse_rate,
 )
+from outrate.units import format_count, format_duration, format_rate
 
 ROOT = Path(__file__).parent.parent
 

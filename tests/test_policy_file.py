@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from outrate.errors import PolicyError
-from outrate.policy_file import DEFAULT_MAX_POLICY_BYTES, max_policy_bytes, read_policy_file
+from outrate.policy.file import DEFAULT_MAX_POLICY_BYTES, max_policy_bytes, read_policy_file
 
 
 def _refusal(path: Path | str) -> str:
@@ -96,7 +96,7 @@ def test_the_default_limit_fits_a_million_users(monkeypatch: pytest.MonkeyPatch)
     ("mode", "kind"), [(stat.S_IFBLK, "a block device"), (0o170000, "not a file")]
 )
 def test_every_other_kind_of_file_is_named(mode: int, kind: str) -> None:
-    from outrate.policy_file import _check_kind
+    from outrate.policy.file import _check_kind
 
     st = os.stat_result((mode | 0o600, 0, 0, 1, 0, 0, 0, 0, 0, 0))
     with pytest.raises(PolicyError) as info:

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from outrate.changes import describe_changes
-from outrate.compiler import CompiledPolicy, compile_policy
 from outrate.errors import PolicyError
-from outrate.loader import parse_policy
-from outrate.pipeline import load_compiled
-from outrate.reload import Reloader
+from outrate.policy.changes import describe_changes
+from outrate.policy.compiler import CompiledPolicy, compile_policy
+from outrate.policy.loader import parse_policy
+from outrate.policy.pipeline import load_compiled
+from outrate.policy.reload import Reloader
 
 T = 5.0
 """Seconds any single wait may take before the test fails."""
@@ -531,7 +531,7 @@ def test_unchanged_bytes_do_not_reapply(start: Callable[..., Harness], policy: P
 
 
 def test_core_does_not_import_watchdog() -> None:
-    code = "import sys, outrate.reload; assert 'watchdog' not in sys.modules"
+    code = "import sys, outrate.policy.reload; assert 'watchdog' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -685,8 +685,8 @@ def test_an_in_place_rewrite_of_the_keys_file_never_revokes_every_key(
     "no keys" and answered every client 401 until the write landed. Here on the
     API server's own path: its `Gate`, fed by a `Reloader` that loads with
     `load_checked`, and `authenticate`, which decides each request's 401."""
-    from outrate.gate import authenticate
-    from outrate.identity import key_digest
+    from outrate.identity.core import key_digest
+    from outrate.identity.gate import authenticate
     from vllm_integration.config import load_checked
     from vllm_integration.identity import Gate
 

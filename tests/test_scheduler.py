@@ -23,11 +23,11 @@ from vllm_harness import (  # noqa: E402
     user_times,
 )
 
-from outrate.compiler import compile_policy  # noqa: E402
-from outrate.identity import ANONYMOUS  # noqa: E402
-from outrate.limiter import Limiter  # noqa: E402
-from outrate.loader import parse_policy  # noqa: E402
-from outrate.pipeline import policy_from_flags  # noqa: E402
+from outrate.budget.limiter import Limiter  # noqa: E402
+from outrate.identity.core import ANONYMOUS  # noqa: E402
+from outrate.policy.compiler import compile_policy  # noqa: E402
+from outrate.policy.loader import parse_policy  # noqa: E402
+from outrate.policy.pipeline import policy_from_flags  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 KINDS = ["sync", "async"]
@@ -366,7 +366,7 @@ def test_without_a_body_source_the_engine_never_trusts_a_body_claim(kind):
     names the user; a claim in extra_args (what vllm_xargs become) is ignored,
     and so is a signature made with another secret. A reload to body trusts
     claims again from the next request on."""
-    from outrate.identity import STAMP_KEY, Stamper
+    from outrate.identity.core import STAMP_KEY, Stamper
     from vllm_integration.state import ATTR
 
     text = "version: 1\ndefault: 100\nidentity: {source: header, header: x-user}\n"

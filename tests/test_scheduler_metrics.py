@@ -14,10 +14,10 @@ pytest.importorskip("vllm")
 
 from vllm_harness import MS, Driver, FakeClock, S, make_request, make_scheduler  # noqa: E402
 
-from outrate.compiler import compile_policy  # noqa: E402
-from outrate.loader import parse_policy  # noqa: E402
-from outrate.metrics import BUCKETS_NS, OTHER, Metrics, snapshot  # noqa: E402
-from outrate.trace import TraceWriter, max_window_excess, read_trace, user_tokens  # noqa: E402
+from outrate.observe.metrics import BUCKETS_NS, OTHER, Metrics, snapshot  # noqa: E402
+from outrate.observe.trace import TraceWriter, max_window_excess, read_trace, user_tokens  # noqa: E402
+from outrate.policy.compiler import compile_policy  # noqa: E402
+from outrate.policy.loader import parse_policy  # noqa: E402
 from vllm_integration import ledger as ledger_mod  # noqa: E402
 
 pytestmark = pytest.mark.vllm

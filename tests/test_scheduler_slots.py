@@ -12,9 +12,9 @@ pytest.importorskip("vllm")
 from vllm.v1.request import RequestStatus  # noqa: E402
 from vllm_harness import MS, Driver, FakeClock, make_request, make_scheduler  # noqa: E402
 
-from outrate.compiler import compile_policy  # noqa: E402
-from outrate.loader import parse_policy  # noqa: E402
-from outrate.pipeline import policy_from_flags  # noqa: E402
+from outrate.policy.compiler import compile_policy  # noqa: E402
+from outrate.policy.loader import parse_policy  # noqa: E402
+from outrate.policy.pipeline import policy_from_flags  # noqa: E402
 from vllm_integration.scheduler import IDLE_WAIT_MAX_NS  # noqa: E402
 
 pytestmark = pytest.mark.vllm

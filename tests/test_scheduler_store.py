@@ -17,12 +17,12 @@ pytest.importorskip("redis")
 
 from vllm_harness import Driver, make_request, make_scheduler  # noqa: E402
 
-from outrate.compiler import compile_policy  # noqa: E402
-from outrate.lease import RedisLink  # noqa: E402
-from outrate.lease_runner import LeaseRunner  # noqa: E402
-from outrate.loader import parse_policy  # noqa: E402
-from outrate.shared import LEASE_INTERVAL_S, SharedLimiter  # noqa: E402
-from outrate.trace import engine_rate, max_window_excess  # noqa: E402
+from outrate.budget.shared.credit import LEASE_INTERVAL_S, SharedLimiter  # noqa: E402
+from outrate.budget.shared.lease import RedisLink  # noqa: E402
+from outrate.budget.shared.runner import LeaseRunner  # noqa: E402
+from outrate.observe.trace import engine_rate, max_window_excess  # noqa: E402
+from outrate.policy.compiler import compile_policy  # noqa: E402
+from outrate.policy.loader import parse_policy  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

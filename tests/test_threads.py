@@ -13,9 +13,9 @@ pytest.importorskip("vllm")
 
 from vllm_harness import MS, Driver, FakeClock, make_request, make_scheduler  # noqa: E402
 
-from outrate.metrics import SNAPSHOT_FILE  # noqa: E402
-from outrate.pipeline import load_compiled  # noqa: E402
-from outrate.trace import read_trace  # noqa: E402
+from outrate.observe.metrics import SNAPSHOT_FILE  # noqa: E402
+from outrate.observe.trace import read_trace  # noqa: E402
+from outrate.policy.pipeline import load_compiled  # noqa: E402
 from vllm_integration.threads import start_engine_threads  # noqa: E402
 
 pytestmark = pytest.mark.vllm

@@ -29,10 +29,10 @@ from prometheus_client.registry import Collector
 from rich.console import Console
 from typer.testing import CliRunner
 
-from outrate import top
 from outrate.cli import app
-from outrate.fetch import MAX_PAGE_BYTES
-from outrate.top import LimitValues, Row, Snapshot, TopError
+from outrate.observe import top
+from outrate.observe.fetch import MAX_PAGE_BYTES
+from outrate.observe.top import LimitValues, Row, Snapshot, TopError
 
 ROOT = Path(__file__).parent.parent
 SHA = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
@@ -331,7 +331,7 @@ class Server:
 
 
 class FakeTime:
-    """`outrate.top`'s clock and sleep: sleeping advances the clock, instantly."""
+    """`outrate.observe.top`'s clock and sleep: sleeping advances the clock, instantly."""
 
     def __init__(self, interrupt_after: int | None = None) -> None:
         self.now, self.interrupt_after = 1000.0, interrupt_after

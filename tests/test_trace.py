@@ -20,7 +20,13 @@ from pathlib import Path
 import pytest
 
 from outrate.errors import OutrateError
-from outrate.trace import TRACE_START, TraceWriter, check_trace_path, open_trace_file, read_trace
+from outrate.observe.trace import (
+    TRACE_START,
+    TraceWriter,
+    check_trace_path,
+    open_trace_file,
+    read_trace,
+)
 
 PRECIOUS = "someone's notes\n"
 
@@ -217,7 +223,7 @@ def test_the_engine_open_rewrites_a_trace_from_the_start(tmp_path: Path) -> None
 _FULL_DISK = textwrap.dedent(
     """
     import logging, resource, signal, sys
-    from outrate.trace import TraceWriter
+    from outrate.observe.trace import TraceWriter
     logging.basicConfig(stream=sys.stderr, format="%(message)s")
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
     limit = int(sys.argv[2])

@@ -1,16 +1,16 @@
 """`outrate_trace_dropped_steps_total`: the trace lines the writer dropped
-because it fell behind (outrate.trace), carried in the metrics snapshot and
-rendered on /metrics (outrate.metrics). The OutrateTraceDropping alert
+because it fell behind (outrate.observe.trace), carried in the metrics snapshot and
+rendered on /metrics (outrate.observe.metrics). The OutrateTraceDropping alert
 (ops/prometheus/outrate-rules.yml) reads it."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from outrate.compiler import compile_policy
-from outrate.loader import parse_policy
-from outrate.metrics import Metrics, families, merge_snapshots, snapshot
-from outrate.trace import TraceWriter, read_trace
+from outrate.observe.metrics import Metrics, families, merge_snapshots, snapshot
+from outrate.observe.trace import TraceWriter, read_trace
+from outrate.policy.compiler import compile_policy
+from outrate.policy.loader import parse_policy
 
 
 def policy():

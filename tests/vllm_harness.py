@@ -23,7 +23,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from outrate.compiler import CompiledPolicy
+from outrate.policy.compiler import CompiledPolicy
 from vllm_integration.scheduler import OutrateAsyncScheduler, OutrateScheduler
 
 REPO = Path(__file__).resolve().parent.parent

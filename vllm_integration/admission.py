@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from outrate.metrics import Metrics
-from outrate.store import BudgetStore
+from outrate.budget.store import BudgetStore
+from outrate.observe.metrics import Metrics
 from vllm_integration.holdback import Holdback
 from vllm_integration.state import ATTR, RequestState, StepScratch, UserState
 

@@ -1,6 +1,6 @@
 """API-server guards: who is asking (401/403), bad identities and beam search (400).
 
-Identity (one rule set, `outrate.identity` and `outrate.gate`, on every route):
+Identity (one rule set, `outrate.identity.core` and `outrate.identity.gate`, on every route):
 
 - `IdentityGuard`, an ASGI middleware (vLLM's documented `--middleware`
   hook, added by the plugin; the outermost layer, before vLLM's own
@@ -40,8 +40,8 @@ from contextvars import ContextVar
 from http import HTTPStatus
 from typing import Any, NamedTuple
 
-from outrate.gate import Verdict, authenticate, body_claims, check_claims, is_exempt
-from outrate.identity import IDENTITY_FIELD, IDENTITY_KEY, STAMP_KEY, identity_error
+from outrate.identity.core import IDENTITY_FIELD, IDENTITY_KEY, STAMP_KEY, identity_error
+from outrate.identity.gate import Verdict, authenticate, body_claims, check_claims, is_exempt
 
 GUARD_MIDDLEWARE = "vllm_integration.api.IdentityGuard"
 """What the plugin appends to `--middleware`."""

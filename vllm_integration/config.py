@@ -12,15 +12,15 @@ import os
 from types import MappingProxyType
 from typing import Any
 
-from outrate.compiler import CompiledPolicy
-from outrate.deployment import Deployment
+from outrate.budget.shared.credit import FALLBACKS
+from outrate.budget.shared.lease import PASSWORD_ENV, check_url, split_password
+from outrate.check.deployment import Deployment
+from outrate.check.rules import API_KEY_CONFLICT, Finding, lint_deployment, lint_exposure
 from outrate.errors import OutrateError, PolicyError, Problem
-from outrate.identity import IdentityConfig
-from outrate.lease import PASSWORD_ENV, check_url, split_password
-from outrate.pipeline import load_compiled, policy_from_flags
-from outrate.rules import API_KEY_CONFLICT, Finding, lint_deployment, lint_exposure
-from outrate.shared import FALLBACKS
-from outrate.trace import check_trace_path
+from outrate.identity.core import IdentityConfig
+from outrate.observe.trace import check_trace_path
+from outrate.policy.compiler import CompiledPolicy
+from outrate.policy.pipeline import load_compiled, policy_from_flags
 
 CONFIG_KEY = "outrate"
 SCHEDULER_CLS = "vllm_integration.scheduler.outrate_scheduler"
@@ -28,7 +28,7 @@ SCHEDULER_CLS = "vllm_integration.scheduler.outrate_scheduler"
 
 class DeploymentRejected(OutrateError):
     """The vLLM deployment cannot enforce a policy; the message says why.
-    (Not `outrate.deployment.DeploymentError`: that one is a description that
+    (Not `outrate.check.deployment.DeploymentError`: that one is a description that
     cannot be read.)"""
 
     def __init__(self, findings: list[Finding]) -> None:

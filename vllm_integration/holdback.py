@@ -19,7 +19,7 @@ import heapq
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from outrate.store import BudgetStore
+from outrate.budget.store import BudgetStore
 from vllm_integration.state import ATTR, RequestState, UserState, is_held
 
 if TYPE_CHECKING:

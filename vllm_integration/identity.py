@@ -26,10 +26,10 @@ import os
 import threading
 from typing import Any
 
-from outrate.compiler import CompiledPolicy
 from outrate.errors import OutrateError
-from outrate.identity import BODY, SECRET_ENV, IdentityConfig, Stamper
-from outrate.reload import Reloader
+from outrate.identity.core import BODY, SECRET_ENV, IdentityConfig, Stamper
+from outrate.policy.compiler import CompiledPolicy
+from outrate.policy.reload import Reloader
 
 SETTINGS_ENV = "OUTRATE_API_SETTINGS"
 """JSON: {"policy": path or null, "reload": mode, "vllm_api_key": bool}."""

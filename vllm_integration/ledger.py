@@ -28,9 +28,9 @@ from bisect import bisect_left
 from collections.abc import Iterable
 from typing import Any
 
-from outrate.compiler import CompiledPolicy
-from outrate.metrics import BUCKETS_NS, Metrics
-from outrate.store import BudgetStore
+from outrate.budget.store import BudgetStore
+from outrate.observe.metrics import BUCKETS_NS, Metrics
+from outrate.policy.compiler import CompiledPolicy
 from vllm_integration.holdback import Holdback
 from vllm_integration.state import ATTR, RequestState, StepScratch, UserState, is_held
 

@@ -1,7 +1,7 @@
 """Engine-side metrics on vLLM's own `/metrics` (API-server side).
 
 The scheduler counts in the engine-core process and its publisher thread
-writes a JSON snapshot into a directory (outrate.metrics). Here, in the API
+writes a JSON snapshot into a directory (outrate.observe.metrics). Here, in the API
 server, before the engine core is started: create that directory (the engine
 core learns it from `additional_config`), and register a collector that reads
 the newest snapshot on each scrape.
@@ -28,7 +28,7 @@ import shutil
 import tempfile
 from typing import Any
 
-from outrate.metrics import SnapshotCollector
+from outrate.observe.metrics import SnapshotCollector
 
 _collector: SnapshotCollector | None = None
 

@@ -231,7 +231,7 @@ def add_outrate_args(parser: Any) -> None:
 def apply_outrate_args(engine_args: Any, args: argparse.Namespace) -> Any:
     """Turn the outrate flags into engine settings, or exit with the reason."""
     from outrate.errors import OutrateError
-    from outrate.identity import SECRET_ENV
+    from outrate.identity.core import SECRET_ENV
     from vllm_integration.config import (
         CONFIG_KEY,
         SCHEDULER_CLS,

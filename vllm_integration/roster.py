@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from outrate.compiler import CompiledPolicy
-from outrate.metrics import Metrics
-from outrate.store import BudgetStore
+from outrate.budget.store import BudgetStore
+from outrate.observe.metrics import Metrics
+from outrate.policy.compiler import CompiledPolicy
 from vllm_integration.state import ATTR, RequestState, UserState
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ running requests outside `running` and wakes them; `Admission`
 (ledger.py) settles refunds, unspent tokens, metrics and the trace;
 `StepScratch` (state.py) is what one step carries to its end; `wire_engine`
 (engine.py) sets it all up in the engine core, and `swap_policy` applies a
-reload. Policy decisions are the core's (`outrate.limiter` behind the
+reload. Policy decisions are the core's (`outrate.budget.limiter` behind the
 `BudgetStore` protocol).
 
 Holdback restores two stock behaviours explicitly: `len(running) + held <=
@@ -38,11 +38,11 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.sched.utils import remove_all
 from vllm.v1.request import Request, RequestStatus
 
-from outrate.compiler import CompiledPolicy
-from outrate.identity import Stamper, resolve_identity
-from outrate.limiter import Limiter
-from outrate.metrics import Metrics
-from outrate.store import BudgetStore
+from outrate.budget.limiter import Limiter
+from outrate.budget.store import BudgetStore
+from outrate.identity.core import Stamper, resolve_identity
+from outrate.observe.metrics import Metrics
+from outrate.policy.compiler import CompiledPolicy
 from vllm_integration.admission import Admission
 from vllm_integration.compat import check_overrides
 from vllm_integration.engine import swap_policy, wire_engine

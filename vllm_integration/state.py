@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from outrate.compiler import CompiledPolicy
-from outrate.limiter import Bucket
-from outrate.metrics import LabelMetrics
+from outrate.budget.limiter import Bucket
+from outrate.observe.metrics import LabelMetrics
+from outrate.policy.compiler import CompiledPolicy
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

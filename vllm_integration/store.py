@@ -15,10 +15,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from outrate.compiler import CompiledPolicy
-from outrate.lease import RedisLink
-from outrate.lease_runner import TIMEOUT_S, LeaseRunner
-from outrate.shared import LEASE_INTERVAL_S, SharedLimiter
+from outrate.budget.shared.credit import LEASE_INTERVAL_S, SharedLimiter
+from outrate.budget.shared.lease import RedisLink
+from outrate.budget.shared.runner import TIMEOUT_S, LeaseRunner
+from outrate.policy.compiler import CompiledPolicy
 
 logger = logging.getLogger("vllm.outrate")
 

@@ -18,10 +18,10 @@ import os
 from functools import partial
 from typing import Any
 
-from outrate.compiler import CompiledPolicy
-from outrate.metrics import Publisher, snapshot
-from outrate.reload import Reloader
-from outrate.trace import DEFAULT_MAX_BYTES, TraceWriter
+from outrate.observe.metrics import Publisher, snapshot
+from outrate.observe.trace import DEFAULT_MAX_BYTES, TraceWriter
+from outrate.policy.compiler import CompiledPolicy
+from outrate.policy.reload import Reloader
 from vllm_integration.store import Store
 
 logger = logging.getLogger("vllm.outrate")

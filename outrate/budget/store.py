@@ -1,7 +1,7 @@
 """The budget store protocol: what the scheduler needs from per-user state.
 
 The scheduler (vllm_integration/scheduler.py) only talks to a `BudgetStore`.
-`outrate.limiter.Limiter` (in-memory GCRA, one engine) is the first
+`outrate.budget.limiter.Limiter` (in-memory GCRA, one engine) is the first
 implementation; a store shared between engines is a second one, and the
 scheduler does not change. Decisions must be O(1), allocation-free and never
 wait on I/O: a shared store decides from state held in memory and refreshes it
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from outrate.limiter import Bucket, Limit, LimitSource
+from outrate.budget.limiter import Bucket, Limit, LimitSource
 
 
 class BudgetStore(Protocol):

@@ -13,13 +13,13 @@ import os
 from decimal import Decimal
 from typing import Any
 
-from outrate.compiler import CompiledPolicy, compile_policy
 from outrate.errors import PolicyError, Problem
-from outrate.identity import KeyTable
-from outrate.keys import load_keys
-from outrate.loader import parse_policy_bytes, read_policy_file, validate
-from outrate.policy import Policy
-from outrate.values import UNLIMITED
+from outrate.identity.core import KeyTable
+from outrate.policy.compiler import CompiledPolicy, compile_policy
+from outrate.policy.keys import load_keys
+from outrate.policy.loader import parse_policy_bytes, read_policy_file, validate
+from outrate.policy.model import Policy
+from outrate.policy.values import UNLIMITED
 
 DEFAULT_FLAG = "--default-user-output-tokens-per-second"
 USERS_FLAG = "--user-output-tokens-per-second"

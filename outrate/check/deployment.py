@@ -173,7 +173,7 @@ def _store_url(value: Any) -> bool:
     presence is kept (the URL may carry a password)."""
     if value is None or str(value) == "":
         return False
-    from outrate.lease import check_url
+    from outrate.budget.shared.lease import check_url
 
     check_url(str(value))
     return True
@@ -181,7 +181,7 @@ def _store_url(value: Any) -> bool:
 
 def _trace_path(value: Any) -> str | None:
     """`--outrate-trace PATH`: refused where startup would refuse it."""
-    from outrate.trace import check_trace_path
+    from outrate.observe.trace import check_trace_path
 
     return None if value is None else str(check_trace_path(str(value)))
 
@@ -427,7 +427,7 @@ def _serve_flag_arity() -> dict[str, str]:
     """Every flag of every supported vLLM -> its arity. Lint cannot know which
     vLLM a deployment runs, so it accepts a flag any of them accepts. A flag
     whose arity differs between versions takes the newer one's."""
-    from outrate import vllm_flags_0_32, vllm_flags_0_33
+    from outrate.check import vllm_flags_0_32, vllm_flags_0_33
 
     arity: dict[str, str] = {}
     for f in (vllm_flags_0_32, vllm_flags_0_33):
@@ -463,7 +463,7 @@ def check_serve_argv(argv: list[str]) -> list[str]:
     """`argv` with every flag spelled out in full, or a DeploymentError where
     vllm serve would refuse it: an unknown or ambiguous flag, a missing value,
     a second positional argument. Flags are those of vLLM 0.32 and 0.33
-    (`outrate.vllm_flags_0_32`, `_0_33`), with vLLM's spellings: `--a_b`, `--a=v`, dotted
+    (`outrate.check.vllm_flags_0_32`, `_0_33`), with vLLM's spellings: `--a_b`, `--a=v`, dotted
     JSON keys (`--kv-transfer-config.kv_connector X`), `-O3`."""
     arity = _serve_flag_arity()
     out = argv[:1] if argv[:1] == ["serve"] else []

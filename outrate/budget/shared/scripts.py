@@ -1,4 +1,4 @@
-"""The two Lua scripts of a shared budget, as Redis runs them (outrate.lease
+"""The two Lua scripts of a shared budget, as Redis runs them (outrate.budget.shared.lease
 loads and calls them). Kept apart from the client: they are the part that
 decides, and read best on their own.
 

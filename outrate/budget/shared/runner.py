@@ -1,13 +1,13 @@
 """The lease thread of a shared budget (`--outrate-store`): `LeaseRunner`.
 
 One per engine core. Every lease interval it sends one pipelined round trip
-to Redis (outrate.lease) with a call for every user whose credit here ran
+to Redis (outrate.budget.shared.lease) with a call for every user whose credit here ran
 low, whose demand changed or whose registration is due, and the credit
 users who left hand back: at most `cap` calls, what fits in about half an
 interval, new users first and the others in turn (`plan`); every second a
 heartbeat with this engine's id and policy sha256. It is the only writer
 of a `SharedBucket`'s `granted`, `sent`, `fair`, `share`, `seen` and
-registration fields (outrate.shared).
+registration fields (outrate.budget.shared.credit).
 It also owns the faults: two failed round trips in a row switch the
 `SharedLimiter` to its fallback (applied by the scheduler at the next step),
 the first answer after that reports each user's local debt so nobody gets a
@@ -26,10 +26,17 @@ from collections import deque
 from collections.abc import Callable
 from fractions import Fraction
 
-from outrate.lease import MAX_DEMAND, MAX_HORIZON_US, MAX_TOKENS, LeaseCall, RedisLink, Units
-from outrate.limiter import NS_PER_S, Limit
-from outrate.shared import LEASE_INTERVAL_S, SharedBucket, SharedLimiter
-from outrate.store_metrics import StoreMetrics
+from outrate.budget.limiter import NS_PER_S, Limit
+from outrate.budget.shared.credit import LEASE_INTERVAL_S, SharedBucket, SharedLimiter
+from outrate.budget.shared.lease import (
+    MAX_DEMAND,
+    MAX_HORIZON_US,
+    MAX_TOKENS,
+    LeaseCall,
+    RedisLink,
+    Units,
+)
+from outrate.budget.shared.metrics import StoreMetrics
 
 HEARTBEAT_S = 1.0
 ENGINE_TTL_S = 3.0

@@ -26,11 +26,11 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from outrate.compiler import CompiledPolicy, is_rule_label
+from outrate.budget.limiter import NS_PER_S, Limit
+from outrate.budget.shared.metrics import merge_store, store_families
 from outrate.histogram import Histogram, add_json, cumulative
-from outrate.identity import ANONYMOUS
-from outrate.limiter import NS_PER_S, Limit
-from outrate.store_metrics import merge_store, store_families
+from outrate.identity.core import ANONYMOUS
+from outrate.policy.compiler import CompiledPolicy, is_rule_label
 
 OTHER = "other"
 """Label of per-user series past `metrics.max_series`."""

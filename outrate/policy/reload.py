@@ -33,11 +33,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-from outrate.changes import brief, describe_changes
-from outrate.compiler import CompiledPolicy
 from outrate.errors import OutrateError, PolicyError
-from outrate.pipeline import load_compiled
-from outrate.policy_file import read_policy_file
+from outrate.policy.changes import brief, describe_changes
+from outrate.policy.compiler import CompiledPolicy
+from outrate.policy.file import read_policy_file
+from outrate.policy.pipeline import load_compiled
 
 if TYPE_CHECKING:
     from watchdog.observers.api import BaseObserver

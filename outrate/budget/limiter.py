@@ -184,7 +184,7 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 class LimitSource(Protocol):
-    """What the limiter needs of a policy (outrate.compiler.CompiledPolicy is one):
+    """What the limiter needs of a policy (outrate.policy.compiler.CompiledPolicy is one):
     the limiter sits below the compiler and never imports it."""
 
     def limit_for(self, user_id: str) -> Limit: ...

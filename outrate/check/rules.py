@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal, NamedTuple
 
-from outrate.deployment import Deployment
-from outrate.identity import IdentityConfig
+from outrate.check.deployment import Deployment
+from outrate.identity.core import IdentityConfig
 
 Severity = Literal["error", "warning"]
 

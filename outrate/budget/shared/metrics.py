@@ -1,6 +1,6 @@
 """The budget store as one engine sees it (`--outrate-store`): counted by the
-lease thread (outrate.lease_runner), carried in the engine's metrics snapshot
-under "store" (outrate.metrics.snapshot), merged across data-parallel ranks
+lease thread (outrate.budget.shared.runner), carried in the engine's metrics snapshot
+under "store" (outrate.observe.metrics.snapshot), merged across data-parallel ranks
 and rendered beside the scheduler's families on /metrics.
 
 Names are a contract (README "Several engines"): `outrate_store_up`,
@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from outrate.budget.limiter import NS_PER_S
 from outrate.histogram import Histogram, add_json, cumulative
-from outrate.limiter import NS_PER_S
 
 LEASE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
 """Upper bounds of `outrate_lease_seconds` (a round trip to the budget store)."""

@@ -27,7 +27,7 @@ import re
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from outrate.identity import IDENTITY_KEY, IdentityConfig, identity_error
+from outrate.identity.core import IDENTITY_KEY, IdentityConfig, identity_error
 
 EXEMPT_PATHS = frozenset({"/health", "/ping", "/metrics", "/v1/models"})
 """Routes that never reach the engine and that probes and scrapers call

@@ -1,8 +1,8 @@
 """YAML text -> `Policy`, with every problem located at its line and column.
 
-`outrate.compose` turns the text into plain data and the position of every
+`outrate.policy.compose` turns the text into plain data and the position of every
 value and key (within limits: depth, alias expansion). Pydantic then validates
-the data against `outrate.policy`, and its error locations (tuples like
+the data against `outrate.policy.model`, and its error locations (tuples like
 `("users", "alice", "rate")`) are mapped back to those positions. All problems
 of a file are reported together, in file order.
 """
@@ -19,11 +19,11 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from outrate.compose import Doc, Path, Pos, compose
 from outrate.errors import PolicyError, Problem
-from outrate.policy import Policy, unknown_tier
-from outrate.policy_file import decode_policy_bytes, read_policy_file
-from outrate.values import MAX_NAME_LEN, must_be_string, shown
+from outrate.policy.compose import Doc, Path, Pos, compose
+from outrate.policy.file import decode_policy_bytes, read_policy_file
+from outrate.policy.model import Policy, unknown_tier
+from outrate.policy.values import MAX_NAME_LEN, must_be_string, shown
 
 __all__ = ["field_path", "load_policy", "parse_policy", "parse_policy_bytes", "read_policy_file"]
 

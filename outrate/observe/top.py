@@ -25,7 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from outrate.errors import OutrateError
-from outrate.fetch import PageError, fetch
+from outrate.observe.fetch import PageError, fetch
 
 Clock = Callable[[], float]
 Sleep = Callable[[float], None]

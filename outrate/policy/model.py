@@ -39,12 +39,12 @@ from pydantic import (
     model_validator,
 )
 
-from outrate.identity import (
+from outrate.identity.core import (
     ANONYMOUS,
     ON_CLAIM_MISMATCH,
     SOURCES,
 )
-from outrate.values import (
+from outrate.policy.values import (
     DEFAULT_BURST_NS,
     MAX_NAME_LEN,
     RATE_SCHEMA,

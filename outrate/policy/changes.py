@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from outrate.compiler import CompiledPolicy
-from outrate.identity import IdentityConfig
-from outrate.limiter import Limit
+from outrate.budget.limiter import Limit
+from outrate.identity.core import IdentityConfig
+from outrate.policy.compiler import CompiledPolicy
 from outrate.units import format_duration, format_rate
 
 _MAX_ITEMS = 5

@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 from pydantic import PlainSerializer, PlainValidator, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
-from outrate.identity import ANONYMOUS, MAX_IDENTITY_LEN, padding_error, text_error
-from outrate.limiter import NS_PER_S, exact_rate
+from outrate.budget.limiter import NS_PER_S, exact_rate
+from outrate.identity.core import ANONYMOUS, MAX_IDENTITY_LEN, padding_error, text_error
 from outrate.units import format_duration
 
 MAX_RATE = 1_000_000
@@ -227,7 +227,7 @@ def not_a_string(what: str, value: object) -> PydanticCustomError:
 
 
 def _check_text(what: str, value: str, limit: int) -> None:
-    """The identity rules (outrate.identity) for any name a policy holds."""
+    """The identity rules (outrate.identity.core) for any name a policy holds."""
     if len(value) > limit:
         raise problem(f"{what} must be at most {limit} characters (got {len(value)})")
     bad = text_error(value)

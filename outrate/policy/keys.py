@@ -46,11 +46,11 @@ from pathlib import Path
 
 from pydantic_core import PydanticCustomError
 
-from outrate.compose import compose
 from outrate.errors import OutrateError, PolicyError, Problem
-from outrate.identity import ANONYMOUS, DIGEST_PREFIX, KeyTable, key_digest
-from outrate.policy_file import decode_policy_bytes, read_policy_file
-from outrate.values import check_identity, shown
+from outrate.identity.core import ANONYMOUS, DIGEST_PREFIX, KeyTable, key_digest
+from outrate.policy.compose import compose
+from outrate.policy.file import decode_policy_bytes, read_policy_file
+from outrate.policy.values import check_identity, shown
 
 KEY_PREFIX = "ork_"
 """Generated keys start with it, so secret scanners and people recognise them."""

@@ -35,7 +35,7 @@ from yaml.constructor import ConstructorError
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from outrate.errors import PolicyError, Problem
-from outrate.values import shown
+from outrate.policy.values import shown
 
 Path = tuple[Any, ...]
 Pos = tuple[int, int]

@@ -15,11 +15,11 @@ from fnmatch import translate
 from types import MappingProxyType
 from typing import Any
 
-from outrate.identity import ANONYMOUS, BODY, IdentityConfig, KeyTable
-from outrate.limiter import Limit
-from outrate.policy import LimitRule, Policy, TierRule
+from outrate.budget.limiter import Limit
+from outrate.identity.core import ANONYMOUS, BODY, IdentityConfig, KeyTable
+from outrate.policy.model import LimitRule, Policy, TierRule
+from outrate.policy.values import UNLIMITED
 from outrate.units import format_count
-from outrate.values import UNLIMITED
 
 PATTERN_CACHE_SIZE = 65_536
 """Pattern results remembered per policy; bounded so hostile ids cannot grow it."""

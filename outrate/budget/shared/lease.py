@@ -2,7 +2,7 @@
 
 Engines never ask Redis per token. A lease thread in each engine leases
 credit for every user that needs it once per lease interval, all in one
-pipelined round trip (outrate.shared). Users fall into `GROUPS` fixed groups
+pipelined round trip (outrate.budget.shared.credit). Users fall into `GROUPS` fixed groups
 by a hash of their id; one `LEASE_SCRIPT` call serves up to `MAX_BATCH` users
 of one group, so 10,000 users cost at most a few dozen script calls, not
 10,000. The script runs atomically in Redis with the server's `TIME`, so
@@ -41,10 +41,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import parse_qs, unquote, unquote_plus, urlsplit
 
-from outrate.lease_scripts import HEARTBEAT_SCRIPT, LEASE_SCRIPT
+from outrate.budget.shared.scripts import HEARTBEAT_SCRIPT, LEASE_SCRIPT
 
 if TYPE_CHECKING:
-    from outrate.limiter import Limit
+    from outrate.budget.limiter import Limit
 
 PREFIX = "outrate"
 ENGINES_KEY = f"{PREFIX}:{{engines}}"

@@ -1,11 +1,11 @@
 """A budget shared by several engines: local credit, leased from Redis.
 
-`SharedLimiter` is the second `BudgetStore` (outrate.store). The scheduler
+`SharedLimiter` is the second `BudgetStore` (outrate.budget.store). The scheduler
 talks to it exactly as to `Limiter`, and its hot path stays in memory: a
 token is taken when the user's local GCRA conforms (as on one engine) *and*
 the engine holds leased credit for the user. `LeaseRunner`
-(outrate.lease_runner), a thread in the engine core, keeps that credit
-topped up from the global GCRA in Redis (outrate.lease): once per lease
+(outrate.budget.shared.runner), a thread in the engine core, keeps that credit
+topped up from the global GCRA in Redis (outrate.budget.shared.lease): once per lease
 interval it sends one pipelined round trip with a call for every user whose
 credit ran below its slice (up to a cap per round; past it, users take
 turns and their slices last until their next turn), and returns credit
@@ -41,7 +41,7 @@ from collections import deque
 from collections.abc import Callable
 from fractions import Fraction
 
-from outrate.limiter import NS_PER_S, Bucket, Limit, Limiter, LimitSource
+from outrate.budget.limiter import NS_PER_S, Bucket, Limit, Limiter, LimitSource
 
 LEASE_INTERVAL_S = 0.02
 """One round trip per 20 ms: a fifth of the default 100 ms burst, so four

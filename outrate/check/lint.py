@@ -40,15 +40,15 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
 
-from outrate.compiler import CompiledPolicy, compile_policy, is_rule_label
-from outrate.deployment import Deployment
+from outrate.check.deployment import Deployment
+from outrate.check.rules import Finding, lint_deployment, lint_exposure
 from outrate.errors import PolicyError, Problem
-from outrate.identity import padding_error
-from outrate.pipeline import load_compiled
-from outrate.policy import LimitRule, Policy
-from outrate.rules import Finding, lint_deployment, lint_exposure
+from outrate.identity.core import padding_error
+from outrate.policy.compiler import CompiledPolicy, compile_policy, is_rule_label
+from outrate.policy.model import LimitRule, Policy
+from outrate.policy.pipeline import load_compiled
+from outrate.policy.values import shown
 from outrate.units import format_duration
-from outrate.values import shown
 
 SHORT_BURST_NS = 50_000_000
 """An engine step under load takes tens of milliseconds on most GPUs."""
