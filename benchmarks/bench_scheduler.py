@@ -538,7 +538,6 @@ def isolated(cell: Cell, sizes: Sizes, reps: int = 200) -> tuple[float, float, f
         reqs, computed, scheduled = fed[id(b)]
         hook = sched._reserve_prefill_lookahead
         if after:
-            sched._prev_step = sched._step
             sched._step += 1
             sched._now += STEP_NS
         t0 = clock()
@@ -570,7 +569,7 @@ ABLATIONS = {
     "hot-bucket": "every user charges one shared bucket (the store's state stays hot)",
     "no-store": "every take a call to take_upto, which answers without state (no bucket)",
     "hot-label": "every user counted under one shared label record (metrics state hot)",
-    "no-metrics": "the hook and the fold without their metric lines (bench_metrics)",
+    "no-metrics": "the hook without its metric lines (Ledger.charge a no-op: bench_metrics)",
     "bare": "outrate's scheduler with stock's hook and no end of step",
 }
 """`--ablate`: outrate variants, each built and measured like the others,
@@ -586,7 +585,6 @@ def _ablated(sched: Any, name: str) -> None:
         for u in sched._users.values():
             u.bucket = shared
     elif name == "no-store":
-        sched._inline_gen = -1  # (no inline take either: every take is a call)
         sched.limiter.take_upto = lambda b, now, n: n
         sched.limiter.give_back = lambda b, now, n=1: None
     elif name == "hot-label":
@@ -596,13 +594,9 @@ def _ablated(sched: Any, name: str) -> None:
         for u in sched._users.values():
             u.m = label
     elif name == "no-metrics":
-        from bench_metrics import (  # (it imports this module)
-            fold_without_metrics,
-            hook_without_metrics,
-        )
+        from bench_metrics import without_metrics  # (it imports this module)
 
-        sched._reserve_prefill_lookahead = types.MethodType(hook_without_metrics, sched)
-        sched.ledger.fold = types.MethodType(fold_without_metrics, sched.ledger)
+        without_metrics(sched)
     elif name == "bare":
         stock = type(sched).__mro__[2]  # Scheduler / AsyncScheduler, after OutrateMixin
         sched._reserve_prefill_lookahead = types.MethodType(stock._reserve_prefill_lookahead, sched)

@@ -36,9 +36,11 @@ def setup(chunked: bool = True, caching: bool = False):
     policy = compile_policy(parse_policy(POLICY, "p.yaml"), "p.yaml")
     limiter = Limiter(policy, clock=lambda: 0)
     metrics = Metrics()
-    holdback = Holdback(limiter, False, {"held": 0, "released": 0})
+    holdback = Holdback(limiter, False, metrics)
     roster = Roster(limiter, metrics)
-    adm = Admission(limiter, metrics, holdback, chunked=chunked, caching=caching, block_size=4)
+    adm = Admission(
+        limiter, metrics, holdback, StepScratch(), chunked=chunked, caching=caching, block_size=4
+    )
 
     def request(user: str, running: bool = False, **kw: int) -> Req:
         r = Req(**kw)
@@ -49,12 +51,13 @@ def setup(chunked: bool = True, caching: bool = False):
 
 
 def admit(adm: Admission, r: Req, st: StepScratch, running: int = 0, cap: int = 8) -> bool:
-    return adm.admit(r, st, step=1, now=0, running=running, max_active=cap)  # type: ignore[arg-type]
+    assert st is adm.st  # the scheduler's scratch, handed to Admission when built
+    return adm.admit(r, step=1, now=0, running=running, max_active=cap)  # type: ignore[arg-type]
 
 
 def test_a_user_with_budget_is_admitted_and_counted_resident_at_once():
     adm, _, _, request, _ = setup()
-    st = StepScratch()
+    st = adm.st
     r = request("alice")
     assert admit(adm, r, st)
     rs = r.__dict__[ATTR]
@@ -63,7 +66,7 @@ def test_a_user_with_budget_is_admitted_and_counted_resident_at_once():
 
 def test_max_streams_defers_and_counts_once_per_deferral():
     adm, _, _, request, metrics = setup()
-    st = StepScratch()
+    st = adm.st
     assert admit(adm, request("capped"), st)
     second = request("capped")
     assert not admit(adm, second, st)
@@ -74,7 +77,7 @@ def test_max_streams_defers_and_counts_once_per_deferral():
 
 def test_out_of_budget_prefills_ahead_only_with_chunking_and_a_free_seat():
     adm, _, limiter, request, metrics = setup(chunked=True)
-    st = StepScratch()
+    st = adm.st
     r = request("bob")
     u = r.__dict__[ATTR].user
     while limiter.take(u.bucket, 0):
@@ -98,7 +101,7 @@ def test_prefill_ahead_needs_a_positive_cap_whatever_the_cache_hit():
 
 def test_shadow_limits_never_defer():
     adm, _, limiter, request, _ = setup()
-    st = StepScratch()
+    st = adm.st
     r = request("shadowed")
     while limiter.take(r.__dict__[ATTR].user.bucket, 0):
         pass

@@ -24,13 +24,12 @@ class Req:
 def setup(rate: float = 10, priority: bool = False):
     limiter = Limiter(policy_from_flags(rate, None), clock=lambda: 0)
     metrics = Metrics()
-    stats = {"held": 0, "released": 0}
-    hb = Holdback(limiter, priority, stats)
+    hb = Holdback(limiter, priority, metrics)
 
     def user(key: str) -> UserState:
         return UserState(key, limiter.pin(key), metrics.record(key))
 
-    return hb, limiter, user, stats
+    return hb, limiter, user, metrics
 
 
 def spend(limiter: Limiter, u: UserState, now: int) -> None:
@@ -39,7 +38,7 @@ def spend(limiter: Limiter, u: UserState, now: int) -> None:
 
 
 def test_held_requests_come_back_oldest_first_when_budget_returns():
-    hb, limiter, user, stats = setup(rate=10)
+    hb, limiter, user, metrics = setup(rate=10)
     alice = user("alice")
     spend(limiter, alice, 0)
     reqs = [Req(alice) for _ in range(3)]
@@ -54,7 +53,7 @@ def test_held_requests_come_back_oldest_first_when_budget_returns():
     rearm = hb.release_ready(alice.ready_at, room=8, running=running)
     assert running == [reqs[0]]  # one token of budget: one stream, the oldest
     assert rearm == [alice] and alice.n_held == 2
-    assert stats == {"held": 3, "released": 1}
+    assert (metrics.holds, metrics.releases) == (3, 1)
     assert alice.m.wait.sum_ns == alice.ready_at - 0
 
 
@@ -123,7 +122,7 @@ def test_displacement_takes_from_the_user_with_the_most_slots_only_if_unfair():
 
 
 def test_hold_refused_holds_only_running_requests_stock_did_not_schedule():
-    hb, _, user, stats = setup()
+    hb, _, user, metrics = setup()
     alice = user("alice")
     reqs = [Req(alice) for _ in range(4)]
     for i, r in enumerate(reqs):
@@ -132,11 +131,11 @@ def test_hold_refused_holds_only_running_requests_stock_did_not_schedule():
     refused = [reqs[0], reqs[1], reqs[3]]
     # r0 was scheduled after all (a later token of the step), r3 is not running.
     held = hb.hold_refused(refused, {"r0": 1}, now=5, running_status="RUNNING")
-    assert list(held) == [reqs[1]] == list(hb.held) and refused == [] and stats["held"] == 1
+    assert list(held) == [reqs[1]] == list(hb.held) and refused == [] and metrics.holds == 1
     refused = [reqs[2], reqs[0], reqs[2]]  # refused twice in a step: held once
     held = hb.hold_refused(refused, {}, now=6, running_status="RUNNING")
     assert list(held) == [reqs[2], reqs[0]]  # in the order they were refused
-    assert len(hb) == 3 and alice.n_held == 3 and stats["held"] == 3
+    assert len(hb) == 3 and alice.n_held == 3 and metrics.holds == 3
 
 
 def test_earliest_ready_is_the_earlier_of_the_wake_heap_and_a_blocked_admission():

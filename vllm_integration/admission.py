@@ -30,6 +30,7 @@ class Admission:
         limiter: BudgetStore,
         metrics: Metrics,
         holdback: Holdback,
+        st: StepScratch,
         chunked: bool,
         caching: bool,
         block_size: int,
@@ -37,6 +38,7 @@ class Admission:
         self.limiter = limiter
         self.metrics = metrics
         self.holdback = holdback
+        self.st = st  # the scheduler's step scratch: what a step carries to its end
         self.chunked = chunked  # chunked prefill: a throttled request can prefill ahead
         self.caching = caching  # prefix caching
         self.block_size = block_size
@@ -44,7 +46,6 @@ class Admission:
     def admit(
         self,
         request: Request,
-        st: StepScratch,
         step: int,
         now: int,
         running: int,
@@ -56,6 +57,7 @@ class Admission:
         budget. An admitted request counts as resident at once, so
         `max_streams` holds within one step (`st.admits`: undone after the
         step if stock did not admit it after all)."""
+        st = self.st
         rs: RequestState = request.__dict__[ATTR]
         if rs.preempted_step == step:
             return False  # displaced or preempted this step: not back in the same step
@@ -97,12 +99,11 @@ class Admission:
         u: UserState,
         step: int,
         num_computed: int,
-        st: StepScratch,
-        ledger: Any,
     ) -> int:
         """The charging hook's answer for a request out of budget: prefill up
         to the last prompt position, sample later (held after the step, most
         likely, if it holds a slot)."""
+        st = self.st
         if u.refused_step != step:
             u.refused_step = step
             st.touched.append(u)
@@ -111,7 +112,6 @@ class Admission:
             return last_prompt - num_computed
         if rs.resident:
             st.refused.append(request)
-            ledger.stopped(rs, step)  # its last token's time, kept for the interval
         return 0
 
     def _defer(self, rs: RequestState, reason: str) -> bool:

@@ -1,6 +1,6 @@
-"""The scheduler's engine-core wiring (`wire_engine`), a reloaded policy's
-takeover (`swap_policy`), and the engine-loop patch: wait on the input queue
-instead of spinning when every request is throttled.
+"""The scheduler's engine-core wiring (`wire_engine`) and the engine-loop
+patch: wait on the input queue instead of spinning when every request is
+throttled.
 
 vLLM 0.32's `EngineCoreProc._process_engine_step` sleeps 1 ms and loops when
 no model ran but requests exist: a busy spin while everyone is throttled.
@@ -39,25 +39,6 @@ def wire_engine(sched: Any) -> Any:
     threads = start_engine_threads(sched, settings, store)
     install_idle_wait()
     return threads
-
-
-def swap_policy(sched: Any, policy: Any, now: int) -> None:
-    """A reloaded policy takes over at the start of a step: the store converts
-    each user's debt at `now`, held users are re-armed for their new limits,
-    users move to their new `limit` labels (live runs' intervals counted under
-    the old ones first), and the trace notes it."""
-    sched._policy = policy
-    sched.outrate_checkpoint()
-    sched.limiter.set_policy(policy, now)
-    if sched._inline:
-        sched._inline_gen = sched.limiter._gen  # the hook's inline take: this generation
-    logger.debug("outrate: scheduler switched to %s", policy.summary())
-    users = sched._users.values()
-    sched.holdback.rearm(users, now)
-    for u in users:
-        sched.ledger.relabel(u, policy)
-    if sched.ledger.trace is not None:
-        sched.ledger.trace.event(now, policy=policy.sha256, source=policy.source)
 
 
 def install_idle_wait() -> None:

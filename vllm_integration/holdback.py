@@ -20,6 +20,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from outrate.budget.store import BudgetStore
+from outrate.observe.metrics import Metrics
+from vllm_integration.recorder import StepRecorder
 from vllm_integration.state import ATTR, RequestState, UserState, is_held
 
 if TYPE_CHECKING:
@@ -27,16 +29,20 @@ if TYPE_CHECKING:
 
 
 class Holdback:
-    def __init__(self, limiter: BudgetStore, priority: bool, stats: dict[str, int]) -> None:
+    def __init__(
+        self,
+        limiter: BudgetStore,
+        priority: bool,
+        metrics: Metrics,
+        recorder: StepRecorder | None = None,
+    ) -> None:
         self.limiter = limiter
         self.priority = priority  # vLLM's PRIORITY scheduling policy
-        self.stats = stats
+        self.metrics = metrics
+        self.recorder = recorder  # with --outrate-trace
         self.held: dict[Request, None] = {}  # insertion-ordered: newest held last
         self.wake: list[tuple[int, int, UserState]] = []  # (ready_at, seq, user)
         self.seq = 0
-        # Per-step counts for the trace, per user id (None: not tracing).
-        self.trace_held: dict[str, int] | None = None
-        self.trace_released: dict[str, int] | None = None
 
     def __len__(self) -> int:
         return len(self.held)
@@ -56,9 +62,9 @@ class Holdback:
         heapq.heappush(u.held, (r.priority if self.priority else 0, self.seq, r))
         u.n_held += 1
         u.m.hold(now)
-        self.stats["held"] += 1
-        if self.trace_held is not None:
-            self.trace_held[u.key] = self.trace_held.get(u.key, 0) + 1
+        self.metrics.holds += 1
+        if self.recorder is not None:
+            self.recorder.held(u.key)
 
     def hold_refused(
         self,
@@ -148,9 +154,9 @@ class Holdback:
             u.n_held -= 1
             running.append(r)
             released += 1
-        self.stats["released"] += released
-        if released and self.trace_released is not None:
-            self.trace_released[u.key] = self.trace_released.get(u.key, 0) + released
+        self.metrics.releases += released
+        if released and self.recorder is not None:
+            self.recorder.released(u.key, released)
         return released
 
     def release_all(self, users: Iterable[UserState], now: int, running: list[Request]) -> None:

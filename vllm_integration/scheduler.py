@@ -7,16 +7,17 @@ requests whose user's budget returned; displace one held request if every
 resident slot is taken and a user with budget waits; run stock `schedule()`,
 during which the hooks charge each sampling dispatch (`_reserve_prefill_lookahead`)
 and defer admissions (`_handle_blocked_waiting_request`); then settle the step
-(`_after_schedule`): refunds, requeue, holds, wake-ups, metrics and trace.
+(`_after_schedule`): refunds, requeue, holds, wake-ups and the trace.
 
 The machinery lives beside it: `Holdback` (holdback.py) parks throttled
 running requests outside `running` and wakes them; `Admission`
 (admission.py) defers, displaces and answers a refused charge; `Ledger`
-(ledger.py) settles refunds, unspent tokens, metrics and the trace;
-`StepScratch` (state.py) is what one step carries to its end; `wire_engine`
-(engine.py) sets it all up in the engine core, and `swap_policy` applies a
-reload. Policy decisions are the core's (`outrate.budget.limiter` behind the
-`BudgetStore` protocol).
+(ledger.py) counts each token and settles refunds and unspent tokens;
+`StepRecorder` (recorder.py) collects a step's trace line; `StepScratch`
+(state.py) is what one step carries to its end; `wire_engine` (engine.py)
+sets it all up in the engine core, and `swap_policy` applies a reload.
+Policy decisions are the core's (`outrate.budget` behind the `BudgetStore`
+protocol).
 
 Holdback restores two stock behaviours explicitly: `len(running) + held <=
 max_num_seqs` (the admission cap `max_num_active_reqs` is lowered for the
@@ -45,10 +46,11 @@ from outrate.observe.metrics import Metrics
 from outrate.policy.compiler import CompiledPolicy
 from vllm_integration.admission import Admission
 from vllm_integration.compat import check_overrides
-from vllm_integration.engine import swap_policy, wire_engine
+from vllm_integration.engine import wire_engine
 from vllm_integration.holdback import Holdback
 from vllm_integration.kv import HeldFirstAllocation
 from vllm_integration.ledger import Ledger
+from vllm_integration.recorder import StepRecorder
 from vllm_integration.roster import Roster
 from vllm_integration.state import ATTR, PolicyBox, RequestState, StepScratch
 
@@ -97,31 +99,26 @@ class OutrateMixin:
         if limiter is None:
             limiter = Limiter(self._policy, clock=clock)
         self.limiter: BudgetStore = limiter
-        # The hook takes a user's one token inline from the in-memory store
-        # (`Limiter.take`, no call) while its bucket is of the store's current
-        # policy generation; any other store, or a bucket to refresh, is called.
-        self._inline = type(limiter).take_upto is Limiter.take_upto
-        self._inline_gen = limiter._gen if self._inline else -1  # type: ignore[attr-defined]
         self._clock = clock
-        self.stats = {"refunded": 0, "held": 0, "released": 0, "displaced": 0}
         self.metrics = Metrics()
+        self.recorder: StepRecorder | None = None  # with --outrate-trace (outrate_trace)
         sc = self.scheduler_config  # type: ignore[attr-defined]
         self._priority = self.policy == SchedulingPolicy.PRIORITY  # type: ignore[attr-defined]
-        self.holdback = Holdback(self.limiter, self._priority, self.stats)
-        self.ledger = Ledger(self.limiter, self.metrics, self.stats)
+        self._st = StepScratch()
+        self.holdback = Holdback(self.limiter, self._priority, self.metrics)
+        self.ledger = Ledger(self.limiter, self.metrics)
         self.admission = Admission(
             self.limiter,
             self.metrics,
             self.holdback,
+            self._st,
             chunked=bool(sc.enable_chunked_prefill),
             caching=bool(self.cache_config.enable_prefix_caching),  # type: ignore[attr-defined]
             block_size=self.block_size,  # type: ignore[attr-defined]
         )
-        self._st = StepScratch()
         self.roster = Roster(self.limiter, self.metrics)
         self._users = self.roster.users  # users with live requests, by id
         self._step = 0
-        self._prev_step = -1
         self._now = 0
         self._cfg_active = self.max_num_active_reqs
         if getattr(self, "num_prefill_lookahead", 0) > 1:  # the hook replaces stock's
@@ -134,16 +131,24 @@ class OutrateMixin:
             self._register(req)
 
     def outrate_trace(self, trace: Any) -> None:
-        """Write a trace line per step to `trace` (a TraceWriter)."""
-        self.ledger.trace = trace
-        self.ledger.trace_refunded = {}
-        self.holdback.trace_held, self.holdback.trace_released = {}, {}
+        """Write a trace line per step to `trace` (a TraceWriter): one
+        recorder, handed to the holdback and the ledger."""
+        self.recorder = self.holdback.recorder = self.ledger.recorder = StepRecorder(trace)
 
-    def outrate_checkpoint(self) -> None:
-        """Live users' token counts and live requests' token intervals into
-        their labels now (the steps do it every `ledger.FLUSH_NS`; tests and
-        reloads call it)."""
-        self.ledger.checkpoint(self.requests.values(), self._users.values(), self._step, self._now)
+    def swap_policy(self, policy: CompiledPolicy, now: int) -> None:
+        """A reloaded policy takes over at the start of a step: the store
+        converts each user's debt at `now`, held users are re-armed for
+        their new limits, users move to their new `limit` labels, and the
+        trace notes it."""
+        self._policy = policy
+        self.limiter.set_policy(policy, now)
+        logger.debug("outrate: scheduler switched to %s", policy.summary())
+        users = self._users.values()
+        self.holdback.rearm(users, now)
+        for u in users:
+            self.ledger.relabel(u, policy)
+        if self.recorder is not None:
+            self.recorder.event(now, policy=policy.sha256, source=policy.source)
 
     @property
     def charged(self) -> int:
@@ -175,7 +180,6 @@ class OutrateMixin:
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
         rs = request.__dict__.pop(ATTR, None)
         if rs is not None:
-            self.ledger.flush(rs, rs.charged_step)  # its last run's intervals
             self._leave_slot(rs, request)
             self.roster.finish(rs)
         return super()._free_request(request, delay_free_blocks)  # type: ignore[misc]
@@ -187,7 +191,6 @@ class OutrateMixin:
         if rs is not None:
             self._leave_slot(rs, request)
             rs.preempted_step = self._step
-            self.ledger.stopped(rs, self._step)
             if rs.charged_step == self._step:
                 self._st.preempted_charged.append(request)  # refunded after the step
         super()._preempt_request(request, timestamp, drop_stale_output)  # type: ignore[misc]
@@ -216,8 +219,7 @@ class OutrateMixin:
             return num_new_tokens  # nothing sampled: middle prefill chunks are free
         rs: RequestState = request._outrate  # type: ignore[attr-defined]  # ATTR, see state.py
         step = self._step
-        last = rs.charged_step
-        if last == step:
+        if rs.charged_step == step:
             return num_new_tokens  # never charge a request twice in a step
         u = rs.user
         left = u.left  # tokens it took for this step and has not spent (0 between steps)
@@ -226,55 +228,34 @@ class OutrateMixin:
         elif u.step != step:  # its first charge this step: tokens for its running requests
             u.step = step
             want = u.resident - u.n_held
-            b = u.bucket
-            if want > 1 or b.gen != self._inline_gen:
-                left = self.limiter.take_upto(b, self._now, want if want > 1 else 1)
-                if left > 1:
-                    u.left = left - 1
-                    self._st.users.append(u)  # what it does not spend goes back at the fold
-            else:  # one token from the in-memory store: its `take`, inline (no call)
-                lim = b.limit
-                scale = lim.scale
-                left = 1
-                if scale:
-                    now_s = self._now * scale
-                    tat = b.tat
-                    if tat < now_s:
-                        tat = now_s
-                    elif tat - now_s > lim.tolerance:
-                        left = 0
-                    if left:
-                        b.tat = tat + lim.interval
+            left = self.limiter.take_upto(u.bucket, self._now, want if want > 1 else 1)
+            if left > 1:
+                u.left = left - 1
+                self._st.users.append(u)  # what it does not spend goes back at the fold
         elif u.refused_step != step:  # more than it had running (admitted this step): one more
             left = self.limiter.take_upto(u.bucket, self._now, 1)
         if not left and not (u.bucket.limit.shadow and self.ledger.shadow_over(rs, u, step)):
-            return self.admission.refuse(
-                request, rs, u, step, num_computed_tokens, self._st, self.ledger
-            )
+            return self.admission.refuse(request, rs, u, step, num_computed_tokens)
         rs.charged_step = step
         self._st.last_charge = request  # a refund candidate (state.py)
-        u.tokens += 1  # into its label's counter at the next checkpoint
-        if last != self._prev_step:  # (not `step - 1`: an int per token)
-            self.ledger.gap(rs, u, last, step, self._now)  # else its interval is the period
+        self.ledger.charge(rs, u, self._now)
         return num_new_tokens
 
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
         if not super()._handle_blocked_waiting_request(request):  # type: ignore[misc]
             return False
         return self.admission.admit(
-            request, self._st, self._step, self._now, len(self.running), self.max_num_active_reqs
+            request, self._step, self._now, len(self.running), self.max_num_active_reqs
         )
 
     # -- one step ---------------------------------------------------------------
 
     def schedule(self, throttle_prefills: bool = False) -> Any:
-        self._prev_step = self._step
         self._step += 1
         now = self._now = self._clock()
-        self.ledger.begin(self._step, now)
         policy = self.policy_box.current
         if policy is not self._policy:
-            swap_policy(self, policy, now)  # a reload, at a step's start (engine.py)
+            self.swap_policy(policy, now)  # a reload, at a step's start
         self._st.blocked_ready = 0
         holdback = self.holdback
         if holdback.wake:
@@ -308,9 +289,9 @@ class OutrateMixin:
                 self.running = remove_all(self.running, set(held))
         if st.touched:
             self.holdback.arm_touched(st.touched, now)
-        self.ledger.fold(st, self._step, now, self.requests.values(), self._users.values())
-        if self.ledger.trace is not None:
-            self.ledger.trace_step(scheduled, self.requests, self._step, now, self.holdback)
+        self.ledger.fold(st, now)
+        if self.recorder is not None:
+            self.recorder.write(scheduled, self.requests, self._step, now)
         self.limiter.cleanup(now, 4)
 
     def _displace(self, now: int) -> None:
@@ -320,7 +301,6 @@ class OutrateMixin:
         victim = self.admission.displacement(self.waiting, self._users.values(), self._step, now)
         if victim is not None:
             self._preempt_request(victim, time.monotonic())
-            self.stats["displaced"] += 1
             self.metrics.displaced += 1
 
     # -- engine loop --------------------------------------------------------

@@ -42,7 +42,6 @@ class UserState:
         "resident",
         "n_held",
         "bucket",
-        "tokens",
         "refused_step",
         "m",
         "key",
@@ -63,17 +62,11 @@ class UserState:
         self.ready_at = 0
         self.armed = False  # has a live entry in the wake heap
         self.m = m  # the metrics record of this user's `limit` label
-        self.tokens = 0  # charged, not yet added to `m` (at checkpoints: ledger.py)
         self.step = -1  # the last step it was granted tokens in
         # This step's tokens: the user's first charge in a step takes from the
         # store as many as it has visible running requests (`take_upto`);
         # each charge spends one; what is left goes back at the step's end.
         self.left = 0  # tokens taken for this step and not spent yet
-
-    def settle_tokens(self) -> None:
-        """Its tokens counted since the last checkpoint into its label's counter."""
-        self.m.tokens += self.tokens
-        self.tokens = 0
 
     def wakes_at(self, ready: int) -> bool:
         """Whether a wake-heap entry for `ready` is this user's live one."""
@@ -88,13 +81,10 @@ class RequestState:
         "held",
         "preempted_step",
         "held_since",
+        "last_ns",
+        "prev_ns",
         "over_step",
         "deferred",
-        "gap_step",
-        "prev_step",
-        "flushed",
-        "last_step",
-        "last_ns",
     )
 
     def __init__(self, user: UserState) -> None:
@@ -103,14 +93,10 @@ class RequestState:
         self.held = False
         self.charged_step = -1
         self.preempted_step = -1
-        # Token intervals (ledger.py): a token in the step after the request's
-        # last one takes that step's period, added per run; others look the
-        # last one's step up in the Ledger's ring of step times.
-        self.gap_step = -1  # the step of its last token that was not consecutive
-        self.prev_step = -1  # ... and the step of the token before that one
-        self.flushed = -1  # its run's intervals are in the histogram up to this step
-        self.last_step = -1  # its last token's step when it stopped (hold, preemption)
-        self.last_ns = 0  # ... and that step's time: for gaps longer than the ring
+        # Token intervals (ledger.py): each charge observes the time since the
+        # request's last token; a refund puts the one before back.
+        self.last_ns = 0  # its last charged token's step time (0: none yet)
+        self.prev_ns = 0  # ... and the one before (what a refund restores)
         self.held_since = 0
         self.over_step = -1  # step of a shadow over-limit charge (refunds)
         self.deferred = ""  # why admission is deferred now ("" when it is not)

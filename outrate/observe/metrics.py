@@ -102,6 +102,11 @@ class Metrics:
         self._series: set[str] = set()  # opted-in (metrics.per_user) users with a series
         self.displaced = 0
         self.deferred = dict.fromkeys(DEFERRED_REASONS, 0)
+        # Engine-wide counts of the scheduler's actions (tests and benchmarks
+        # read them; the per-label records carry what /metrics shows).
+        self.holds = 0  # requests held for budget
+        self.releases = 0  # held requests released
+        self.refunded = 0  # tokens charged and not scheduled, given back
 
     def record(self, label: str) -> LabelMetrics:
         m = self.labels.get(label)

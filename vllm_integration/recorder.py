@@ -1,0 +1,60 @@
+"""What one step did, per user, for the token trace (`--outrate-trace`).
+
+One `StepRecorder` is handed to the holdback (holds, releases) and the ledger
+(refunds); the scheduler writes the step's line from it at the step's end
+(`write`), which also starts the next step's counts. Only exists while
+tracing. Plain Python: no vLLM import.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_integration.state import ATTR
+
+
+class StepRecorder:
+    __slots__ = ("trace", "held_by", "released_by", "refunded_by")
+
+    def __init__(self, trace: Any) -> None:
+        self.trace = trace  # a TraceWriter
+        self.held_by: dict[str, int] = {}
+        self.released_by: dict[str, int] = {}
+        self.refunded_by: dict[str, int] = {}
+
+    def held(self, key: str) -> None:
+        self.held_by[key] = self.held_by.get(key, 0) + 1
+
+    def released(self, key: str, n: int) -> None:
+        self.released_by[key] = self.released_by.get(key, 0) + n
+
+    def refunded(self, key: str) -> None:
+        self.refunded_by[key] = self.refunded_by.get(key, 0) + 1
+
+    def event(self, now: int, **fields: Any) -> None:
+        """A line that is not a step (a policy swap)."""
+        self.trace.event(now, **fields)
+
+    def write(
+        self, scheduled: dict[str, int], requests: dict[str, Any], step: int, now: int
+    ) -> None:
+        """The step's line: per user id, tokens charged this step (gross),
+        refunded and shadow over-limit; held and released. O(requests
+        scheduled). Steps where nothing happened write nothing."""
+        charged: dict[str, int] = {}
+        over: dict[str, int] = {}
+        for rid in scheduled:
+            rs = requests[rid].__dict__.get(ATTR)
+            if rs is None or rs.charged_step != step:
+                continue
+            key = rs.user.key
+            charged[key] = charged.get(key, 0) + 1
+            if rs.over_step == step:
+                over[key] = over.get(key, 0) + 1
+        refunded = self.refunded_by
+        for key, n in refunded.items():
+            charged[key] = charged.get(key, 0) + n
+        held, released = self.held_by, self.released_by
+        if charged or held or released:  # (the writer keeps the dicts: new ones after)
+            self.trace.step((now, step, charged, refunded, held, released, over))
+            self.held_by, self.released_by, self.refunded_by = {}, {}, {}
