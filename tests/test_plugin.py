@@ -14,6 +14,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: E402
 
 from vllm_integration import plugin  # noqa: E402
 from vllm_integration.config import CONFIG_KEY, SCHEDULER_CLS, compile_settings  # noqa: E402
+from vllm_integration.settings import EngineSettings  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -57,7 +58,7 @@ def test_policy_flag_selects_the_scheduler_and_travels_to_the_engine(parser):
     settings = ea.additional_config[CONFIG_KEY]
     assert settings["policy"].endswith("policies/demo.yaml")
     assert settings["reload"] == "watch"
-    assert compile_settings(settings).limit_for("user-a").rate == 20
+    assert compile_settings(EngineSettings.from_config(settings)).limit_for("user-a").rate == 20
 
 
 @pytest.mark.parametrize(
@@ -110,7 +111,7 @@ def test_seed_flags_make_an_in_memory_policy(parser):
         "--outrate-reload",
         "off",
     )
-    policy = compile_settings(ea.additional_config[CONFIG_KEY])
+    policy = compile_settings(EngineSettings.from_config(ea.additional_config[CONFIG_KEY]))
     assert policy.limit_for("user-b").rate == 500
     assert policy.limit_for("someone").rate == 100
 

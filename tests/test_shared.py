@@ -553,6 +553,7 @@ def test_data_parallel_engines_write_their_own_files_and_metrics_merge(tmp_path)
     assert merged["store"]["up"] == 0 and merged["store"]["errors"] == 2
     assert merged["store"]["engines"] == 2
     pytest.importorskip("vllm")
+    from vllm_integration.settings import EngineSettings
     from vllm_integration.threads import dp_suffix, rank_path
 
     class PC:
@@ -565,5 +566,5 @@ def test_data_parallel_engines_write_their_own_files_and_metrics_merge(tmp_path)
     assert dp_suffix(VC()) == ".dp1" and dp_suffix(None) == ""
     PC.data_parallel_size = 1  # what vLLM leaves in a non-MoE data-parallel engine core
     assert dp_suffix(VC()) == ""
-    assert dp_suffix(VC(), {"data_parallel_size": 2}) == ".dp1"
+    assert dp_suffix(VC(), EngineSettings(data_parallel_size=2)) == ".dp1"
     assert rank_path("/x/trace.jsonl", ".dp1") == "/x/trace.dp1.jsonl"

@@ -16,6 +16,7 @@ from vllm_harness import MS, Driver, FakeClock, make_request, make_scheduler  # 
 from outrate.observe.metrics import SNAPSHOT_FILE  # noqa: E402
 from outrate.observe.trace import read_trace  # noqa: E402
 from outrate.policy.pipeline import load_compiled  # noqa: E402
+from vllm_integration.settings import EngineSettings  # noqa: E402
 from vllm_integration.threads import start_engine_threads  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -27,12 +28,12 @@ def test_engine_threads_reload_publish_and_trace(tmp_path):
     policy.write_text(first)
     clock = FakeClock()
     s = make_scheduler("sync", load_compiled(policy), clock)
-    settings = {
-        "policy": str(policy),
-        "reload": "poll",
-        "metrics_dir": str(tmp_path),
-        "trace": str(tmp_path / "trace.jsonl"),
-    }
+    settings = EngineSettings(
+        policy=str(policy),
+        reload="poll",
+        metrics_dir=str(tmp_path),
+        trace=str(tmp_path / "trace.jsonl"),
+    )
     threads = start_engine_threads(s, settings)
     try:
         assert threads.reloader is not None and threads.reloader.observer_kind == "polling"

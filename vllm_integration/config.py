@@ -1,8 +1,8 @@
 """From vLLM's configuration to outrate's: flags, the policy, the deployment.
 
-The policy travels from the API server to the engine-core process in
-`VllmConfig.additional_config["outrate"]` (a plain dict: it is hashed and
-pickled with the config). Both sides run the same checks: the API server to
+The settings travel from the API server to the engine-core process as an
+`EngineSettings` record (settings.py) in `VllmConfig.additional_config`.
+Both sides run the same checks: the API server to
 fail fast with a readable message, the engine on the final config.
 """
 
@@ -21,8 +21,8 @@ from outrate.identity.core import IdentityConfig
 from outrate.observe.trace import check_trace_path
 from outrate.policy.compiler import CompiledPolicy
 from outrate.policy.pipeline import load_compiled, policy_from_flags
+from vllm_integration.settings import CONFIG_KEY, EngineSettings
 
-CONFIG_KEY = "outrate"
 SCHEDULER_CLS = "vllm_integration.scheduler.outrate_scheduler"
 
 
@@ -37,7 +37,7 @@ class DeploymentRejected(OutrateError):
         super().__init__(f"outrate cannot run under this vLLM configuration:\n  {lines}")
 
 
-def outrate_settings(args: Any) -> dict[str, Any] | None:
+def outrate_settings(args: Any) -> EngineSettings | None:
     """The outrate part of parsed `vllm serve` args, or None without a policy."""
     path = getattr(args, "outrate_policy", None)
     default = getattr(args, "default_user_output_tokens_per_second", None)
@@ -64,7 +64,7 @@ def outrate_settings(args: Any) -> dict[str, Any] | None:
     else:
         settings["default_rate"] = default
         settings["user_rates"] = users if users is None or isinstance(users, dict) else str(users)
-    return settings
+    return EngineSettings(**settings)
 
 
 def checked_trace_path(path: str, data_parallel_size: int | None = 1) -> str:
@@ -116,11 +116,11 @@ def store_settings(args: Any) -> dict[str, Any]:
     return out
 
 
-def compile_settings(settings: dict[str, Any]) -> CompiledPolicy:
+def compile_settings(settings: EngineSettings) -> CompiledPolicy:
     """Load and compile the policy the settings name. Raises PolicyError."""
-    if "policy" in settings:
-        return load_checked(settings["policy"], bool(settings.get("vllm_api_key")))
-    return policy_from_flags(settings.get("default_rate"), settings.get("user_rates"))
+    if settings.policy is not None:
+        return load_checked(settings.policy, settings.vllm_api_key)
+    return policy_from_flags(settings.default_rate, settings.user_rates)
 
 
 def load_checked(path: str | os.PathLike[str], vllm_api_key: bool = False) -> CompiledPolicy:
@@ -165,17 +165,18 @@ def check_exposure(identity: IdentityConfig, dep: Deployment | None) -> list[Fin
     return findings
 
 
-def policy_from_vllm_config(vllm_config: Any) -> tuple[CompiledPolicy, dict[str, Any]]:
-    """In the engine core: the active policy and its settings. Runs the
+def settings_from_vllm_config(vllm_config: Any) -> EngineSettings:
+    """In the engine core: the settings the API server sent. Runs the
     deployment rules on the final config first; raises on any error."""
-    settings = (vllm_config.additional_config or {}).get(CONFIG_KEY)
-    if not settings:
+    raw = (vllm_config.additional_config or {}).get(CONFIG_KEY)
+    if not raw:
         raise OutrateError(
             "the outrate scheduler was selected but no policy was given: "
             "start vLLM with --outrate-policy PATH"
         )
+    settings = EngineSettings.from_config(raw)
     check_deployment(deployment_from_vllm_config(vllm_config, settings))
-    return compile_settings(settings), settings
+    return settings
 
 
 _CONNECTORS = (
@@ -228,12 +229,12 @@ def _scheduler_cls(value: Any) -> str | None:
     return f"{value.__module__}.{value.__qualname__}"
 
 
-def deployment_from_engine_args(ea: Any, settings: dict[str, Any] | None = None) -> Deployment:
+def deployment_from_engine_args(ea: Any, settings: EngineSettings | None = None) -> Deployment:
     """API-server side: the deployment as the user asked for it."""
-    settings = settings or {}
+    store = settings is not None and bool(settings.store)
     return Deployment(
-        store=bool(settings.get("store")),
-        store_fallback=settings.get("store_fallback"),
+        store=store,
+        store_fallback=settings.store_fallback if settings is not None and store else None,
         speculative=bool(ea.speculative_config),
         data_parallel_size=ea.data_parallel_size or 1,
         pipeline_parallel_size=ea.pipeline_parallel_size or 1,
@@ -268,17 +269,17 @@ def _model_kind(mc: Any) -> str | None:
     return None
 
 
-def deployment_from_vllm_config(vc: Any, settings: dict[str, Any] | None = None) -> Deployment:
+def deployment_from_vllm_config(vc: Any, settings: EngineSettings | None = None) -> Deployment:
     """Engine side: the deployment as vLLM finally configured it."""
     pc, sc, cc = vc.parallel_config, vc.scheduler_config, vc.cache_config
-    settings = settings or {}
+    settings = settings or EngineSettings()
     return Deployment(
-        store=bool(settings.get("store")),
-        store_fallback=settings.get("store_fallback"),
+        store=bool(settings.store),
+        store_fallback=settings.store_fallback if settings.store else None,
         speculative=vc.speculative_config is not None,
         # vLLM resets it to 1 in each non-MoE data-parallel engine core; the
         # plugin recorded the size asked for.
-        data_parallel_size=max(pc.data_parallel_size, settings.get("data_parallel_size") or 1),
+        data_parallel_size=max(pc.data_parallel_size, settings.data_parallel_size),
         pipeline_parallel_size=pc.pipeline_parallel_size,
         tensor_parallel_size=pc.tensor_parallel_size,
         kv_connector=_connector(vc.kv_transfer_config),

@@ -19,15 +19,16 @@ changes. Can go when vLLM's spin backs off on its own on small machines.
 
 from __future__ import annotations
 
-import os
 import time
 
-ENV = "OUTRATE_SHM_SPIN_SLEEP_US"
+from outrate.env import SHM_SPIN_SLEEP_US, Env
+
+ENV = SHM_SPIN_SLEEP_US
 
 
 def install_spin_sleep() -> bool:
     """Patch the spin if the environment asks for it; True if patched."""
-    raw = os.environ.get(ENV)
+    raw = Env.read().shm_spin_sleep_us
     if not raw:
         return False
     try:

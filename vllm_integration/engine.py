@@ -21,16 +21,23 @@ logger = logging.getLogger("vllm.outrate")
 
 
 def wire_engine(sched: Any) -> Any:
-    """At the scheduler's construction in the engine core: refuse KV
-    connectors, load the policy vLLM's config carries, open the budget store
-    (`--outrate-store`), configure the scheduler, start its threads (reload,
-    metrics, trace, leases) and the idle wait. Returns the `EngineThreads`."""
-    from vllm_integration.config import policy_from_vllm_config, refuse_connectors
+    """The engine core put together, in one place and in order, at the
+    scheduler's construction: the settings the API server sent (after the
+    deployment rules and the connectors the scheduler was built with), the
+    policy they name, the budget store (`--outrate-store`), the scheduler's
+    parts, then the threads (reload, metrics, trace, leases) and the idle
+    wait. Returns the `EngineThreads`."""
+    from vllm_integration.config import (
+        compile_settings,
+        refuse_connectors,
+        settings_from_vllm_config,
+    )
     from vllm_integration.store import open_store
     from vllm_integration.threads import start_engine_threads
 
     refuse_connectors(sched)
-    policy, settings = policy_from_vllm_config(sched.vllm_config)
+    settings = settings_from_vllm_config(sched.vllm_config)
+    policy = compile_settings(settings)
     store = open_store(policy, settings, sched.vllm_config)
     sched.outrate_configure(policy, limiter=store.limiter if store is not None else None)
     logger.info("outrate: %s", policy.summary())

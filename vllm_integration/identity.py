@@ -26,12 +26,14 @@ import os
 import threading
 from typing import Any
 
+from outrate.env import API_SETTINGS, Env
 from outrate.errors import OutrateError
 from outrate.identity.core import BODY, SECRET_ENV, IdentityConfig, Stamper
 from outrate.policy.compiler import CompiledPolicy
 from outrate.policy.reload import Reloader
+from vllm_integration.settings import EngineSettings
 
-SETTINGS_ENV = "OUTRATE_API_SETTINGS"
+SETTINGS_ENV = API_SETTINGS
 """JSON: {"policy": path or null, "reload": mode, "vllm_api_key": bool}."""
 
 logger = logging.getLogger("vllm.outrate.identity")
@@ -68,14 +70,14 @@ _handed_over: tuple[dict[str, Any], CompiledPolicy] | None = None
 _lock = threading.Lock()
 
 
-def configure_gate(settings: dict[str, Any], policy: CompiledPolicy) -> None:
+def configure_gate(settings: EngineSettings, policy: CompiledPolicy) -> None:
     """In the process that parsed the flags: the settings and the policy it
     validated, for this process's gate and (via the environment) others'."""
     global _handed_over, _gate
     api = {
-        "policy": settings.get("policy"),
-        "reload": settings.get("reload", "watch"),
-        "vllm_api_key": bool(settings.get("vllm_api_key")),
+        "policy": settings.policy,
+        "reload": settings.reload,
+        "vllm_api_key": settings.vllm_api_key,
     }
     os.environ[SETTINGS_ENV] = json.dumps(api)
     with _lock:
@@ -102,7 +104,7 @@ def _build() -> Gate:
     if _handed_over is not None:
         api, policy = _handed_over
     else:
-        raw = os.environ.get(SETTINGS_ENV)
+        raw = Env.read().api_settings
         if not raw:
             return Gate(BODY, stamper)
         api = json.loads(raw)

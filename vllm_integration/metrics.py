@@ -28,11 +28,12 @@ import shutil
 import tempfile
 from typing import Any
 
+from outrate.env import METRICS_DIR, Env
 from outrate.observe.metrics import SnapshotCollector
 
 _collector: SnapshotCollector | None = None
 
-DIR_ENV = "OUTRATE_METRICS_DIR"
+DIR_ENV = METRICS_DIR
 """`<pid>:<directory>`, set by the process that made the directory. With
 `--api-server-count N > 1` vLLM spawns N API-server processes; each must
 read the directory the engine core writes (`install_in_spawned_api_server`),
@@ -42,7 +43,7 @@ not make one of its own."""
 def _parents_directory() -> str | None:
     """The directory our parent made, if it made one (a variable inherited from
     further up, or left in a shell, belongs to another server)."""
-    pid, _, directory = os.environ.get(DIR_ENV, "").partition(":")
+    pid, _, directory = Env.read().metrics_dir.partition(":")
     if pid == str(os.getppid()) and os.path.isdir(directory):
         return directory
     return None

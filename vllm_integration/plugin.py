@@ -233,7 +233,6 @@ def apply_outrate_args(engine_args: Any, args: argparse.Namespace) -> Any:
     from outrate.errors import OutrateError
     from outrate.identity.core import SECRET_ENV
     from vllm_integration.config import (
-        CONFIG_KEY,
         SCHEDULER_CLS,
         check_deployment,
         check_exposure,
@@ -242,13 +241,17 @@ def apply_outrate_args(engine_args: Any, args: argparse.Namespace) -> Any:
         exposure_from_args,
         outrate_settings,
     )
+    from vllm_integration.settings import CONFIG_KEY
 
     try:
         settings = outrate_settings(args)
         if settings is None:
             return engine_args
         exposure = exposure_from_args(args)
-        settings["vllm_api_key"] = exposure is not None and exposure.api_key
+        settings = settings.replace(
+            vllm_api_key=exposure is not None and exposure.api_key,
+            data_parallel_size=engine_args.data_parallel_size or 1,
+        )
         policy = compile_settings(settings)
         findings = check_deployment(deployment_from_engine_args(engine_args, settings))
         for finding in findings + check_exposure(policy.identity, exposure):
@@ -256,7 +259,6 @@ def apply_outrate_args(engine_args: Any, args: argparse.Namespace) -> Any:
     except OutrateError as exc:
         raise SystemExit(f"outrate: {exc}") from exc
     engine_args.scheduler_cls = SCHEDULER_CLS
-    settings["data_parallel_size"] = engine_args.data_parallel_size or 1
     from vllm_integration.api import GUARD_MIDDLEWARE, install_request_guards
     from vllm_integration.identity import configure_gate
     from vllm_integration.metrics import install_metrics
@@ -266,8 +268,11 @@ def apply_outrate_args(engine_args: Any, args: argparse.Namespace) -> Any:
     os.environ.setdefault(SECRET_ENV, secrets.token_hex(32))
     configure_gate(settings, policy)
 
-    settings["metrics_dir"] = install_metrics()
-    engine_args.additional_config = {**(engine_args.additional_config or {}), CONFIG_KEY: settings}
+    settings = settings.replace(metrics_dir=install_metrics())
+    engine_args.additional_config = {
+        **(engine_args.additional_config or {}),
+        CONFIG_KEY: settings.to_config(),
+    }
     install_request_guards()
     middleware = getattr(args, "middleware", None)  # only `vllm serve` has it
     if isinstance(middleware, list) and GUARD_MIDDLEWARE not in middleware:

@@ -19,6 +19,7 @@ from outrate.budget.shared.credit import LEASE_INTERVAL_S, SharedLimiter
 from outrate.budget.shared.lease import RedisLink
 from outrate.budget.shared.runner import TIMEOUT_S, LeaseRunner
 from outrate.policy.compiler import CompiledPolicy
+from vllm_integration.settings import EngineSettings
 
 logger = logging.getLogger("vllm.outrate")
 
@@ -39,19 +40,18 @@ class Store:
         self.runner.stop()
 
 
-def open_store(policy: CompiledPolicy, settings: dict[str, Any], vllm_config: Any) -> Store | None:
+def open_store(policy: CompiledPolicy, settings: EngineSettings, vllm_config: Any) -> Store | None:
     """None without `--outrate-store`: the engine keeps today's `Limiter`."""
-    url = settings.get("store")
+    url = settings.store
     if not url:
         return None
     # vLLM resets data_parallel_size to 1 in each non-MoE engine core: the
     # plugin recorded the size asked for.
-    pc = getattr(vllm_config, "parallel_config", None)
-    dp = int(settings.get("data_parallel_size") or getattr(pc, "data_parallel_size", 1) or 1)
-    interval_s = float(settings.get("store_lease_ms") or LEASE_INTERVAL_S * 1000) / 1000
+    dp = settings.data_parallel_size
+    interval_s = float(settings.store_lease_ms or LEASE_INTERVAL_S * 1000) / 1000
     limiter = SharedLimiter(
         policy,
-        fallback=settings.get("store_fallback") or "share",
+        fallback=settings.store_fallback,
         engines_hint=dp,
         interval_s=interval_s,
     )

@@ -1,6 +1,6 @@
 """The engine core's background threads, started with the scheduler.
 
-From the settings the plugin put in `additional_config["outrate"]`:
+From the `EngineSettings` the API server sent:
 - the policy `Reloader` (`--outrate-reload`, default watch): publishes each
   new policy into the scheduler's `PolicyBox`, read at the next step;
 - the metrics `Publisher` (`metrics_dir`, set by the plugin in the API
@@ -22,6 +22,7 @@ from outrate.observe.metrics import Publisher, snapshot
 from outrate.observe.trace import DEFAULT_MAX_BYTES, TraceWriter
 from outrate.policy.compiler import CompiledPolicy
 from outrate.policy.reload import Reloader
+from vllm_integration.settings import EngineSettings
 from vllm_integration.store import Store
 
 logger = logging.getLogger("vllm.outrate")
@@ -40,7 +41,7 @@ class EngineThreads:
                 thread.stop()
 
 
-def dp_suffix(vllm_config: Any, settings: dict[str, Any] | None = None) -> str:
+def dp_suffix(vllm_config: Any, settings: EngineSettings | None = None) -> str:
     """`.dp<rank>` for a data-parallel engine, "" otherwise: each engine core
     of a data-parallel deployment writes its own trace and metrics file.
 
@@ -49,7 +50,7 @@ def dp_suffix(vllm_config: Any, settings: dict[str, Any] | None = None) -> str:
     `data_parallel_index`; the size the user asked for comes from the
     settings (the plugin records it)."""
     pc = getattr(vllm_config, "parallel_config", None)
-    size = (settings or {}).get("data_parallel_size") or getattr(pc, "data_parallel_size", 1)
+    size = settings.data_parallel_size if settings else getattr(pc, "data_parallel_size", 1)
     if pc is None or (size or 1) <= 1:
         return ""
     rank = getattr(pc, "data_parallel_index", None)
@@ -67,7 +68,7 @@ def rank_path(path: str, suffix: str) -> str:
 
 
 def start_engine_threads(
-    scheduler: Any, settings: dict[str, Any], store: Store | None = None
+    scheduler: Any, settings: EngineSettings, store: Store | None = None
 ) -> EngineThreads:
     threads = EngineThreads()
     box = scheduler.policy_box
@@ -75,34 +76,34 @@ def start_engine_threads(
     if store is not None:
         threads.store = store
         store.start(lambda: box.current.sha256)  # heartbeats the policy in force
-    if settings.get("reload", "watch") != "off" and "policy" in settings:
+    if settings.reload != "off" and settings.policy is not None:
         from vllm_integration.config import load_checked
 
         def publish(new: CompiledPolicy) -> None:
             box.current = new  # read by schedule() at the next step boundary
 
         threads.reloader = Reloader(
-            settings["policy"],
+            settings.policy,
             publish,
             initial=box.current,
-            mode=settings["reload"],
+            mode=settings.reload,
             logger=logging.getLogger("vllm.outrate.reload"),
-            loader=partial(load_checked, vllm_api_key=bool(settings.get("vllm_api_key"))),
+            loader=partial(load_checked, vllm_api_key=settings.vllm_api_key),
         )
         threads.reloader.start()
-    if settings.get("trace"):
+    if settings.trace:
         policy = box.current
-        path = rank_path(settings["trace"], suffix)
+        path = rank_path(settings.trace, suffix)
         threads.trace = TraceWriter(
             path,
             header={"policy": policy.sha256, "source": policy.source, "burst_ns": policy.burst_ns},
-            max_bytes=int(settings.get("trace_max_bytes") or DEFAULT_MAX_BYTES),
+            max_bytes=settings.trace_max_bytes or DEFAULT_MAX_BYTES,
             logger=logger,
         )
         scheduler.outrate_trace(threads.trace)
         threads.trace.start()
         logger.info("outrate: writing the token trace to %s", path)
-    if settings.get("metrics_dir"):
+    if settings.metrics_dir:
 
         def take() -> dict[str, Any]:
             reloader = threads.reloader
@@ -115,7 +116,7 @@ def start_engine_threads(
                 scheduler.metrics, box.current, reloads=reloads, store=lease, trace_dropped=dropped
             )
 
-        threads.publisher = Publisher(settings["metrics_dir"], take, logger=logger, suffix=suffix)
+        threads.publisher = Publisher(settings.metrics_dir, take, logger=logger, suffix=suffix)
         threads.publisher.publish()  # /metrics shows the policy before the first request
         threads.publisher.start()
     return threads

@@ -33,11 +33,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import os
 import unicodedata
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from outrate.env import IDENTITY_SECRET, Env
 
 IDENTITY_KEY = "output_rate_user"
 """The `vllm_xargs` key (and `SamplingParams.extra_args` key) that names the user."""
@@ -264,7 +265,7 @@ STAMP_KEY = "output_rate_identity"
 The engine trusts it only with a valid MAC, so a client that writes it
 itself (it can: vllm_xargs become extra_args) gains nothing."""
 
-SECRET_ENV = "OUTRATE_IDENTITY_SECRET"
+SECRET_ENV = IDENTITY_SECRET
 """Hex secret shared by the API server(s) and the engine core: set at startup
 by the plugin when unset, inherited by the processes vLLM starts."""
 
@@ -283,7 +284,7 @@ class Stamper:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Stamper | None:
-        raw = (os.environ if environ is None else environ).get(SECRET_ENV, "")
+        raw = Env.read(environ).identity_secret
         try:
             return cls(bytes.fromhex(raw)) if raw else None
         except ValueError:

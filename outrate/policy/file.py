@@ -15,10 +15,11 @@ import os
 import stat
 from typing import NoReturn
 
+from outrate.env import MAX_POLICY_BYTES, Env
 from outrate.errors import PolicyError, Problem
 from outrate.filekind import file_kind
 
-MAX_POLICY_BYTES_ENV = "OUTRATE_MAX_POLICY_BYTES"
+MAX_POLICY_BYTES_ENV = MAX_POLICY_BYTES
 DEFAULT_MAX_POLICY_BYTES = 64 * 1024 * 1024
 """About a million users written as `user-0123456: {rate: 100, max_streams: 4}`."""
 
@@ -32,7 +33,7 @@ def _fail(source: str, message: str, cause: BaseException | None = None) -> NoRe
 
 def max_policy_bytes(source: str = "<policy>") -> int:
     """The read limit: `$OUTRATE_MAX_POLICY_BYTES`, or 64 MiB."""
-    raw = os.environ.get(MAX_POLICY_BYTES_ENV, "").strip()
+    raw = Env.read().max_policy_bytes.strip()
     if not raw:
         return DEFAULT_MAX_POLICY_BYTES
     if raw.isdigit() and int(raw) > 0:

@@ -1,0 +1,63 @@
+"""What travels from the API server to the engine core: `EngineSettings`.
+
+vLLM carries it in `VllmConfig.additional_config["outrate"]`, which it hashes
+and pickles, so on the way it is a plain dict (`to_config`, `from_config`);
+on both ends it is this frozen record. Secrets never travel here: the store's
+password and the identity secret go through the environment (outrate.env).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from outrate.errors import OutrateError
+
+CONFIG_KEY = "outrate"
+ReloadMode = Literal["watch", "poll", "off"]
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    policy: str | None = None
+    """`--outrate-policy`, absolute. None: the in-memory policy of the two rate flags."""
+    default_rate: float | None = None
+    """`--default-user-output-tokens-per-second` (without a policy file)."""
+    user_rates: dict[str, Any] | str | None = None
+    """`--user-output-tokens-per-second` (without a policy file)."""
+    reload: ReloadMode = "watch"
+    """`--outrate-reload`."""
+    trace: str | None = None
+    """`--outrate-trace`, absolute; each data-parallel rank writes its own file."""
+    trace_max_bytes: int | None = None
+    store: str | None = None
+    """`--outrate-store` without its password."""
+    store_fallback: str = "share"
+    store_lease_ms: int | None = None
+    data_parallel_size: int = 1
+    """As asked for: vLLM resets it to 1 in each non-MoE data-parallel engine core."""
+    metrics_dir: str | None = None
+    """Where the engine writes its metrics snapshots (the API server serves them)."""
+    vllm_api_key: bool = False
+    """vLLM checks API keys itself (`--api-key`): api_key identity is refused beside it."""
+
+    def to_config(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_config(cls, raw: Mapping[str, Any]) -> EngineSettings:
+        """The record vLLM's config carried. A field this version does not
+        know means the API server and the engine core run different outrates."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - names)
+        if unknown:
+            raise OutrateError(
+                f"additional_config[{CONFIG_KEY!r}] has fields this outrate does not know: "
+                f"{', '.join(unknown)} (the API server and the engine core run different versions?)"
+            )
+        return cls(**raw)
+
+    def replace(self, **changes: Any) -> EngineSettings:
+        return dataclasses.replace(self, **changes)
