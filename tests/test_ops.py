@@ -25,7 +25,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_support import binaries, metric_names, value, without_prometheus
 
 from outrate.budget.shared.metrics import StoreMetrics
-from outrate.observe.metrics import Metrics, families, snapshot
+from outrate.observe.metrics import Metrics
+from outrate.observe.publish import families, snapshot
 from outrate.policy.compiler import compile_policy
 from outrate.policy.loader import parse_policy
 

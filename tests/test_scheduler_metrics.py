@@ -14,7 +14,8 @@ pytest.importorskip("vllm")
 
 from vllm_harness import MS, Driver, FakeClock, S, make_request, make_scheduler  # noqa: E402
 
-from outrate.observe.metrics import BUCKETS_NS, OTHER, Metrics, snapshot  # noqa: E402
+from outrate.observe.metrics import BUCKETS_NS, OTHER, Metrics  # noqa: E402
+from outrate.observe.publish import snapshot  # noqa: E402
 from outrate.observe.trace import TraceWriter, max_window_excess, read_trace, user_tokens  # noqa: E402
 from outrate.policy.compiler import compile_policy  # noqa: E402
 from outrate.policy.loader import parse_policy  # noqa: E402

@@ -28,7 +28,8 @@ from outrate.budget.limiter import Limiter  # noqa: E402
 from outrate.budget.shared.credit import SharedLimiter  # noqa: E402
 from outrate.budget.shared.lease import RedisLink, user_keys  # noqa: E402
 from outrate.budget.shared.runner import TIMEOUT_S, LeaseRunner  # noqa: E402
-from outrate.observe.metrics import Metrics, SnapshotCollector, snapshot, write_snapshot  # noqa: E402
+from outrate.observe.metrics import Metrics  # noqa: E402
+from outrate.observe.publish import SnapshotCollector, snapshot, write_snapshot  # noqa: E402
 from outrate.observe.trace import engine_rate, max_window_excess  # noqa: E402
 from outrate.policy.compiler import compile_policy  # noqa: E402
 from outrate.policy.loader import parse_policy  # noqa: E402
@@ -509,7 +510,8 @@ def test_a_returning_user_gets_credit_within_one_lease_interval(fresh):
 
 def test_store_metrics_reach_prometheus_families():
     from outrate.budget.shared.metrics import StoreMetrics
-    from outrate.observe.metrics import Metrics, families, snapshot
+    from outrate.observe.metrics import Metrics
+    from outrate.observe.publish import families, snapshot
 
     store = StoreMetrics()
     store.up, store.errors, store.engines = 1, 3, 2
@@ -535,7 +537,8 @@ def test_data_parallel_engines_write_their_own_files_and_metrics_merge(tmp_path)
     """With --data-parallel-size N each engine core writes its own trace and
     metrics snapshot (`.dp<rank>`); /metrics shows their sum."""
     from outrate.budget.shared.metrics import StoreMetrics
-    from outrate.observe.metrics import Metrics, read_snapshot, snapshot, write_snapshot
+    from outrate.observe.metrics import Metrics
+    from outrate.observe.publish import read_snapshot, snapshot, write_snapshot
 
     pol = policy()
     snaps = []

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from outrate.observe.metrics import Metrics, families, merge_snapshots, snapshot
+from outrate.observe.metrics import Metrics
+from outrate.observe.publish import families, merge_snapshots, snapshot
 from outrate.observe.trace import TraceWriter, read_trace
 from outrate.policy.compiler import compile_policy
 from outrate.policy.loader import parse_policy

@@ -29,7 +29,7 @@ import tempfile
 from typing import Any
 
 from outrate.env import METRICS_DIR, Env
-from outrate.observe.metrics import SnapshotCollector
+from outrate.observe.publish import SnapshotCollector
 
 _collector: SnapshotCollector | None = None
 

@@ -18,7 +18,7 @@ import os
 from functools import partial
 from typing import Any
 
-from outrate.observe.metrics import Publisher, snapshot
+from outrate.observe.publish import Publisher, snapshot
 from outrate.observe.trace import DEFAULT_MAX_BYTES, TraceWriter
 from outrate.policy.compiler import CompiledPolicy
 from outrate.policy.reload import Reloader
