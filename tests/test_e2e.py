@@ -245,7 +245,10 @@ def test_a_user_with_many_streams_cannot_lock_others_out(server):
         f"newcomer time to first token: alone {solo * 1000:.0f} ms, beside 48 throttled "
         f"streams {busy * 1000:.0f} ms (ratio {ratio:.1f})"
     )
-    assert ratio <= 10
+    # Measured here: 9 ms alone and 9 ms beside the hogs. A newcomer that has
+    # to wait for a hog's stream to end would wait minutes; one that waits
+    # for a wake-up cycle or a burst, 100 ms or more.
+    assert busy <= 2 * solo + 0.1
 
 
 def test_editing_the_policy_changes_a_running_users_rate(server):

@@ -39,7 +39,7 @@ RATE = 20
 BURST_NS = 100_000_000
 ENGINES = 3  # A, and B's two data-parallel ranks
 SLACK = RATE * LEASE_INTERVAL_S + ENGINES
-"""rate * H + N (README "Several engines") with H = the 20 ms interval: a
+"""rate * H + N (docs/several-engines.md, "The bound") with H = the 20 ms interval: a
 little under S, whose H adds a round trip, so stricter than the bound."""
 POLICY = "version: 1\ndefault: unlimited\nburst: 100ms\nusers:\n  alice: 20\n"
 A, B = 0, 1

@@ -2,7 +2,7 @@
 scheduler step that charged, refunded, held or released anything.
 
 Written for tests, the demo and operators who want to see pacing where it is
-decided, not where the API server delivers it. Format (README "Trace"):
+decided, not where the API server delivers it. Format (docs/trace.md):
 
     {"trace": "outrate", "version": 1, "pid": 1234, "clock": "monotonic_ns", ...}
     {"t": 81234567890, "step": 17, "charged": {"alice": 2}, "refunded": {"alice": 1}}
