@@ -1,9 +1,10 @@
 """`outrate top`: what each limit is doing right now, read from an engine's /metrics.
 
-The figures are the engine's own counters (measured where the decisions are
-made), differenced between two scrapes. Fetch, parse and diff are separate
-small functions over a `Snapshot`, so tests feed them what prometheus_client
-really prints and a fake clock; only `watch` and `once` wait.
+This module is the screen: the header line, the table, and the loops that
+redraw it (`watch`) or print it once (`once`). What is on the page and what
+changed between two scrapes is `outrate.observe.snapshot`; its names are
+importable from here too, where `outrate top`'s callers look for them. Only
+`watch` and `once` wait, on a clock and a sleep tests replace.
 
 No vLLM import here: `outrate top` runs on an operator's laptop.
 """
@@ -11,243 +12,44 @@ No vLLM import here: `outrate top` runs on an operator's laptop.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from fnmatch import fnmatchcase
 from time import monotonic, sleep
-from typing import NamedTuple
 
-from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from outrate.errors import OutrateError
-from outrate.observe.fetch import PageError, fetch
+from outrate.observe.snapshot import (
+    Clock,
+    LimitValues,
+    Row,
+    Snapshot,
+    TopError,
+    metrics_url,
+    parse,
+    rows,
+    scrape,
+)
 
-Clock = Callable[[], float]
+__all__ = [
+    "LimitValues",
+    "Row",
+    "Snapshot",
+    "TopError",
+    "header",
+    "make_console",
+    "metrics_url",
+    "once",
+    "parse",
+    "render",
+    "rows",
+    "scrape",
+    "watch",
+]
+
 Sleep = Callable[[float], None]
-
-PREFIX = "outrate_"
-
-LIMIT_SAMPLES: Mapping[str, str] = {
-    "outrate_output_tokens_total": "tokens",
-    "outrate_held_requests": "held",
-    "outrate_live_requests": "live",
-    "outrate_throttled_seconds_total": "throttled_seconds",
-    "outrate_shadow_over_limit_tokens_total": "shadow_over_tokens",
-    "outrate_limit_tokens_per_second": "rate_limit",
-}
-"""Samples labelled by `limit`: sample name -> `LimitValues` field."""
-
-NO_METRICS = "has no outrate metrics: is the server running with --outrate-policy?"
-
-
-class TopError(OutrateError):
-    """The metrics page cannot be read, or has nothing of outrate's on it."""
-
-
-@dataclass(frozen=True, slots=True)
-class LimitValues:
-    """One limit's samples in one scrape; None where the page has no such sample."""
-
-    tokens: float | None = None
-    held: float | None = None
-    live: float | None = None
-    throttled_seconds: float | None = None
-    shadow_over_tokens: float | None = None
-    rate_limit: float | None = None  # tok/s; inf = unlimited
-    mode: str | None = None  # enforce | shadow
-
-
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    """Everything `top` shows, from one scrape taken at `at` (clock seconds)."""
-
-    at: float
-    limits: Mapping[str, LimitValues]
-    samples: int  # outrate_* samples on the page; 0: the server runs without outrate
-    policy_sha256: str | None = None
-    policy_source: str | None = None
-    reloads: Mapping[str, float] | None = None  # result -> count
-    displaced: float | None = None
-    deferred: Mapping[str, float] | None = None  # reason -> count
-
-
-class Row(NamedTuple):
-    """One limit over the interval between two snapshots; None prints as `-`."""
-
-    limit: str
-    rate: float | None  # tok/s charged
-    rate_limit: float | None  # configured tok/s, inf = unlimited
-    mode: str | None
-    held: float | None  # requests held now: whole, or what the page says (inf, nan)
-    live: float | None  # requests in the engine now
-    throttled: float | None  # share of live request-time spent held, in [0, 1]
-    shadow_over: float | None  # tok/s a shadow rule would have refused
-
-
-def metrics_url(url: str) -> str:
-    """The /metrics URL of a server given as its root, host:port, or the full URL."""
-    if "://" not in url:
-        url = "http://" + url
-    scheme = url.split("://", 1)[0].lower()
-    if scheme not in ("http", "https"):
-        raise TopError(f"{url}: not an http(s) URL")
-    url = url.rstrip("/")
-    return url if url.endswith("/metrics") else url + "/metrics"
-
-
-def parse(text: str, at: float) -> Snapshot:
-    """The outrate samples of a Prometheus text page; everything else is ignored.
-
-    Series that differ only in labels other than `limit` (an `engine` label,
-    should one appear) are added up, except the configured rate, which is the
-    same everywhere. `_created` samples have their own names and fall through.
-    """
-    try:
-        families = list(text_string_to_metric_families(text))
-    except (ValueError, IndexError, KeyError) as e:  # the parser is lax but not total
-        raise TopError("is not a Prometheus metrics page") from e
-    values: dict[str, dict[str, float]] = {}
-    modes: dict[str, str] = {}
-    reloads: dict[str, float] = {}
-    deferred: dict[str, float] = {}
-    sha256 = source = None
-    displaced: float | None = None
-    samples = 0
-    for family in families:
-        for s in family.samples:
-            if not s.name.startswith(PREFIX):
-                continue
-            samples += 1
-            field = LIMIT_SAMPLES.get(s.name)
-            if field is not None:
-                limit = s.labels.get("limit")
-                if limit is None:
-                    continue
-                fields = values.setdefault(limit, {})
-                if field == "rate_limit":
-                    fields[field] = s.value
-                    if "mode" in s.labels:
-                        modes[limit] = s.labels["mode"]
-                else:
-                    fields[field] = fields.get(field, 0.0) + s.value
-            elif s.name == "outrate_policy_info":
-                if s.value > 0 or sha256 is None:
-                    sha256, source = s.labels.get("sha256"), s.labels.get("source")
-            elif s.name == "outrate_policy_reloads_total":
-                _add(reloads, s.labels.get("result", ""), s.value)
-            elif s.name == "outrate_deferred_total":
-                _add(deferred, s.labels.get("reason", ""), s.value)
-            elif s.name == "outrate_displaced_total":
-                displaced = (displaced or 0.0) + s.value
-    limits = {
-        name: LimitValues(
-            tokens=fields.get("tokens"),
-            held=fields.get("held"),
-            live=fields.get("live"),
-            throttled_seconds=fields.get("throttled_seconds"),
-            shadow_over_tokens=fields.get("shadow_over_tokens"),
-            rate_limit=fields.get("rate_limit"),
-            mode=modes.get(name),
-        )
-        for name, fields in values.items()
-    }
-    return Snapshot(
-        at=at,
-        limits=limits,
-        samples=samples,
-        policy_sha256=sha256,
-        policy_source=source,
-        reloads=reloads or None,
-        displaced=displaced,
-        deferred=deferred or None,
-    )
-
-
-def _add(into: dict[str, float], key: str, value: float) -> None:
-    into[key] = into.get(key, 0.0) + value
-
-
-def scrape(url: str, timeout: float, clock: Clock | None = None) -> Snapshot:
-    """Fetch and parse `url` (a /metrics URL); a page without outrate is an error."""
-    now = clock or monotonic
-    before = now()
-    try:
-        text = fetch(url, timeout)
-    except PageError as e:
-        raise TopError(str(e)) from e
-    at = (before + now()) / 2  # the server rendered the page somewhere in between
-    try:
-        snapshot = parse(text, at)
-    except TopError as e:
-        raise TopError(f"{url} {e}") from e
-    if snapshot.samples == 0:
-        raise TopError(f"{url} {NO_METRICS}")
-    return snapshot
-
-
-def rows(prev: Snapshot | None, cur: Snapshot, limit_filter: str | None = None) -> list[Row]:
-    """Per limit, what happened between `prev` and `cur`; most throttled first.
-
-    Without `prev` (the first frame) only the gauges are known. A series
-    missing from `prev` started in between, so it counts from 0; a counter
-    that went down means the engine restarted, so it counts from 0 as well.
-    """
-    dt = cur.at - prev.at if prev is not None else 0.0
-    out = []
-    for limit, now in cur.limits.items():
-        if limit_filter is not None and not fnmatchcase(limit, limit_filter):
-            continue
-        rate = throttled = shadow_over = None
-        if prev is not None and dt > 0:
-            before = prev.limits.get(limit, NOTHING)
-            rate = _per_second(before.tokens, now.tokens, dt)
-            shadow_over = _per_second(before.shadow_over_tokens, now.shadow_over_tokens, dt)
-            held_for = _increase(before.throttled_seconds, now.throttled_seconds)
-            if held_for is not None and now.live:  # live 0 or absent: nothing to share
-                throttled = min(max(held_for / (dt * now.live), 0.0), 1.0)
-        out.append(
-            Row(
-                limit=limit,
-                rate=rate,
-                rate_limit=now.rate_limit,
-                mode=now.mode,
-                held=_count(now.held),
-                live=_count(now.live),
-                throttled=throttled,
-                shadow_over=shadow_over,
-            )
-        )
-    out.sort(key=lambda r: (-_or(r.throttled), -_or(r.rate), r.limit))
-    return out
-
-
-NOTHING = LimitValues()
-
-
-def _increase(before: float | None, now: float | None) -> float | None:
-    if now is None:
-        return None
-    start = before or 0.0
-    return now - start if now >= start else now
-
-
-def _per_second(before: float | None, now: float | None, dt: float) -> float | None:
-    increase = _increase(before, now)
-    return None if increase is None else increase / dt
-
-
-def _count(value: float | None) -> float | None:
-    """A gauge of requests, whole; a non-finite one (a page may say +Inf) as it is."""
-    return round(value) if value is not None and math.isfinite(value) else value
-
-
-def _or(value: float | None) -> float:
-    return -1.0 if value is None or math.isnan(value) else value
 
 
 def header(snapshot: Snapshot) -> str:
@@ -390,9 +192,10 @@ def once(
     sleep_for: Sleep | None = None,
 ) -> None:
     """Two scrapes `interval` apart, one table printed (for scripts)."""
-    first = scrape(url, timeout, clock)
+    now = clock or monotonic
+    first = scrape(url, timeout, now)
     (sleep_for or sleep)(interval)
-    second = scrape(url, timeout, clock)
+    second = scrape(url, timeout, now)
     console.print(render(url, first, second, limit_filter=limit_filter))
 
 

@@ -7,26 +7,14 @@ duplicate keys. The loader validates the data and maps errors back to the
 positions.
 
 A policy file comes from people and tools we do not control and is parsed by
-the engine that serves every user, so parsing has hard limits, each reported
-at the line and column where it was crossed:
-
-- nesting depth (`MAX_DEPTH`): PyYAML's composer and our walk recurse, a few
-  Python frames per level; without a limit ~500 levels of `[` overflow the
-  stack (libyaml refuses at 1000, then the pure-Python parser overflowed).
-- alias expansion (`MAX_ALIAS_VALUES`): aliases and `<<` merges may add at
-  most this many values (keys count) beyond the number the file writes out
-  itself, so work and memory stay proportional to the file's size ("billion
-  laughs" bombs are refused after a few milliseconds).
-
-YAML 1.1 spells some numbers in ways nobody means in a policy (`1:30` is 90 in
-base 60, `0x10` is 16, `010` is 8, `1e-400` is 0 to most parsers): those are
-errors with a hint to quote, as are scalars PyYAML cannot construct
-(`2024-99-99`, a 5000-digit integer).
+the engine that serves every user, so parsing has hard limits (nesting depth,
+alias expansion: `outrate.policy.parse_limits`), each reported here at the line
+and column where it was crossed. Which scalar spellings are refused (YAML 1.1's
+`0x10`, `1:30`, `1e-400`) is `outrate.policy.scalars`.
 """
 
 from __future__ import annotations
 
-import re
 from decimal import Decimal
 from typing import Any, cast
 
@@ -35,47 +23,29 @@ from yaml.constructor import ConstructorError
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from outrate.errors import PolicyError, Problem
+from outrate.policy.parse_limits import (
+    MAX_ALIAS_VALUES,
+    MAX_DEPTH,
+    PURE_REREAD_MAX_BYTES,
+    PureLoader,
+    TooBig,
+    TooDeep,
+    check_depth,
+)
+from outrate.policy.scalars import STR_TAG, BadScalar, read_scalar, shown_text
 from outrate.policy.values import shown
+
+__all__ = ["FAST_LOADER", "Doc", "Path", "Pos", "PureLoader", "compose"]
+"""`PureLoader` is the parse limits' parser, named here beside `FAST_LOADER`:
+the two parsers `compose` may run."""
 
 Path = tuple[Any, ...]
 Pos = tuple[int, int]
 
-MAX_DEPTH = 32
-"""Nesting levels of mappings and lists (a policy needs 3)."""
-MAX_ALIAS_VALUES = 10_000
-"""Values aliases and merges may add beyond the ones the file writes out."""
-PURE_REREAD_MAX_BYTES = 1 << 20
-"""A file libyaml refuses is re-read by the pure-Python parser, so messages are
-the same on every install; above this size (seconds of pure-Python parsing in
-the engine) libyaml's own message is reported."""
-
 _MAP = "tag:yaml.org,2002:map"
 _SEQ = "tag:yaml.org,2002:seq"
-_STR = "tag:yaml.org,2002:str"
-_INT = "tag:yaml.org,2002:int"
-_FLOAT = "tag:yaml.org,2002:float"
 _MERGE = "tag:yaml.org,2002:merge"
 _VALUE = "tag:yaml.org,2002:value"
-# YAML 1.1 (PyYAML) reads `1e6` as a string; YAML 1.2 and humans read a number.
-_EXP_NUMBER = re.compile(r"[-+]?(\d[\d_]*\.?[\d_]*|\.\d[\d_]*)[eE][-+]?\d+")
-_DECIMAL = re.compile(r"[-+]?(\d[\d_]*\.?[\d_]*|\.\d[\d_]*)([eE][-+]?\d+)?")
-# Integer spellings only YAML 1.1 has; YAML 1.2, JSON and people read them otherwise.
-_YAML11_INT = (
-    (re.compile(r"[-+]?0b[01_]+"), "binary"),
-    (re.compile(r"[-+]?0x[0-9a-fA-F_]+"), "hexadecimal"),
-    (re.compile(r"[-+]?0[0-7_]+"), "octal"),
-    (re.compile(r"[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?"), "base 60"),
-)
-_SMALLEST_FLOAT_EXP = -324
-"""Decimal exponents below this underflow an IEEE double to 0."""
-_CONSTRUCTED_AS = {
-    _INT: "an integer",
-    _FLOAT: "a number",
-    "tag:yaml.org,2002:bool": "a boolean",
-    "tag:yaml.org,2002:null": "null",
-    "tag:yaml.org,2002:timestamp": "a date",
-    "tag:yaml.org,2002:binary": "binary data",
-}
 
 
 class Doc:
@@ -136,21 +106,6 @@ def mark(node: Node) -> Pos:
     return node.start_mark.line + 1, node.start_mark.column + 1
 
 
-class _TooBig(Exception):
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        """Where the alias (or merge) that crossed the limit was used."""
-
-
-class _TooDeep(Exception):
-    def __init__(self, where: yaml.Mark) -> None:
-        self.where = where
-
-
-class _BadScalar(Exception):
-    """A scalar we refuse to turn into a value; the message says why."""
-
-
 class _Walker:
     """Turns composed YAML nodes into data, recording positions as it goes.
 
@@ -175,7 +130,7 @@ class _Walker:
             return
         self.repeats += 1
         if self.repeats > MAX_ALIAS_VALUES + self.own:
-            raise _TooBig(repeat_at)
+            raise TooBig(repeat_at)
 
     def walk(self, node: Node, path: Path, repeat_at: Path | None = None) -> Any:
         """`repeat_at`: where the repeated collection we are inside was used."""
@@ -183,20 +138,20 @@ class _Walker:
         if isinstance(node, ScalarNode):
             self._count(repeat_at)
             try:
-                value = self._scalar(node)
-            except _BadScalar as e:
+                value = read_scalar(self.loader, node)
+            except BadScalar as e:
                 self.doc.problems.append((path, mark(node), str(e)))
                 self.doc.voided.add(path)
                 return None
             if isinstance(value, bool) or not isinstance(value, str | int | Decimal):
-                self.doc.written[path] = _shown_text(node.value)
+                self.doc.written[path] = shown_text(node.value)
             return value
         if id(node) in self.stack:
             self.doc.problems.append((path, mark(node), "an alias refers to itself"))
             self.doc.voided.add(path)
             return None
         if len(path) >= MAX_DEPTH:
-            raise _TooDeep(node.start_mark)
+            raise TooDeep(node.start_mark)
         if repeat_at is None and id(node) in self.seen:
             repeat_at = path
         self.seen.add(id(node))
@@ -219,39 +174,13 @@ class _Walker:
         self.doc.problems.append((path, mark(node), f"unsupported YAML tag {node.tag!r}"))
         self.doc.voided.add(path)
 
-    def _scalar(self, node: ScalarNode, key: bool = False) -> Any:
-        text = node.value
-        plain = not node.style
-        if node.tag == _FLOAT and _DECIMAL.fullmatch(text):
-            return _decimal(text, plain and not key)  # exact: 0.1 is one tenth
-        if not key and node.tag == _STR and plain and _EXP_NUMBER.fullmatch(text):
-            return _decimal(text, True)  # a value; a key `1e5` stays a name
-        if plain and not key and node.tag in (_INT, _FLOAT):
-            for pattern, kind in _YAML11_INT:
-                if pattern.fullmatch(text):
-                    raise _BadScalar(_ambiguous(text, kind, self._construct(node)))
-        return self._construct(node)
-
-    def _construct(self, node: ScalarNode) -> Any:
-        try:
-            return self.loader.construct_object(node, deep=True)
-        except yaml.YAMLError:
-            raise  # an unknown tag: invalid YAML, reported as such
-        except Exception as e:
-            # `!!int abc` (ValueError), `!!bool abc` (KeyError), `!!timestamp x`
-            # (AttributeError), `2024-99-99`, an integer of more than 4300 digits
-            what = _CONSTRUCTED_AS.get(node.tag, repr(node.tag))
-            raise _BadScalar(
-                f"cannot read {shown(node.value)} as {what}; quote it if you meant text"
-            ) from e
-
     def _key(self, knode: Node) -> tuple[bool, Any]:
         """(usable, key) of a mapping key node."""
         if not isinstance(knode, ScalarNode):
             return False, None
         try:
-            key = self._scalar(knode, key=True)
-        except _BadScalar:
+            key = read_scalar(self.loader, knode, key=True)
+        except BadScalar:
             return False, None
         return _hashable(key), key
 
@@ -271,14 +200,14 @@ class _Walker:
         for knode, vnode in self._flatten(node, path, 0):
             usable, key = self._key(knode)
             if not usable:
-                _check_depth(knode, len(path) + 2)
+                check_depth(knode, len(path) + 2)
                 self.doc.problems.append((path, mark(knode), "keys must be plain scalars"))
                 continue
             self._count(repeat_at)  # a key is a value written (or repeated) too
             where = (*path, key)
             self.doc.keypos[where] = mark(knode)
             if not isinstance(key, str):
-                self.doc.written[(*where, "[key]")] = _shown_text(knode.value)
+                self.doc.written[(*where, "[key]")] = shown_text(knode.value)
             if _loc_name(key) != key:
                 self.doc.loc_keys[(*path, _loc_name(key))] = key
             out[key] = self.walk(vnode, where, repeat_at)
@@ -300,12 +229,12 @@ class _Walker:
         if done is not None:
             return done
         if depth >= MAX_DEPTH:
-            raise _TooDeep(node.start_mark)
+            raise TooDeep(node.start_mark)
         merged: dict[Any, tuple[Node, Node]] = {}
         own: list[tuple[Node, Node]] = []
         for knode, vnode in node.value:
             if knode.tag == _VALUE:
-                knode.tag = _STR
+                knode.tag = STR_TAG
             if knode.tag != _MERGE:
                 own.append((knode, vnode))
                 continue
@@ -329,46 +258,7 @@ class _Walker:
         return out
 
 
-def _check_depth(node: Node, depth: int) -> None:
-    """The nesting limit inside a complex key, which the walk does not enter
-    (the pure-Python composer counts it, and results must not depend on libyaml)."""
-    todo = [(node, depth)]
-    while todo:
-        item, level = todo.pop()
-        if isinstance(item, ScalarNode):
-            continue
-        if level > MAX_DEPTH:
-            raise _TooDeep(item.start_mark)
-        if isinstance(item, MappingNode):
-            children = [n for pair in item.value for n in pair]
-        else:
-            children = list(item.value)
-        todo += [(child, level + 1) for child in reversed(children)]
-
-
 _MERGE_EXPECTED = "a mapping or list of mappings"
-
-
-def _decimal(text: str, value: bool) -> Decimal:
-    number = Decimal(text.replace("_", ""))
-    if value and number and number.adjusted() < _SMALLEST_FLOAT_EXP:
-        raise _BadScalar(
-            f"ambiguous number {_shown_text(text)}: most YAML parsers read it as 0 "
-            "(it is too small for a float); quote it if you meant text"
-        )
-    return number
-
-
-def _ambiguous(text: str, kind: str, value: Any) -> str:
-    as_read = f" ({value})" if len(text) <= 20 else ""
-    return (
-        f"ambiguous number {_shown_text(text)}: YAML 1.1 reads it as {kind}{as_read}; "
-        "write it in decimal, or quote it if you meant text"
-    )
-
-
-def _shown_text(text: str) -> str:
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _hashable(key: object) -> bool:
@@ -377,34 +267,6 @@ def _hashable(key: object) -> bool:
     except TypeError:
         return False
     return True
-
-
-class PureLoader(yaml.SafeLoader):
-    """PyYAML's pure-Python loader with the nesting limit: its composer recurses
-    (two frames a level, overflowing near 500 levels) and its scanner reads a
-    run of `[` or `{` to the end before emitting a token, with quadratic cost
-    in the flow level (5000 levels took seconds). Flow nesting is refused by
-    the scanner, which sees it first; block nesting by the composer."""
-
-    def __init__(self, stream: str) -> None:
-        super().__init__(stream)
-        self._depth = 0
-
-    def fetch_flow_collection_start(self, TokenClass: Any) -> None:  # noqa: N803 - PyYAML's name
-        if self.flow_level >= MAX_DEPTH:
-            raise _TooDeep(self.get_mark())
-        super().fetch_flow_collection_start(TokenClass)
-
-    def compose_node(self, parent: Node | None, index: Any) -> Node | None:
-        if not self.check_event(yaml.SequenceStartEvent, yaml.MappingStartEvent):
-            return super().compose_node(parent, index)
-        if self._depth >= MAX_DEPTH:
-            raise _TooDeep(self.peek_event().start_mark)  # type: ignore[no-untyped-call]
-        self._depth += 1
-        try:
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
 
 
 FAST_LOADER: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", PureLoader)
@@ -443,13 +305,13 @@ def compose(
         raise PolicyError([_yaml_problem(e, source)]) from e
     except yaml.YAMLError as e:  # pragma: no cover - every PyYAML error we know is marked
         raise PolicyError([Problem(source, 1, 1, "<root>", f"invalid YAML: {e}")]) from e
-    except _TooDeep as e:
+    except TooDeep as e:
         if not pure and len(text) <= PURE_REREAD_MAX_BYTES:
             return compose(text, source, PureLoader)  # the pure composer finds it first
         message = f"nested deeper than {MAX_DEPTH} levels (the limit)"
         line, col = e.where.line + 1, e.where.column + 1
         raise PolicyError([Problem(source, line, col, "<root>", message)]) from None
-    except _TooBig as e:
+    except TooBig as e:
         line, col = doc.keypos.get(e.path) or doc.pos.get(e.path[:-1], (1, 1))
         message = (
             f"aliases expand to more than {MAX_ALIAS_VALUES} values beyond the file's own"

@@ -9,18 +9,15 @@ seen, load and compile the whole policy. Only a policy that compiled is handed
 to `on_apply`; a bad edit is logged (with the same text `outrate lint` prints),
 counted, and the last good policy keeps serving.
 
-Why watch the parent directory and react to any event in it: rename-based
-editors and ConfigMaps never write to the policy's own inode, they swap names
-around it, so per-file watches go stale. Reading a small file and hashing it is
-cheap; the hash guard turns unrelated events into no-ops.
+Which events, and when a burst of them is over, is the `Watcher`'s business
+(`outrate.policy.watch`): it watches the policy's directory, not the file, and
+calls back once the directory has gone quiet. Reading a small file and hashing
+it is cheap; the hash guard here turns unrelated events into no-ops.
 
 A policy can be built from more files than its own (`identity.keys`: the keys
 file). Their directories are watched too, and the guard hashes every one of
 them (`CompiledPolicy.fingerprint`), so adding or revoking a key reloads the
 policy exactly like an edit of the policy itself, valid or not.
-
-watchdog is imported lazily (inside methods), so `outrate lint` and anything
-else importing the core does not pay for it or need it installed.
 """
 
 from __future__ import annotations
@@ -29,18 +26,15 @@ import hashlib
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from outrate.errors import OutrateError, PolicyError
 from outrate.policy.changes import brief, describe_changes
 from outrate.policy.compiler import CompiledPolicy
 from outrate.policy.file import read_policy_file
 from outrate.policy.pipeline import load_compiled
-
-if TYPE_CHECKING:
-    from watchdog.observers.api import BaseObserver
+from outrate.policy.watch import Watcher
 
 Mode = Literal["watch", "poll", "off"]
 Loader = Callable[[str | os.PathLike[str]], CompiledPolicy]
@@ -49,22 +43,13 @@ Loader = Callable[[str | os.PathLike[str]], CompiledPolicy]
 _MISSING = "<missing>"
 """Digest recorded while the file does not exist, so one deletion warns once."""
 
-_IGNORED_EVENTS = frozenset({"opened", "closed_no_write"})
-"""Our own reads of the file cause these; reacting to them would loop forever."""
-
-MAX_WAIT_S = 0.5
-"""A directory that never goes quiet (a trace or log written beside the policy)
-must not postpone a reload forever: check at most this long after the first
-event of a burst."""
-
 
 class Reloader:
     """Keeps `current` equal to the last policy file content that compiled.
 
-    Thread model: one observer thread (watchdog) only records that something
-    happened; one worker thread waits for quiet, then checks. Checks and
-    `reload_now()` are serialized by one lock, so `on_apply` is never called
-    concurrently and always in file-content order.
+    Thread model: the `Watcher`'s worker thread checks once the directories
+    went quiet. Checks and `reload_now()` are serialized by one lock, so
+    `on_apply` is never called concurrently and always in file-content order.
 
     Counters (`applied`, `rejected`, `checks`) only grow; `wait_applied()` and
     friends let callers block until the next one moves, without sleeping.
@@ -102,8 +87,6 @@ class Reloader:
         self.rejected = 0
         self.checks = 0
         self.last_error: str | None = None
-        self.observer_kind: str | None = None
-        """`native` or `polling` once started in a watching mode."""
         # The engine loaded `initial` from this file: remember the digest of the
         # bytes it compiled, so the first unrelated event does not reload the
         # same policy, and an edit made since is caught by the first check.
@@ -112,17 +95,19 @@ class Reloader:
         self._seen: str | None = None
         if initial is not None:
             self._seen = initial.fingerprint if initial.sha256 else self._fingerprint()
-        self._cond = threading.Condition()
+        self._cond = threading.Condition()  # counters and last_error
         self._load_lock = threading.Lock()
         self._state_lock = threading.RLock()
-        self._due: float | None = None
-        self._first: float | None = None  # first event since the last check
-        self._stopping = False
         self._running = False
-        self._observer: BaseObserver | None = None
-        self._handler: _Handler | None = None
-        self._watches: dict[str, Any] = {}  # directory -> watchdog's ObservedWatch
-        self._worker: threading.Thread | None = None
+        self._watcher = Watcher(
+            path,
+            lambda: self._deps,
+            self._check,
+            native=mode == "watch",
+            debounce_s=debounce_s,
+            poll_interval_s=poll_interval_s,
+            logger=logger,
+        )
 
     # -- public API ----------------------------------------------------------
 
@@ -130,6 +115,16 @@ class Reloader:
     def current(self) -> CompiledPolicy | None:
         """The last policy that compiled and was applied (or `initial`)."""
         return self._current
+
+    @property
+    def observer_kind(self) -> str | None:
+        """`native` or `polling` once started in a watching mode."""
+        return self._watcher.kind
+
+    @property
+    def _watches(self) -> dict[str, Any]:
+        """Directory -> watchdog's watch, for the directories watched now."""
+        return self._watcher.watches
 
     def start(self) -> None:
         """Load the policy if none was given, then watch for edits (idempotent).
@@ -146,19 +141,13 @@ class Reloader:
                 self.reload_now()
             if self.mode == "off":
                 return
-            with self._cond:
-                self._stopping = False
-                self._due = None
-            self._worker = threading.Thread(target=self._run, name="outrate-reload", daemon=True)
-            self._worker.start()
             try:
-                self._observer = self._start_observer()
+                self._watcher.start()
             except BaseException:
                 self._running = False
-                self._stop_worker()
                 raise
             self._check()
-            if self._rewatch():
+            if self._watcher.rewatch():
                 self._check()
 
     def stop(self) -> None:
@@ -167,11 +156,7 @@ class Reloader:
             if not self._running:
                 return
             self._running = False
-            observer, self._observer = self._observer, None
-        if observer is not None:
-            observer.stop()
-            observer.join()
-        self._stop_worker()
+        self._watcher.stop()
 
     def reload_now(self) -> bool:
         """Load, validate and apply the file synchronously; True if applied.
@@ -199,159 +184,6 @@ class Reloader:
     def wait_checked(self, n: int, timeout: float = 5.0) -> bool:
         """Block until the file was looked at `n` times (applied, rejected or unchanged)."""
         return self.wait_for(lambda r: r.checks >= n, timeout)
-
-    # -- watching ------------------------------------------------------------
-
-    def _watch_dirs(self, path: str | os.PathLike[str] | None = None) -> list[str]:
-        """The file's directory, plus the symlink target's if it lives elsewhere
-        (the policy's by default; each dependency's too).
-
-        A target inside the directory (ConfigMap `..2026_xx/`) is not watched:
-        those directories come and go, and the `..data` swap shows up in the
-        parent anyway.
-        """
-        path = self.path if path is None else path
-        link_dir = os.path.dirname(os.path.abspath(path))
-        dirs = [link_dir]
-        real_parent = os.path.realpath(link_dir)
-        real_dir = os.path.dirname(os.path.realpath(path))
-        if real_dir != real_parent and not real_dir.startswith(real_parent + os.sep):
-            if os.path.isdir(real_dir):
-                dirs.append(real_dir)
-        return dirs
-
-    def _dep_dirs(self) -> list[str]:
-        """Existing directories of the dependencies, not already the policy's."""
-        own = set(self._watch_dirs())
-        out: list[str] = []
-        for dep in self._deps:
-            for d in self._watch_dirs(dep):
-                if d not in own and d not in out and os.path.isdir(d):
-                    out.append(d)
-        return out
-
-    def _all_dirs(self) -> list[str]:
-        dirs = self._watch_dirs()
-        return dirs + [d for d in self._dep_dirs() if d not in dirs]
-
-    def _rewatch(self) -> bool:
-        """Watch the directories the policy and the files it read live in now:
-        a symlink retargeted to another directory (as often as it is), a keys
-        file whose directory appeared. Stale directories are unwatched. True
-        when one was added: the caller checks once more, for an edit made
-        there before it was watched."""
-        observer, handler = self._observer, self._handler
-        if observer is None or handler is None:
-            return False
-        dirs = self._all_dirs()
-        for d in [d for d in self._watches if d not in dirs]:
-            observer.unschedule(self._watches.pop(d))
-        added = False
-        for d in dirs:
-            if d in self._watches:
-                continue
-            try:
-                self._watches[d] = self._watch(observer, handler, d)
-                added = True
-            except OSError as err:  # gone again, or out of inotify watches
-                self.logger.warning("%s: cannot watch %s (%s)", self.path, d, err)
-        return added
-
-    def _watch(self, observer: BaseObserver, handler: _Handler, d: str) -> Any:
-        return observer.schedule(handler, d, recursive=False, event_filter=self._events())  # type: ignore[arg-type]
-
-    def _start_observer(self) -> BaseObserver:
-        from watchdog.observers.polling import PollingObserver
-
-        dirs = self._watch_dirs()
-        if not os.path.isdir(dirs[0]):
-            raise OutrateError(f"{self.path}: cannot watch {dirs[0]}: no such directory")
-        if self.mode == "watch":
-            from watchdog.observers import Observer
-
-            try:
-                observer = self._schedule(Observer(), dirs)
-                observer.start()
-                self.observer_kind = "native"
-                return observer
-            except OSError as err:
-                # Typically the inotify instance or watch limit of this user.
-                self.logger.warning(
-                    "%s: native file watching unavailable (%s); polling every %gs instead",
-                    self.path,
-                    err,
-                    self.poll_interval_s,
-                )
-        observer = self._schedule(PollingObserver(timeout=self.poll_interval_s), dirs)
-        try:
-            observer.start()
-        except OSError as err:
-            raise OutrateError(f"{self.path}: cannot watch {dirs[0]}: {err}") from err
-        self.observer_kind = "polling"
-        return observer
-
-    @staticmethod
-    def _events() -> list[Any]:
-        from watchdog import events as ev
-
-        wanted = [
-            ev.DirCreatedEvent, ev.DirDeletedEvent, ev.DirModifiedEvent, ev.DirMovedEvent,
-            ev.FileClosedEvent, ev.FileCreatedEvent, ev.FileDeletedEvent,
-            ev.FileModifiedEvent, ev.FileMovedEvent,
-        ]  # fmt: skip
-        # chmod can make an unreadable policy readable; attrib events are their
-        # own classes only in newer watchdog versions.
-        wanted += [getattr(ev, n) for n in ("FileAttribEvent", "DirAttribEvent") if hasattr(ev, n)]
-        return wanted
-
-    def _schedule(self, observer: BaseObserver, dirs: list[str]) -> BaseObserver:
-        handler = self._handler = _Handler(self._poke)
-        dirs = [*dirs, *(d for d in self._dep_dirs() if d not in dirs)]
-        self._watches = {d: self._watch(observer, handler, d) for d in dirs}
-        return observer
-
-    def _poke(self) -> None:
-        """Something changed in the directory: (re)arm the debounce timer."""
-        with self._cond:
-            if not self._stopping:
-                now = time.monotonic()
-                if self._first is None:
-                    self._first = now
-                self._due = min(
-                    now + self.debounce_s, self._first + max(MAX_WAIT_S, self.debounce_s)
-                )
-                self._cond.notify_all()
-
-    def _run(self) -> None:
-        """Worker: wait until events stop for `debounce_s`, then check once."""
-        while True:
-            with self._cond:
-                while True:
-                    if self._stopping:
-                        return
-                    if self._due is None:
-                        self._cond.wait()
-                        continue
-                    delay = self._due - time.monotonic()
-                    if delay <= 0:
-                        self._due = self._first = None
-                        break
-                    self._cond.wait(delay)
-            try:
-                self._check()
-                if self._rewatch():
-                    self._check()
-            except Exception:  # never let the worker die: it is the only one
-                self.logger.exception("%s: unexpected error while checking the policy", self.path)
-
-    def _stop_worker(self) -> None:
-        with self._cond:
-            self._stopping = True
-            self._due = None
-            self._cond.notify_all()
-        worker, self._worker = self._worker, None
-        if worker is not None and worker is not threading.current_thread():
-            worker.join()
 
     # -- checking and applying -----------------------------------------------
 
@@ -432,8 +264,8 @@ class Reloader:
         elif deps != self._deps:
             self._deps = deps
             self._seen = self._fingerprint()
-        if self._rewatch():
-            self._poke()  # one more check, for an edit made before it was watched
+        if self._watcher.rewatch():
+            self._watcher.poke()  # one more check, for an edit made before it was watched
 
     def _reject(self, message: str, level: int | None, header: str = "") -> None:
         """Count and remember a bad edit; log it unless the caller already did."""
@@ -451,14 +283,3 @@ class Reloader:
         with self._cond:
             setattr(self, counter, getattr(self, counter) + 1)
             self._cond.notify_all()
-
-
-class _Handler:
-    """The observer's handler, duck-typed so watchdog stays a lazy import."""
-
-    def __init__(self, poke: Callable[[], None]) -> None:
-        self._poke = poke
-
-    def dispatch(self, event: Any) -> None:
-        if event.event_type not in _IGNORED_EVENTS:
-            self._poke()
