@@ -1,5 +1,6 @@
 """`outrate lint`: a deployment described without importing vLLM
-(`deployment`), the rules it must meet (`rules`), and the lint of a policy
+(`deployment`, with `vllm serve` flags and `--config` read by `serve_args`),
+the rules it must meet (`rules`), and the lint of a policy
 with its deployment (`lint`)."""
 
 from outrate.check.deployment import Deployment, load_deployment

@@ -2,7 +2,7 @@
 
 This module is the screen: the header line, the table, and the loops that
 redraw it (`watch`) or print it once (`once`). What is on the page and what
-changed between two scrapes is `outrate.observe.snapshot`; its names are
+changed between two scrapes is `outrate.observe.scrape`; its names are
 importable from here too, where `outrate top`'s callers look for them. Only
 `watch` and `once` wait, on a clock and a sleep tests replace.
 
@@ -21,7 +21,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from outrate.observe.snapshot import (
+from outrate.observe.scrape import (
     Clock,
     LimitValues,
     Row,
