@@ -3,8 +3,8 @@
 The property tests marked `@every_store` (agreement with GCRA, the window
 bound, the greedy rate, refunds, policy swaps, available/ready_at) talk only
 to the `BudgetStore` protocol and run against every store in `STORES`: the
-in-memory `Limiter`, and the shared `SharedLimiter` both leased and in its
-fallback. The rest test the in-memory `Limiter`'s own API (keyed verbs,
+in-memory `Limiter`, and the `Limiter` lent by a `SharedBudget`, both leased
+and in its fallback. The rest test the in-memory `Limiter`'s own API (keyed verbs,
 stats, cleanup, export).
 
 No test sleeps: every call passes `now` (ns) explicitly or reads a fake clock.
@@ -26,8 +26,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from outrate.budget.limiter import NS_PER_S, Bucket, Limit, Limiter, gcra
-from outrate.budget.shared.credit import SharedLimiter
+from outrate.budget.limiter import NS_PER_S, Account, Bucket, Limit, Limiter, gcra
+from outrate.budget.shared.credit import Mode, SharedBudget
 from outrate.budget.store import BudgetStore
 from outrate.identity.core import ANONYMOUS
 from outrate.policy.compiler import CompiledPolicy, compile_policy
@@ -102,26 +102,26 @@ def memory_store(policy: CompiledPolicy) -> BudgetStore:
     return Limiter(policy, clock=_no_clock)
 
 
-class _Leased(SharedLimiter):
-    """A shared store whose lease thread has always answered with ample credit:
-    credit never binds, so its local GCRA alone decides (Redis's side, the
-    credit, is tested against a real server in test_shared.py)."""
+class _Ample(SharedBudget):
+    """A shared budget whose lease thread has always answered with ample
+    credit: credit never binds, so the local GCRA alone decides (Redis's
+    side, the credit, is tested against a real server in test_shared.py)."""
 
-    def pin(self, user: str) -> Bucket:
-        b = super().pin(user)
-        b.granted = 1 << 40  # type: ignore[attr-defined]
-        return b
+    def open(self, b: Bucket) -> Account:
+        credit = super().open(b)
+        credit.granted = 1 << 40
+        return credit
 
 
 def shared_store(policy: CompiledPolicy) -> BudgetStore:
-    store = _Leased(policy, clock=_no_clock)
-    store.want_shared = True  # applied at the first pin, as after the lease thread's first round
-    return store
+    budget = _Ample()
+    budget.mode = Mode(shared=True)  # as the lease thread publishes after its first round
+    return Limiter(policy, clock=_no_clock, lender=budget)
 
 
 def shared_store_down(policy: CompiledPolicy) -> BudgetStore:
     """A shared store that never reached Redis, alone (N = 1): its fallback."""
-    return SharedLimiter(policy, clock=_no_clock, engines_hint=1)
+    return Limiter(policy, clock=_no_clock, lender=SharedBudget(engines_hint=1))
 
 
 STORES: dict[str, Callable[[CompiledPolicy], BudgetStore]] = {
@@ -164,15 +164,15 @@ class RefGCRA:
 
 
 def test_gcra_fresh_and_idle_users_conform() -> None:
-    assert gcra(0, 0, 10, 5) == 10
-    assert gcra(3, 100, 10, 0) == 110  # a TAT in the past counts as now
+    assert gcra(0, 0, 10, 5) == (1, 10)
+    assert gcra(3, 100, 10, 0) == (1, 110)  # a TAT in the past counts as now
 
 
 def test_gcra_tolerance_boundary_is_inclusive() -> None:
-    assert gcra(105, 100, 10, 5) == 115
-    assert gcra(106, 100, 10, 5) is None
-    assert gcra(100, 100, 10, 0) == 110  # zero tolerance: exactly on time conforms
-    assert gcra(101, 100, 10, 0) is None
+    assert gcra(105, 100, 10, 5) == (1, 115)
+    assert gcra(106, 100, 10, 5) == (0, 106)
+    assert gcra(100, 100, 10, 0) == (1, 110)  # zero tolerance: exactly on time conforms
+    assert gcra(101, 100, 10, 0) == (0, 101)
 
 
 def test_gcra_burst_then_pacing() -> None:
@@ -180,10 +180,40 @@ def test_gcra_burst_then_pacing() -> None:
     when the TAT is no more than the tolerance ahead."""
     tat, grants = 0, []
     for now in [0, 0, 0, 0, 4, 5, 14, 15, 15, 25]:
-        new = gcra(tat, now, 10, 25)
-        grants.append(new is not None)
-        tat = tat if new is None else new
+        k, tat = gcra(tat, now, 10, 25)
+        grants.append(k == 1)
     assert grants == [True, True, True, False, False, True, False, True, False, True]
+
+
+def test_gcra_answers_how_many_of_n_conform() -> None:
+    """interval 10, tolerance 25, fresh: 3 conform at once, whatever is asked
+    beyond; at 5 a fourth; none asked, none taken."""
+    assert gcra(0, 0, 10, 25, 2) == (2, 20)
+    assert gcra(0, 0, 10, 25, 100) == (3, 30)
+    assert gcra(30, 5, 10, 25, 100) == (1, 40)
+    assert gcra(30, 5, 10, 25, 0) == (0, 30)
+
+
+@SETTINGS
+@given(
+    tat=st.integers(0, 10**6),
+    now=st.integers(0, 10**6),
+    interval=st.integers(1, 10**4),
+    tolerance=st.integers(0, 10**5),
+    n=st.integers(0, 200),
+)
+def test_gcra_of_n_is_n_single_decisions(
+    tat: int, now: int, interval: int, tolerance: int, n: int
+) -> None:
+    """Asking for n at once takes what n single asks at `now` take, and
+    leaves the same TAT."""
+    one_tat, took = tat, 0
+    for _ in range(n):
+        k, one_tat = gcra(one_tat, now, interval, tolerance)
+        took += k
+    k, bulk_tat = gcra(tat, now, interval, tolerance, n)
+    assert k == took
+    assert max(bulk_tat, now) == max(one_tat, now)
 
 
 def test_limit_rates_are_exact() -> None:
@@ -224,10 +254,8 @@ def test_take_agrees_with_gcra_and_the_textbook(
     for i, step in ops:
         user, lim = f"u{i % len(lims)}", lims[i % len(lims)]
         now = next_time(now, step, refs[user].ready())
-        new = gcra(tats[user], now * lim.scale, lim.interval, lim.tolerance)
-        if new is not None:
-            tats[user] = new
-        assert store.take(buckets[user], now) == (new is not None) == refs[user].take(now)
+        k, tats[user] = gcra(tats[user], now * lim.scale, lim.interval, lim.tolerance)
+        assert store.take(buckets[user], now) == (k == 1) == refs[user].take(now)
 
 
 @SETTINGS
@@ -426,7 +454,8 @@ def test_take_upto_is_n_takes_at_one_instant(
         assert one.ready_at(ob, now) == bulk.ready_at(bb, now)
         now_s = now * lim.scale  # a TAT in the past is `now`: the same state
         assert max(ob.tat, now_s) == max(bb.tat, now_s)
-        assert getattr(ob, "spent", 0) == getattr(bb, "spent", 0)
+        spent = [b.credit.spent if b.credit else 0 for b in (ob, bb)]
+        assert spent[0] == spent[1]
 
 
 def test_the_keyed_refund_is_give_back() -> None:

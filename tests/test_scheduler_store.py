@@ -17,7 +17,8 @@ pytest.importorskip("redis")
 
 from vllm_harness import Driver, make_request, make_scheduler  # noqa: E402
 
-from outrate.budget.shared.credit import LEASE_INTERVAL_S, SharedLimiter  # noqa: E402
+from outrate.budget.limiter import Limiter  # noqa: E402
+from outrate.budget.shared.credit import LEASE_INTERVAL_S, SharedBudget  # noqa: E402
 from outrate.budget.shared.lease import RedisLink  # noqa: E402
 from outrate.budget.shared.runner import LeaseRunner  # noqa: E402
 from outrate.observe.trace import engine_rate, max_window_excess  # noqa: E402
@@ -54,9 +55,12 @@ class Recorder:
 def shared_scheduler(kind: str, url: str, name: str):
     pol = compile_policy(parse_policy(POLICY, "t.yaml"), "t.yaml", "sha-t")
     sched = make_scheduler(kind)
-    limiter = SharedLimiter(pol)
+    budget = SharedBudget()
+    limiter = Limiter(pol, lender=budget)
     sched.outrate_configure(pol, limiter=limiter)  # CLOCK_MONOTONIC
-    runner = LeaseRunner(limiter, RedisLink(url), policy_sha=lambda: pol.sha256, engine=name)
+    runner = LeaseRunner(
+        limiter, budget, RedisLink(url), policy_sha=lambda: pol.sha256, engine=name
+    )
     runner.start()
     rec = Recorder()
     sched.outrate_trace(rec)

@@ -1,5 +1,6 @@
-"""SharedLimiter and its lease thread against a real redis-server: the same
-decisions as Limiter without a store, credit spent and handed back, two
+"""A Limiter lent by a SharedBudget, and its lease thread, against a real
+redis-server: the same decisions as Limiter without a store, credit spent and
+handed back, rounds capped with newcomers first and the others in turn, two
 engines sharing one budget within the stated bound, and every fault: a store
 unreachable at start, lost mid-run, back without a burst, slow."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from fractions import Fraction
 
 import pytest
 from hypothesis import given, settings
@@ -25,7 +27,7 @@ from redis_support import (  # noqa: E402
 )
 
 from outrate.budget.limiter import Limiter  # noqa: E402
-from outrate.budget.shared.credit import SharedLimiter  # noqa: E402
+from outrate.budget.shared.credit import Mode, SharedBudget, credit_of  # noqa: E402
 from outrate.budget.shared.lease import RedisLink, user_keys  # noqa: E402
 from outrate.budget.shared.runner import TIMEOUT_S, LeaseRunner  # noqa: E402
 from outrate.observe.metrics import Metrics  # noqa: E402
@@ -51,25 +53,45 @@ def fresh(redis_server):
 
 
 def engine(url, pol=None, name="e1", start=False, **kw):
+    """A table lent by a shared budget, and its lease thread (`runner.budget`)."""
     pol = pol or policy()
-    lim = SharedLimiter(pol, **{k: v for k, v in kw.items() if k in ("fallback", "engines_hint")})
+    budget = SharedBudget(**{k: v for k, v in kw.items() if k in ("fallback", "engines_hint")})
+    lim = Limiter(pol, lender=budget)
     runner = LeaseRunner(
         lim,
+        budget,
         RedisLink(url),
         policy_sha=lambda: pol.sha256,
         engine=name,
-        **{k: v for k, v in kw.items() if k in ("interval_s", "retry_s", "heartbeat_s")},
+        **{k: v for k, v in kw.items() if k in ("interval_s", "retry_s", "heartbeat_s", "cap")},
     )
     if start:
         runner.start()
     else:
-        runner._try_connect()  # one synchronous attempt; rounds are driven by the test
+        runner.connect()  # one synchronous attempt; rounds are driven by the test
     return lim, runner
 
 
-def settle(lim: SharedLimiter) -> None:
+def settle(lim: Limiter) -> None:
     """What the scheduler does between steps: apply a mode switch, release."""
     lim.cleanup(time.monotonic_ns(), 0)
+
+
+def held(b) -> int:
+    return credit_of(b).held
+
+
+def record_calls(runner: LeaseRunner) -> list[list]:
+    """The lease calls of every round trip from now on, round by round."""
+    sent: list[list] = []
+    stock = runner.link.round_trip
+
+    def recorded(engine, calls, *a, **kw):
+        sent.append(list(calls))
+        return stock(engine, calls, *a, **kw)
+
+    runner.link.round_trip = recorded
+    return sent
 
 
 # -- without a store: exactly the Limiter ------------------------------------------
@@ -84,9 +106,9 @@ def settle(lim: SharedLimiter) -> None:
     st.sampled_from(["share", "full"]),
 )
 def test_without_a_store_the_decisions_are_the_limiters(ops, fallback):
-    """Never connected and one engine: SharedLimiter is Limiter, verb for verb."""
+    """Never connected and one engine: the lent table is Limiter, verb for verb."""
     pol = policy()
-    a, b = Limiter(pol), SharedLimiter(pol, fallback=fallback)
+    a, b = Limiter(pol), Limiter(pol, lender=SharedBudget(fallback=fallback))
     ba, bb = a.pin("alice"), b.pin("alice")
     now = 10 * S
     taken = 0
@@ -107,24 +129,51 @@ def test_without_a_store_the_decisions_are_the_limiters(ops, fallback):
 
 
 def test_credit_is_spent_given_back_and_never_overdrawn():
-    lim = SharedLimiter(policy())
-    lim.want_shared = True
+    budget = SharedBudget()
+    lim = Limiter(policy(), lender=budget)
+    budget.mode = Mode(shared=True)  # (as the lease thread publishes it)
     settle(lim)
     b = lim.pin("alice")
+    c = credit_of(b)
     now = 10 * S
     assert not lim.take(b, now)  # no credit yet
     assert lim.available(b, now) == 0 and lim.ready_at(b, now) > now
-    b.granted += 2
+    c.granted += 2
     assert lim.available(b, now) == 2
     assert lim.take(b, now) and lim.take(b, now)
     assert not lim.take(b, now)  # the local burst has room; the credit has none
     lim.give_back(b, now)
-    assert b.credit == 1 and lim.take(b, now)
+    assert c.held == 1 and lim.take(b, now)
+    c.granted += 2
+    now += S  # the local burst is back: 3 tokens; the credit holds 2
+    assert lim.take_upto(b, now, 10) == 2 and c.held == 0  # a bulk take stops at the credit
+    lim.give_back(b, now, 2)
+    assert c.held == 2 and lim.available(b, now) == 2
     bob = lim.pin("nobody")  # unlimited users never need credit
     assert all(lim.take(bob, now) for _ in range(100))
-    b.granted += 5
     lim.unpin(b)  # the user's last request left: its credit is handed back
-    assert b.credit == 0 and b.released == 5
+    assert c.held == 0 and c.released == 2
+
+
+def test_the_mode_is_applied_at_a_step_boundary_only():
+    """The lease thread's record takes effect at the next pin or cleanup,
+    never inside a step: a take between publishing and the boundary still
+    decides in the mode it started the step in."""
+    budget = SharedBudget(engines_hint=2)
+    lim = Limiter(policy(), lender=budget)
+    b = lim.pin("alice")
+    now = 10 * S
+    assert lim.limit_of(b, now).rate == 10  # the fallback: rate/2
+    budget.mode = Mode(shared=True, n=2)
+    assert lim.take(b, now)  # still local: no credit needed
+    settle(lim)
+    assert budget.applied == budget.mode and lim.limit_of(b, now).rate == 20
+    assert not lim.take(b, now)  # shared now: no credit yet
+    credit_of(b).share = Fraction(1, 4)  # as the lease thread writes a new share...
+    budget.reshare.append(b)  # ...and hands the bucket over
+    assert lim.limit_of(b, now).rate == 20
+    settle(lim)
+    assert lim.limit_of(b, now).rate == 5
 
 
 # -- with a store ------------------------------------------------------------------
@@ -132,12 +181,13 @@ def test_credit_is_spent_given_back_and_never_overdrawn():
 
 def test_credit_is_leased_and_handed_back(fresh):
     lim, runner = engine(fresh.url)
-    assert runner.up and lim.want_shared
+    assert runner.up and runner.budget.mode.shared
     settle(lim)
-    assert lim.shared
+    assert runner.budget.applied.shared
     b = lim.pin("bob")
+    c = credit_of(b)
     assert runner.round()
-    assert b.credit == 2 == b.fair  # 100 tok/s x 20 ms
+    assert c.held == 2 == c.fair  # 100 tok/s x 20 ms
     demand = fresh.client().get(user_keys("bob")[1])
     assert demand.startswith(b"1:") and demand.endswith(b":e1\n")
     now = time.monotonic_ns()
@@ -147,21 +197,23 @@ def test_credit_is_leased_and_handed_back(fresh):
     assert fresh.client().exists(user_keys("bob")[1]) == 0
     # A user who leaves holding credit gets it back to Redis.
     b = lim.pin("bob")
+    c = credit_of(b)
     runner.round()
-    assert b.credit == 2
+    assert c.held == 2
     lim.unpin(b)
-    assert b.released == 2
+    assert c.released == 2
     tat_before = int(fresh.client().get(user_keys("bob")[0]))
     runner.round()
-    assert b.sent == 2
+    assert c.sent == 2
     tat = fresh.client().get(user_keys("bob")[0])
     assert tat is None or int(tat) <= tat_before - 2 * 10_000
     runner.round()
-    assert b not in runner.active and not b.leased  # settled: cleanup may forget it
+    assert c not in runner.turns.active and not c.leased  # settled: cleanup may forget it
+    assert lim.cleanup(time.monotonic_ns() + S, 8) == 1 and "bob" not in lim
     runner.stop()
 
 
-def greedy(lim: SharedLimiter, user: str, until: float, out: list, streams: int = 2) -> None:
+def greedy(lim: Limiter, user: str, until: float, out: list, streams: int = 2) -> None:
     """A scheduler-like loop: every ~2 ms, take up to one token per stream."""
     b = lim.pin(user)
     while time.monotonic() < until:
@@ -218,7 +270,7 @@ def test_slow_rounds_keep_the_users_rate(fresh):
         return stock(*a, **kw)
 
     runner.link.round_trip = slow
-    runner._thread.start()
+    runner.start()
     settle(lim)
     out: list = []
     greedy(lim, "bob", time.monotonic() + 3.0, out, 4)
@@ -234,67 +286,77 @@ def test_slow_rounds_keep_the_users_rate(fresh):
     assert rate >= 0.85 * 100
 
 
-def test_rounds_are_capped_and_every_user_gets_its_turn(fresh):
-    """More users with a lease than a round's cap: each round sends at most
-    `cap` calls, new users first, then the others in turn from where the
-    last round stopped, so every user is visited once in ceil(users / cap)
-    rounds, and its slice (H) lasts that many periods."""
+def test_rounds_are_capped_newcomers_first_then_in_turn(fresh):
+    """The stated cap: a round sends at most `cap` calls, newcomers first,
+    then the others in turn from where the last round stopped. 250 new users
+    and a cap of 100: rounds of 100, 100 and 50 calls (after its first slice
+    a user holds credit and needs no call), each user called exactly once;
+    a user who arrives later goes first, ahead of those whose turn it is."""
     pol = policy("version: 1\ndefault: 100\nburst: 100ms\n")
-    lim, runner = engine(fresh.url, pol)
+    lim, runner = engine(fresh.url, pol, cap=100)
     settle(lim)
+    sent = record_calls(runner)
     buckets = [lim.pin(f"u{i}") for i in range(250)]
-    runner.cap = 100
-    runner._fit = lambda n: None  # keep the cap this test sets
-    seen: list[list[str]] = []
-    for _ in range(3):
-        plan = runner.plan(time.monotonic_ns())
-        seen.append([b.key for b, _ in plan])
-    # Never registered (no round trip yet), so every visit is a call: the
-    # third round ends the newcomers and starts again from the first.
-    assert [len(p) for p in seen] == [100, 100, 100]
-    first = [k for p in seen for k in p][:250]
-    assert sorted(first) == sorted(b.key for b in buckets)
-    assert seen[2][50:] == seen[0][:50]
-    # Driven through Redis: every user is granted its first slice in 3 rounds.
-    runner.period_ns, runner.last_rtt_ns = runner.interval_ns, 0
-    assert runner._horizon_us() == 3 * runner.interval_ns // 1000
-    calls = runner.metrics.calls
     for _ in range(3):
         assert runner.round()
-    assert runner.metrics.calls - calls == 250  # the third visits 50: the rest hold credit
-    assert all(b.credit > 0 for b in buckets)
-    # A newcomer goes first, ahead of the users whose turn it is.
+    users = [[c.user for c in calls] for calls in sent]
+    assert [len(u) for u in users] == [100, 100, 50]
+    assert sorted(sum(users, [])) == sorted(b.key for b in buckets)  # each once
+    assert users[0] == [f"u{i}" for i in range(100)]  # in arrival order
+    assert all(held(b) > 0 for b in buckets)
+    # The third round visited the last 50 newcomers, then (without calls)
+    # everyone else in turn. Now each spends its credit, so each is low: a
+    # newcomer first, then the others in turn from there, 100 calls a round.
+    for b in buckets:
+        lim.take_upto(b, time.monotonic_ns(), 1000)
     late = lim.pin("late")
-    plan = runner.plan(time.monotonic_ns())
-    assert plan[0][0] is late and len(plan) <= 100
+    assert runner.round() and runner.round()
+    assert [c.user for c in sent[-2]] == ["late"] + [
+        f"u{i}" for i in [*range(200, 250), *range(49)]
+    ]
+    assert [c.user for c in sent[-1]] == [f"u{i}" for i in range(49, 149)]
+    lim.unpin(late)
     runner.stop()
 
 
-def test_the_cap_follows_what_a_call_costs_not_the_latency(fresh):
-    """`_fit`: a round takes about half the interval. What counts is the
-    time between the first reply and the last (Redis or this thread busy
-    with each call), not the round trip's latency: a store far away but
-    idle keeps large rounds."""
-    lim, runner = engine(fresh.url)
-    link = runner.link
-    link.spread_calls, link.spread_ns, link.pack_ns = 1000, 20 * MS, 5 * MS  # 25 us a call
-    runner._fit(1064)
-    assert runner.cap == int(runner.interval_ns * 0.5 / (20 * MS / 1000 + 5 * MS / 1064))
-    assert 380 <= runner.cap <= 420
-    cap = runner.cap
-    link.spread_calls = 10  # too few calls after the first reply to measure
-    runner._fit(74)
-    assert runner.cap == cap
-    # A slow network: replies arrive together after 300 ms; calls are cheap.
-    runner.call_ns = 0.0
-    link.spread_calls, link.spread_ns, link.pack_ns = 1000, MS, MS
-    runner._fit(1064)
-    assert runner.cap > 4000
-    link.spread_calls, link.spread_ns, link.pack_ns = 1000, 10_000 * MS, 0
-    runner.call_ns = 0.0
-    runner._fit(1064)
-    assert runner.cap == 128  # never below MIN_CALLS
+def test_with_more_users_than_the_cap_each_keeps_its_rate(fresh):
+    """300 users at 100 tok/s and rounds of at most 100 calls: a user is
+    called every 3 rounds or sooner, and its slice lasts until then (the
+    horizon is 3 periods plus a round trip), so every user keeps its rate
+    while the lease thread keeps to one round trip per interval."""
+    pol = policy("version: 1\ndefault: 100\nburst: 100ms\n")
+    lim, runner = engine(fresh.url, pol, cap=100)
+    sent = record_calls(runner)
+    buckets = [lim.pin(f"u{i}") for i in range(300)]
+    runner.start()
+    got = [0] * len(buckets)
+    t0 = time.monotonic_ns()
+    warm, end = t0 + S // 2, t0 + 2 * S
+    late0 = 0
+    while (now := time.monotonic_ns()) < end:  # the scheduler: every 10 ms, all it may
+        if now >= warm and not late0:
+            late0, rounds0 = runner.late_ns + 1, len(sent)
+        for i, b in enumerate(buckets):
+            k = lim.take_upto(b, now, 1000)
+            if now >= warm:
+                got[i] += k
+        lim.cleanup(now, 4)
+        time.sleep(0.01)
+    rounds = sent[:]
     runner.stop()
+    span = (end - warm) / S
+    late = (runner.late_ns - late0 + 1) / S
+    rates = sorted(g / span for g in got)
+    print(
+        f"300 users: {(len(rounds) - rounds0) / span:.1f} round trips/s, at most "
+        f"{max(len(c) for c in rounds)} calls, H up to {runner.max_horizon_us / 1000:.0f} ms, "
+        f"tok/s per user min {rates[0]:.1f} median {rates[150]:.1f}, late {late * 1000:.0f} ms"
+    )
+    assert max(len(calls) for calls in rounds) <= 100
+    assert runner.max_horizon_us >= 3 * runner.interval_ns // 1000
+    floor = 100 * max(0.0, span - late) / span
+    assert rates[150] >= 0.9 * floor
+    assert rates[0] >= 0.75 * floor  # every user gets its turns
 
 
 def test_unreachable_at_start_then_shared_when_it_answers(tmp_path, caplog):
@@ -322,7 +384,8 @@ def test_unreachable_at_start_then_shared_when_it_answers(tmp_path, caplog):
         settle(lim)
         # Shared now, but within rate/2 until the heartbeats show the other
         # engine (it may still be in its fallback) or the grace ends.
-        assert lim.shared and lim.grace and lim.limit_of(b, now).rate == 10
+        assert runner.budget.applied == Mode(shared=True, grace=True, n=2)
+        assert lim.limit_of(b, now).rate == 10
     finally:
         runner.stop()
         server.stop()
@@ -332,18 +395,16 @@ def test_unreachable_at_start_then_shared_when_it_answers(tmp_path, caplog):
 def test_lost_mid_run_falls_back_then_resumes_without_a_burst(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="vllm.outrate")
     server = RedisServer(tmp_path).start()
-    a, ra = engine(server.url, name="a")
-    b_lim, rb = engine(server.url, name="b")
+    a, ra = engine(server.url, name="a", heartbeat_s=0)  # a heartbeat every round
+    b_lim, rb = engine(server.url, name="b", heartbeat_s=0)
     try:
-        ra._last_beat = 0
         ra.round()  # a heartbeat: two live engines
-        assert a.engines == 2
+        assert ra.engines == 2
         settle(a)
         bucket = a.pin("alice")
         ra.round()
-        assert bucket.credit >= 1
+        assert held(bucket) >= 1
         server.stop()
-        ra._last_beat = 0  # (a round with something to send)
         assert not ra.round()  # one failure is retried at the next round
         assert ra.up and ra.metrics.errors == 1 and "lost" not in caplog.text
         assert not ra.round()  # the second in a row: fallback
@@ -351,13 +412,15 @@ def test_lost_mid_run_falls_back_then_resumes_without_a_burst(tmp_path, caplog):
         assert ra.metrics.transitions["down"] == 1
         assert "lost" in caplog.text and "rate/2" in caplog.text
         settle(a)
-        assert not a.shared and bucket.credit == 0  # pre-outage credit dropped
-        now = time.monotonic_ns()
-        assert a.limit_of(bucket, now).rate == 10
-        assert sum(a.take(bucket, now) for _ in range(10)) == 2  # local, rate/2
+        assert ra.budget.applied == Mode(shared=False, n=2)
+        assert held(bucket) == 0  # pre-outage credit dropped
         caplog.clear()
         ra.round()  # further failures are counted, not logged again
         assert ra.metrics.errors == 3 and "lost" not in caplog.text
+        time.sleep(0.3)  # the outage lasts 0.3 s past the last round
+        now = time.monotonic_ns()
+        assert a.limit_of(bucket, now).rate == 10
+        assert sum(a.take(bucket, now) for _ in range(10)) == 2  # local, rate/2
         server.start()  # an empty Redis: every TAT forgotten
         horizons = []
         stock = ra.link.round_trip
@@ -367,26 +430,25 @@ def test_lost_mid_run_falls_back_then_resumes_without_a_burst(tmp_path, caplog):
             return stock(engine, calls, *a, **kw)
 
         ra.link.round_trip = seen
-        ra._last_start -= int(0.3 * S)  # as if the outage had lasted 0.3 s longer
-        ra._try_connect()
+        ra.connect()
         # The outage was no round period: the first round back leases for
         # one interval (20 ms), not for the outage (~0.3 s here, up to 1 s).
         assert horizons == [20_000]
         assert ra.up and ra.metrics.transitions["up"] == 1 and "is back" in caplog.text
         # The debt spent during the outage was carried over: no burst now.
         settle(a)
-        assert a.shared and a.grace  # b may still be in its fallback: stay at rate/2
+        assert ra.budget.applied == Mode(shared=True, grace=True, n=2)  # b may still be in
+        # its fallback: stay at rate/2
         assert a.limit_of(bucket, time.monotonic_ns()).rate == 10
         for r in (rb, ra):  # b is back too: the heartbeats show both
-            r._last_beat = 0
             r.round()
         settle(a)
-        assert not a.grace and a.limit_of(bucket, time.monotonic_ns()).rate == 20
+        assert not ra.budget.applied.grace and a.limit_of(bucket, time.monotonic_ns()).rate == 20
         tat = int(server.client().get(user_keys("alice")[0]))
         now_us = server.client().time()
         now_us = now_us[0] * 1_000_000 + now_us[1]
         assert tat - now_us >= 100_000 - 20_000  # the burst is spent
-        assert bucket.credit <= 1
+        assert held(bucket) <= 1
     finally:
         ra.stop()
         rb.stop()
@@ -403,17 +465,16 @@ def test_no_log_line_or_metric_shows_the_store_credentials(tmp_path, caplog, for
     caplog.set_level(logging.INFO, logger="vllm.outrate")
     server = RedisServer(tmp_path, password=PLAIN_PASSWORD, users={STORE_USER: STORE_USER_PASSWORD})
     pol = policy()
-    lim, runner = engine(credential_urls(server.port)[form], pol, engines_hint=2)
+    lim, runner = engine(credential_urls(server.port)[form], pol, engines_hint=2, heartbeat_s=0)
     try:
         server.start()
-        runner._try_connect()
+        runner.connect()
         lim.pin("alice")
         assert runner.round() and runner.up
         server.stop()
-        runner._last_beat = 0  # (a round with something to send)
-        assert not runner.round() and not runner.round()  # lost
+        assert not runner.round() and not runner.round()  # lost (each round beats)
         server.start()
-        runner._try_connect()
+        runner.connect()
         assert runner.up
         # /metrics as the API server renders it, from the engine's snapshot.
         data = snapshot(Metrics(), pol, store=runner.metrics.snapshot())
@@ -469,14 +530,12 @@ def test_a_slow_store_never_blocks_the_scheduler(tmp_path):
 
 def test_engines_with_another_policy_are_reported(fresh, caplog):
     caplog.set_level(logging.INFO, logger="vllm.outrate")
-    a, ra = engine(fresh.url, policy(sha="sha-one"), name="a")
+    a, ra = engine(fresh.url, policy(sha="sha-one"), name="a", heartbeat_s=0)
     b, rb = engine(fresh.url, policy(sha="sha-two"), name="b")
-    ra._last_beat = 0
     ra.round()
     assert ra.metrics.policy_mismatch == 1 and ra.metrics.engines == 2
     assert "another policy" in caplog.text and "b (sha-two" in caplog.text
     caplog.clear()
-    ra._last_beat = 0
     ra.round()
     assert "another policy" not in caplog.text  # logged once per change
     ra.stop()
@@ -488,16 +547,25 @@ def test_a_returning_user_gets_credit_within_one_lease_interval(fresh):
     after one round trip, not at the next tick. Each user arrives 0.6 s into
     a 1 s interval, so waiting for the tick would take 0.4 s; the wake takes a
     round trip (milliseconds; a loaded machine can stall a thread ~150 ms)."""
-    lim, runner = engine(fresh.url, start=True, interval_s=1.0)
+    lim, runner = engine(fresh.url, interval_s=1.0, heartbeat_s=0)  # every round calls
+    starts: list[int] = []
+    stock = runner.link.round_trip
+
+    def timed(*a, **kw):
+        starts.append(time.monotonic_ns())
+        return stock(*a, **kw)
+
+    runner.link.round_trip = timed
+    runner.start()
     settle(lim)
     waits = []
     try:
         for i in range(4):
-            while time.monotonic_ns() < runner._last_start + 600 * MS:
+            while time.monotonic_ns() < starts[-1] + 600 * MS:
                 time.sleep(0.002)
             t0 = time.monotonic()
             b = lim.pin("alice" if i % 2 else "bob")
-            while b.credit <= 0 and time.monotonic() - t0 < 2:
+            while held(b) <= 0 and time.monotonic() - t0 < 2:
                 time.sleep(0.0005)
             waits.append(time.monotonic() - t0)
             lim.unpin(b)

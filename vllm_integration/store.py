@@ -1,12 +1,13 @@
-"""The engine core's side of `--outrate-store`: a `SharedLimiter` for the
-scheduler and its lease thread, built from the settings the plugin put in
+"""The engine core's side of `--outrate-store`: a `Limiter` lent credit by a
+`SharedBudget` for the scheduler, and its lease thread, built from the settings the plugin put in
 `additional_config["outrate"]` (`store`, `store_fallback`). The password
 never travels in the settings (vLLM hashes and may print the config): the
 plugin moves it to the environment variable `OUTRATE_STORE_PASSWORD`, which
 the engine-core process inherits.
 
 The scheduler sees only the limiter (a `BudgetStore`); the lease thread is
-one of the engine threads (threads.py), started and stopped with them.
+one of the engine threads (threads.py), started and stopped with them, and
+reaches the scheduler through the budget alone.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from outrate.budget.shared.credit import LEASE_INTERVAL_S, SharedLimiter
+from outrate.budget.limiter import Limiter
+from outrate.budget.shared.credit import LEASE_INTERVAL_S, SharedBudget
 from outrate.budget.shared.lease import RedisLink
 from outrate.budget.shared.runner import TIMEOUT_S, LeaseRunner
 from outrate.policy.compiler import CompiledPolicy
@@ -25,9 +27,9 @@ logger = logging.getLogger("vllm.outrate")
 
 
 class Store:
-    """A shared limiter and the thread that keeps its credit topped up."""
+    """A table lent by a shared budget, and the thread that keeps its credit topped up."""
 
-    def __init__(self, limiter: SharedLimiter, runner: LeaseRunner) -> None:
+    def __init__(self, limiter: Limiter, runner: LeaseRunner) -> None:
         self.limiter = limiter
         self.runner = runner
 
@@ -49,14 +51,11 @@ def open_store(policy: CompiledPolicy, settings: EngineSettings, vllm_config: An
     # plugin recorded the size asked for.
     dp = settings.data_parallel_size
     interval_s = float(settings.store_lease_ms or LEASE_INTERVAL_S * 1000) / 1000
-    limiter = SharedLimiter(
-        policy,
-        fallback=settings.store_fallback,
-        engines_hint=dp,
-        interval_s=interval_s,
-    )
+    budget = SharedBudget(fallback=settings.store_fallback, engines_hint=dp, interval_s=interval_s)
+    limiter = Limiter(policy, lender=budget)
     runner = LeaseRunner(
         limiter,
+        budget,
         RedisLink(url, timeout_s=TIMEOUT_S),
         policy_sha=lambda: policy.sha256,
         logger=logger,

@@ -1,14 +1,17 @@
-"""GCRA limiter: per-user theoretical arrival times in exact integer arithmetic.
+"""The per-user table: `Limiter`, the in-memory `BudgetStore` (outrate.budget.store).
 
-The decision is `gcra()`, a pure function over integers. `Limiter` holds the
-per-user table and an injected clock; it never sleeps and never reads the wall
-clock on its own unless no `now` is passed.
+Every decision is `gcra()` (outrate.budget.gcra) over a user's `Bucket`: the
+table holds the buckets, converts their debt when the policy changes, and
+forgets idle users in bounded steps. The clock is injected: the table never
+sleeps and reads the clock only where a caller passes no `now`.
 
-Time is kept in *scaled units*: for a rate p/q tokens/s (a reduced fraction)
-one nanosecond is `p` units and one token costs `1e9 * q` units, so any rate the
-policy can express (fractions included) is paced exactly, with no rounding
-drift over long runs. Each `Limit` carries its own scale; a user's state is the
-theoretical arrival time (TAT) in its limit's units.
+A budget shared with other engines is this same table with a `Lender`
+(outrate.budget.shared.credit.SharedBudget): it gives each bucket a credit
+`Account` that takes must also fit in, and says which limit this engine
+enforces (its share of the user's rate). The table consults it when a bucket
+is created, at a first pin and a last unpin, and at step boundaries (`pin`,
+`cleanup`), all on the scheduler's thread; per token it reads the bucket's
+account and nothing else.
 """
 
 from __future__ import annotations
@@ -16,138 +19,50 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from decimal import Decimal
-from fractions import Fraction
 from typing import NamedTuple, Protocol
 
-from outrate.units import format_duration, format_rate
+from outrate.budget.gcra import NS_PER_S, Limit, exact_rate, gcra
 
-NS_PER_S = 1_000_000_000
+__all__ = [
+    "NS_PER_S",
+    "Account",
+    "Bucket",
+    "Lender",
+    "Limit",
+    "LimitSource",
+    "Limiter",
+    "Stats",
+    "exact_rate",
+    "gcra",
+]
+
 SWAP_HISTORY = 32
 """Policy swaps remembered so an idle bucket converts its debt at each swap instant."""
+ALL = 1 << 30
+"""More tokens than any step asks for: what `available` answers for the unlimited."""
+STALE = -1
+"""A bucket generation no table has: its limit is re-resolved at its next touch."""
 
 
-def exact_rate(value: int | float | str | Decimal | Fraction) -> Fraction:
-    """The exact rate a human wrote: 0.1 is 1/10, not the nearest binary float."""
-    if isinstance(value, Fraction):
-        return value
-    if isinstance(value, float):
-        return Fraction(Decimal(repr(value)))
-    if isinstance(value, str):  # '0.1' and '1/3' alike; junk is a ValueError
-        try:
-            return Fraction(value)
-        except ZeroDivisionError as e:
-            raise ValueError(f"rate {value!r} divides by zero") from e
-    return Fraction(Decimal(str(value)))
+class Account(Protocol):
+    """Credit a shared budget leased for one user on this engine
+    (outrate.budget.shared.credit.Credit). Credit held is `granted - spent -
+    released`; while the lender says takes spend it, a take must fit in it as
+    well as in the local GCRA. The table writes `spent` only (the scheduler's
+    thread); the lender documents who writes the rest."""
+
+    granted: int
+    spent: int
+    released: int
+    leased: bool
+    """The lease thread still holds the bucket: cleanup must keep it."""
 
 
-_INTS: dict[int, int] = {}
+class LimitSource(Protocol):
+    """What the limiter needs of a policy (outrate.policy.compiler.CompiledPolicy is one):
+    the limiter sits below the compiler and never imports it."""
 
-
-def _shared_int(v: int) -> int:
-    """One int object per value across all Limits: `take` reads three of them
-    per token, and a policy of many rules with the same rate (one per listed
-    user) then touches the same three objects instead of three per user."""
-    if len(_INTS) > 100_000:
-        _INTS.clear()
-    return _INTS.setdefault(v, v)
-
-
-class Limit:
-    """One resolved limit: rate (None = unlimited), burst and stream cap.
-
-    Immutable and shared by every user that resolves to the same rule, so it
-    costs nothing per user. `scale`, `interval` and `tolerance` are the GCRA
-    integers in this limit's scaled units (see module docstring).
-    """
-
-    __slots__ = (  # take's first: fewer cache lines per token
-        "scale",
-        "interval",
-        "tolerance",
-        "rate",
-        "burst_ns",
-        "max_streams",
-        "rule",
-        "shadow",
-        "label",
-    )
-
-    def __init__(
-        self,
-        rate: Fraction | int | float | str | None,
-        burst_ns: int,
-        max_streams: int | None = None,
-        rule: str = "",
-        shadow: bool = False,
-        label: str = "",
-    ) -> None:
-        if rate is not None:
-            rate = exact_rate(rate)
-            if rate <= 0:
-                raise ValueError(f"rate must be > 0, got {rate}")
-        if burst_ns <= 0:
-            raise ValueError(f"burst must be > 0 ns, got {burst_ns}")
-        if max_streams is not None and max_streams < 1:
-            raise ValueError(f"max_streams must be >= 1, got {max_streams}")
-        self.rate: Fraction | None = rate
-        self.burst_ns = int(burst_ns)
-        self.max_streams = max_streams
-        self.rule = rule
-        self.shadow = shadow
-        """Computed and counted, never enforced: nobody is held, no prefill capped."""
-        self.label = label
-        """The `limit` label of this rule's metrics (`default`, `tier:pro`, ...)."""
-        if rate is None:
-            self.scale = 0
-            self.interval = 0
-            self.tolerance = 0
-        else:
-            self.scale = _shared_int(rate.numerator)
-            self.interval = _shared_int(NS_PER_S * rate.denominator)
-            self.tolerance = _shared_int(self.burst_ns * rate.numerator)
-
-    @property
-    def unlimited(self) -> bool:
-        return self.rate is None
-
-    def _key(self) -> tuple[Fraction | None, int, int | None, bool]:
-        return (self.rate, self.burst_ns, self.max_streams, self.shadow)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Limit) and self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(self._key())
-
-    def describe(self) -> str:
-        """Human form used in log lines: `20 tok/s burst 100ms` or `unlimited`."""
-        if self.rate is None:
-            text = "unlimited"
-        else:
-            text = f"{format_rate(self.rate)} tok/s burst {format_duration(self.burst_ns)}"
-        if self.max_streams is not None:
-            text += f" max_streams {self.max_streams}"
-        if self.shadow:
-            text += " (shadow)"
-        return text
-
-    def __repr__(self) -> str:
-        return f"Limit({self.describe()!r}, rule={self.rule!r})"
-
-
-def gcra(tat: int, now: int, interval: int, tolerance: int) -> int | None:
-    """The GCRA decision. All arguments in one limit's scaled units.
-
-    Returns the new TAT if one token may be taken at `now`, else None.
-    A token is conforming when `tat - now <= tolerance`; a TAT in the past
-    counts as `now` (an idle user is a fresh user).
-    """
-    if tat < now:
-        tat = now
-    elif tat - now > tolerance:
-        return None
-    return tat + interval
+    def limit_for(self, user_id: str) -> Limit: ...
 
 
 class Bucket:
@@ -156,16 +71,44 @@ class Bucket:
     `limit` and `gen` let a policy swap be O(1): a bucket re-resolves its limit
     (carrying its debt in tokens) the next time it is touched. `pins` counts
     live requests holding this bucket, so cleanup never splits a user's state.
+    `credit` is its account with a shared budget (None in memory alone).
     """
 
-    __slots__ = ("gen", "limit", "tat", "key", "pins")  # take's first
+    __slots__ = ("gen", "limit", "tat", "credit", "key", "pins")  # the take's first
 
     def __init__(self, key: str, limit: Limit, gen: int) -> None:
         self.key = key
         self.tat = 0
         self.limit = limit
         self.gen = gen
+        self.credit: Account | None = None
         self.pins = 0
+
+
+class Lender(Protocol):
+    """What a budget shared with other engines adds to the table
+    (outrate.budget.shared.credit.SharedBudget). Called on the scheduler's
+    thread only, and never per token."""
+
+    def open(self, b: Bucket) -> Account:
+        """The account of a bucket just created."""
+
+    def local(self, b: Bucket, lim: Limit) -> Limit:
+        """The limit the table enforces for `b`'s user where the policy says `lim`."""
+
+    def boundary(self, table: Limiter) -> bool:
+        """Between steps: apply what the lease thread published (through
+        `table.invalidate` and `table.stale`). Returns whether takes spend
+        their accounts until the next boundary."""
+
+    def pinned(self, b: Bucket) -> None:
+        """`b`'s first live request arrived."""
+
+    def unpinned(self, b: Bucket) -> None:
+        """`b`'s last live request left."""
+
+    def credit_due(self, now: int) -> int:
+        """When credit is next expected for a bucket that holds none."""
 
 
 class Stats(NamedTuple):
@@ -183,20 +126,15 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class LimitSource(Protocol):
-    """What the limiter needs of a policy (outrate.policy.compiler.CompiledPolicy is one):
-    the limiter sits below the compiler and never imports it."""
-
-    def limit_for(self, user_id: str) -> Limit: ...
-
-
 class Limiter:
     """The per-user table. One per engine; only the scheduler thread mutates it."""
 
-    _bucket_cls: type[Bucket] = Bucket
-    """What `bucket` creates (a shared store's buckets carry its credit)."""
-
-    def __init__(self, policy: LimitSource, clock: Callable[[], int] = time.monotonic_ns) -> None:
+    def __init__(
+        self,
+        policy: LimitSource,
+        clock: Callable[[], int] = time.monotonic_ns,
+        lender: Lender | None = None,
+    ) -> None:
         self._policy = policy
         self._gen = 0
         self._swaps: deque[tuple[int, int | None, LimitSource]] = deque(maxlen=SWAP_HISTORY)
@@ -204,6 +142,9 @@ class Limiter:
         self._sweep: deque[str] = deque()
         self._pinned = 0  # buckets with pins (cleanup never drops them)
         self.clock = clock
+        self.lender = lender
+        self._spend = False
+        """Takes spend their bucket's account: the lender's word at the last boundary."""
 
     # -- policy ------------------------------------------------------------
 
@@ -228,10 +169,18 @@ class Limiter:
         self._swaps.append((self._gen, now, policy))
         self._policy = policy
 
+    def invalidate(self) -> None:
+        """Every bucket re-resolves its limit at its next touch, keeping its
+        debt in tokens (a shared budget's mode changed)."""
+        self._gen += 1
+
+    def stale(self, b: Bucket) -> None:
+        """`b` re-resolves its limit at its next touch (its share changed)."""
+        if b.gen == self._gen:
+            b.gen = STALE  # older than every swap remembered: converts at the touch
+
     def _local(self, b: Bucket, lim: Limit) -> Limit:
-        """The limit this table enforces for `b`'s user where the policy says
-        `lim`: the same here; a shared store scales it by its engine's share."""
-        return lim
+        return lim if self.lender is None else self.lender.local(b, lim)
 
     def _refresh(self, b: Bucket, now: int) -> None:
         at = now  # the limit in force applies from the last swap `b` missed, else now
@@ -266,23 +215,42 @@ class Limiter:
         """The user's bucket, created on first use."""
         b = self._buckets.get(user)
         if b is None:
-            b = self._bucket_cls(user, self._policy.limit_for(user), self._gen)
+            lim = self._policy.limit_for(user)
+            b = Bucket(user, lim, self._gen)
+            lender = self.lender
+            if lender is not None:
+                b.credit = lender.open(b)
+                b.limit = lender.local(b, lim)
             self._buckets[user] = b
             self._sweep.append(user)
         return b
 
+    def buckets(self) -> list[Bucket]:
+        """Every bucket, as a list taken at once (a shared budget's lease
+        thread reads it too: copying a dict's values does not let the
+        scheduler's thread in between)."""
+        return list(self._buckets.values())
+
     def pin(self, user: str) -> Bucket:
-        """Take a reference a request can keep; cleanup will not drop it."""
+        """Take a reference a request can keep; cleanup will not drop it.
+        A step boundary for a lender: requests arrive between steps."""
+        lender = self.lender
+        if lender is not None:
+            self._spend = lender.boundary(self)
         b = self.bucket(user)
-        if not b.pins:
-            self._pinned += 1
         b.pins += 1
+        if b.pins == 1:
+            self._pinned += 1
+            if lender is not None:
+                lender.pinned(b)
         return b
 
     def unpin(self, b: Bucket) -> None:
         b.pins -= 1
         if not b.pins:
             self._pinned -= 1
+            if self.lender is not None:
+                self.lender.unpinned(b)
 
     def limit_of(self, b: Bucket, now: int) -> Limit:
         if b.gen != self._gen:
@@ -291,72 +259,59 @@ class Limiter:
 
     # -- hot path ----------------------------------------------------------
 
-    def take(self, b: Bucket, now: int) -> bool:
-        """Take one token from `b` at `now` (ns) if it conforms. O(1), no allocation
-        beyond the new TAT integer. Same decision as `gcra()`, inlined. The
-        scheduler's hook inlines it once more for a `Limiter` (not a subclass
-        that overrides `take_upto`) while `b.gen == self._gen`: keep the two
-        alike (tests/test_scheduler.py checks they decide alike)."""
-        if b.gen != self._gen:
-            self._refresh(b, now)
-        lim = b.limit
-        s = lim.scale
-        if not s:
-            return True
-        now_s = now * s
-        tat = b.tat
-        if tat < now_s:
-            tat = now_s
-        elif tat - now_s > lim.tolerance:
-            return False
-        b.tat = tat + lim.interval
-        return True
-
     def take_upto(self, b: Bucket, now: int, n: int) -> int:
-        """Take up to `n` tokens from `b` at `now`: as many as `n` successful
+        """Take up to `n` tokens from `b` at `now` (ns): as many as `n`
         `take`s at `now` back to back would, in one call. Returns how many (0
-        when even one would not conform). The scheduler takes a user's tokens
-        for a step with it and gives back what the step did not use."""
+        when even one would not conform). O(1), no I/O: the scheduler takes a
+        user's tokens for a step with it and gives back what it did not use."""
         if b.gen != self._gen:
             self._refresh(b, now)
         lim = b.limit
         s = lim.scale
         if not s:
-            return n
-        now_s = now * s
-        tat = b.tat
-        if tat < now_s:
-            tat = now_s
-        elif tat - now_s > lim.tolerance:
-            return 0
-        if n == 1:  # (as `take`)
-            b.tat = tat + lim.interval
-            return 1
-        if n <= 0:
-            return 0
-        i = lim.interval
-        k = (lim.tolerance - (tat - now_s)) // i + 1  # takes that conform back to back
-        if k < n:
-            n = k
-        b.tat = tat + n * i
-        return n
+            return n  # unlimited: no state, no credit
+        a = b.credit if self._spend else None
+        if a is not None:  # leased credit bounds the take too
+            held = a.granted - a.spent - a.released
+            if held < n:
+                n = held
+        k, b.tat = gcra(b.tat, now * s, lim.interval, lim.tolerance, n)
+        if a is not None:
+            a.spent += k
+        return k
+
+    def take(self, b: Bucket, now: int) -> bool:
+        """Take one token from `b` at `now` if it conforms."""
+        return self.take_upto(b, now, 1) == 1
 
     def give_back(self, b: Bucket, now: int, n: int = 1) -> None:
-        """Undo `n` tokens of `take`s that succeeded (the refund point; a step's
+        """Undo `n` tokens of takes that succeeded (the refund point; a step's
         unused tokens)."""
         if b.gen != self._gen:
             self._refresh(b, now)
-        b.tat -= b.limit.interval if n == 1 else n * b.limit.interval
+        lim = b.limit
+        b.tat -= n * lim.interval
+        a = b.credit if self._spend else None
+        if a is not None and lim.scale:
+            a.spent -= n
 
     def ready_at(self, b: Bucket, now: int) -> int:
-        """Earliest time (ns) at which `take(b)` succeeds; `now` if it does now."""
+        """Earliest time (ns) at which a take from `b` succeeds; `now` if one
+        does now. (`gcra()`'s test solved for the time: the TAT at most the
+        tolerance ahead; with a shared budget, credit held too.)"""
         if b.gen != self._gen:
             self._refresh(b, now)
         lim = b.limit
         if not lim.scale:
             return now
         t = _ceil_div(b.tat - lim.tolerance, lim.scale)
-        return t if t > now else now
+        if t < now:
+            t = now
+        a, lender = b.credit, self.lender
+        if self._spend and a is not None and lender is not None:
+            if a.granted - a.spent - a.released <= 0:
+                t = max(t, lender.credit_due(now))
+        return t
 
     def available(self, b: Bucket, now: int) -> int:
         """Tokens `b` could take at `now` back to back (its remaining burst).
@@ -367,12 +322,13 @@ class Limiter:
             self._refresh(b, now)
         lim = b.limit
         if not lim.scale:
-            return 1 << 30
-        now_s = now * lim.scale
-        ahead = b.tat - now_s if b.tat > now_s else 0
-        if ahead > lim.tolerance:
-            return 0
-        return (lim.tolerance - ahead) // lim.interval + 1
+            return ALL
+        k = gcra(b.tat, now * lim.scale, lim.interval, lim.tolerance, ALL)[0]
+        a = b.credit if self._spend else None
+        if a is not None:
+            held = a.granted - a.spent - a.released
+            return k if k < held else max(held, 0)
+        return k
 
     # -- keyed verbs (API for tools and tests) -----------------------------
 
@@ -396,8 +352,8 @@ class Limiter:
         lim = self._policy.limit_for(user) if b is None else self.limit_of(b, now)
         if not lim.scale:
             return Stats(lim, -1, 0, now)
-        if b is None:
-            return Stats(lim, lim.tolerance // lim.interval + 1, 0, now)
+        if b is None:  # a fresh user: its whole burst
+            return Stats(lim, gcra(0, 0, lim.interval, lim.tolerance, ALL)[0], 0, now)
         remaining = self.available(b, now)
         ready = self.ready_at(b, now)
         return Stats(lim, remaining, ready - now, ready)
@@ -406,10 +362,14 @@ class Limiter:
 
     def cleanup(self, now: int | None = None, budget: int = 64) -> int:
         """Drop up to `budget` examined idle users; bounded work per call.
+        The end of every step: a lender's boundary too.
 
         A user whose TAT is not ahead of `now` is indistinguishable from a user
-        never seen, so dropping it changes no decision. Pinned buckets stay.
+        never seen, so dropping it changes no decision. Pinned buckets stay,
+        and so do those a shared budget's lease thread still holds.
         """
+        if self.lender is not None:
+            self._spend = self.lender.boundary(self)
         sweep, buckets = self._sweep, self._buckets
         if len(buckets) == self._pinned:
             return 0  # every user has live requests: nobody to forget (each step's case)
@@ -418,16 +378,13 @@ class Limiter:
         for _ in range(min(budget, len(sweep))):
             key = sweep.popleft()
             b = buckets[key]
-            if b.pins == 0 and self._forgettable(b, now):
+            a = b.credit
+            if b.pins == 0 and b.tat <= now * b.limit.scale and not (a and a.leased):
                 del buckets[key]
                 removed += 1
             else:
                 sweep.append(key)
         return removed
-
-    def _forgettable(self, b: Bucket, now: int) -> bool:
-        """An unpinned bucket whose TAT is not ahead of `now` holds nothing."""
-        return b.tat <= now * b.limit.scale
 
     def __len__(self) -> int:
         return len(self._buckets)
@@ -436,7 +393,7 @@ class Limiter:
         return user in self._buckets
 
     def export(self, now: int | None = None) -> Iterator[tuple[str, Stats]]:
-        """Every known user's stats: the hook for metrics and shared budgets."""
+        """Every known user's stats: the hook for metrics and tools."""
         now = self._now(now)
         for key in list(self._buckets):
             yield key, self.stats(key, now)

@@ -1,14 +1,19 @@
 """The budget store protocol: what the scheduler needs from per-user state.
 
 The scheduler (vllm_integration/scheduler.py) only talks to a `BudgetStore`.
-`outrate.budget.limiter.Limiter` (in-memory GCRA, one engine) is the first
-implementation; a store shared between engines is a second one, and the
-scheduler does not change. Decisions must be O(1), allocation-free and never
-wait on I/O: a shared store decides from state held in memory and refreshes it
-off the scheduler's thread.
+`outrate.budget.limiter.Limiter` is the implementation: in memory for one
+engine, or lent credit by a budget shared between engines
+(outrate.budget.shared.credit.SharedBudget), and the scheduler does not
+change. Decisions must be O(1), allocation-free and never wait on I/O: a
+shared store decides from state held in memory and refreshes it off the
+scheduler's thread. The property tests (tests/test_limiter.py) run against
+every store.
 
 A `Bucket` is the handle a live request keeps for its user (`pin`/`unpin`);
-`now` is the scheduler's step time in ns (CLOCK_MONOTONIC or a test's clock).
+outside the store, read only its `key`, `pins` and `limit`. `now` is the
+scheduler's step time in ns (CLOCK_MONOTONIC or a test's clock). `pin` and
+`cleanup` are step boundaries: call them between steps (requests arrive,
+a step ends), never inside one.
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ class BudgetStore(Protocol):
     def unpin(self, b: Bucket) -> None: ...
 
     def take(self, b: Bucket, now: int) -> bool:
-        """Take one token if it conforms: the decision the other verbs are
-        defined by. O(1), no I/O."""
+        """Take one token if it conforms: `take_upto(b, now, 1) == 1`, the
+        decision the other verbs are defined by (for tools and tests)."""
 
     def take_upto(self, b: Bucket, now: int, n: int) -> int:
         """Take up to `n` tokens at `now`: what `n` `take`s at `now` back to
@@ -53,4 +58,5 @@ class BudgetStore(Protocol):
         """The limit in force for the bucket's user."""
 
     def cleanup(self, now: int | None = None, budget: int = 64) -> int:
-        """Forget up to `budget` idle, unpinned users; bounded work per call."""
+        """Forget up to `budget` idle, unpinned users; bounded work per call.
+        Called at the end of every step."""

@@ -1,9 +1,10 @@
-"""A budget shared by several engines (`--outrate-store`): local credit
-(`credit`), the global GCRA in Redis (`lease`, `scripts`), the lease thread
-(`runner`) and what it counts (`metrics`)."""
+"""A budget shared by several engines (`--outrate-store`): the scheduler's
+side, a `SharedBudget` lending credit to the `Limiter` (`credit`); the global
+GCRA in Redis (`lease`, `scripts`, `url`); the lease thread (`runner`), whom
+it calls in a round (`turns`) and what it counts (`metrics`)."""
 
-from outrate.budget.shared.credit import SharedLimiter
+from outrate.budget.shared.credit import Mode, SharedBudget
 from outrate.budget.shared.lease import RedisLink, check_url
 from outrate.budget.shared.runner import LeaseRunner
 
-__all__ = ["LeaseRunner", "RedisLink", "SharedLimiter", "check_url"]
+__all__ = ["LeaseRunner", "Mode", "RedisLink", "SharedBudget", "check_url"]

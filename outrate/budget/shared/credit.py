@@ -1,47 +1,53 @@
-"""A budget shared by several engines: local credit, leased from Redis.
+"""A budget shared by several engines, the scheduler's side: `SharedBudget`.
 
-`SharedLimiter` is the second `BudgetStore` (outrate.budget.store). The scheduler
-talks to it exactly as to `Limiter`, and its hot path stays in memory: a
-token is taken when the user's local GCRA conforms (as on one engine) *and*
-the engine holds leased credit for the user. `LeaseRunner`
-(outrate.budget.shared.runner), a thread in the engine core, keeps that credit
-topped up from the global GCRA in Redis (outrate.budget.shared.lease): once per lease
-interval it sends one pipelined round trip with a call for every user whose
-credit ran below its slice (up to a cap per round; past it, users take
-turns and their slices last until their next turn), and returns credit
-that users who left this engine no longer need.
+The table stays `Limiter` (outrate.budget.limiter); a `SharedBudget` is its
+`Lender`. It gives each bucket a `Credit` (tokens this engine leased for the
+user from the global GCRA in Redis) and tells the table which limit to pace
+the user at here. A token is taken when the user's local GCRA conforms (as on
+one engine) *and* the engine holds credit for the user. `LeaseRunner`
+(outrate.budget.shared.runner), a thread in the engine core, keeps that
+credit topped up and returns what users who left no longer need.
 
-Fields of a `SharedBucket` have one writer each, so the two threads never
-lock: the lease thread writes `granted` and `sent`, the scheduler `spent`
-and `released`; credit is `granted - spent - released`. Credit a bucket no
-longer needs is moved to `released` by the scheduler (when its last request
-leaves, or at the next step when a grant arrives after that) and sent back
-by the lease thread.
+The two threads never lock. What crosses between them:
 
-The bound (README "Several engines"): in any window W a user's tokens summed
+- **One mode record.** The lease thread publishes a `Mode` (shared or in the
+  fallback, just back from it or not, N of the fallback) by assigning
+  `SharedBudget.mode`, one immutable record. The scheduler's thread reads it
+  at step boundaries (the table's `pin` and `cleanup`) and applies it there:
+  it never sees half a switch, and a mode holds for a whole step.
+- **One writer per `Credit` field.** The lease thread writes `granted`,
+  `sent`, `share` and its bookkeeping (`fair`, `demand`, `seen`, `reg`,
+  `reg_at`, `leased`); the scheduler writes `spent` (takes, net of give
+  backs) and `released` (credit handed back). Credit held is `granted -
+  spent - released`: each thread reads the other's fields, never writes them.
+- **Queues of buckets** (deques, appended by one thread, popped by the
+  other): `arrivals` (a user's first request: lease it now), `settle`
+  (credit granted after the user's last request left: release it) and
+  `reshare` (the user's share here changed: re-resolve its local limit).
+  `next_credit_ns` is a hint for `ready_at` (lease thread).
+
+The local limit is the policy's rate times this engine's share of the
+user's demand (its live requests over every engine's, as Redis last
+reported), so engines pace a user fairly. Without the store the scheduler
+keeps going on local GCRA alone, at `rate / N` per engine (N: live engines
+when the store went away) or at the full rate (`fallback="full"`); just
+back from the fallback it stays within `rate / N` a while (`Mode.grace`).
+
+The bound (docs/several-engines.md): in any window W a user's tokens summed
 over all engines stay within `(W + burst) * rate + 1 + S`, where S is the
 credit outstanding at the window's start plus what Redis grants ahead of
-now. An engine holds at most its fair
-slice `max(1, ceil(rate * H * d_e / D))` (H the lease horizon, d_e its
-requests of the user, D everyone's), and a lease call grants what conforms
-within max(burst, H), so S = rate * (H + max(0, H - burst)) + N for N
-engines serving the user (docs/DESIGN-store.md, "The bound").
-
-When the store cannot be reached the scheduler keeps going on local GCRA
-alone, at `rate / N` per engine (N: live engines at the last heartbeat) or
-at the full rate (`fallback="full"`). Mode switches happen at a step
-boundary (`cleanup`, `pin`) in the scheduler's thread.
+now: S = rate * (H + max(0, H - burst)) + N for N engines serving the user,
+H the lease horizon (outrate.budget.shared.runner).
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
-from collections.abc import Callable
 from fractions import Fraction
+from typing import NamedTuple, cast
 
-from outrate.budget.limiter import NS_PER_S, Bucket, Limit, Limiter, LimitSource
+from outrate.budget.limiter import NS_PER_S, Account, Bucket, Limit, Limiter
 
 LEASE_INTERVAL_S = 0.02
 """One round trip per 20 ms: a fifth of the default 100 ms burst, so four
@@ -53,245 +59,160 @@ FALLBACKS = ("share", "full")
 FULL = Fraction(1)
 
 
-class SharedBucket(Bucket):
+class Mode(NamedTuple):
+    """What the lease thread publishes, in one assignment."""
+
+    shared: bool = False
+    """Takes spend leased credit; False: the fallback, local GCRA alone."""
+    grace: bool = False
+    """Just back from the fallback: stay within rate/n until the other engines are."""
+    n: int = 1
+    """Engines the fallback (and the grace) divides the rate by."""
+
+
+class Credit:
+    """One user's lease on this engine (`Account` to the table). Writers per
+    field: see the module docstring."""
+
     __slots__ = (
+        "bucket",
         "granted",
         "spent",
         "released",
         "sent",
+        "share",
         "fair",
         "demand",
+        "seen",
+        "reg",
         "reg_at",
         "leased",
-        "reg",
-        "share",
-        "used",
-        "seen",
     )
 
-    def __init__(self, key: str, limit: Limit, gen: int) -> None:
-        super().__init__(key, limit, gen)
+    def __init__(self, bucket: Bucket) -> None:
+        self.bucket = bucket
         self.granted = 0  # lease thread: tokens Redis granted to this engine
         self.spent = 0  # scheduler: tokens taken (net of give_back)
         self.released = 0  # scheduler: credit handed back
         self.sent = 0  # lease thread: released credit returned to Redis
+        self.share = FULL  # lease thread: this engine's share of the user's demand
         self.fair = 0  # lease thread: the last fair slice Redis computed
         self.demand = 0  # lease thread: the demand last reported
-        self.reg_at = 0  # lease thread: when it last wrote its demand to Redis
-        self.leased = False  # lease thread: in its active set (keep the bucket)
+        self.seen = 0  # lease thread: `spent` at its last visit
         self.reg = False  # lease thread: demand registered in Redis
-        self.share = FULL  # lease thread: this engine's share of the user's demand
-        self.used: Fraction | None = None  # scheduler: the share its limit was resolved with
-        self.seen = 0  # lease thread: `spent` at its last round
+        self.reg_at = 0  # lease thread: when it last wrote its demand
+        self.leased = False  # lease thread: in its active set (the table keeps the bucket)
 
     @property
-    def credit(self) -> int:
+    def held(self) -> int:
+        """Credit held: what takes may still spend."""
         return self.granted - self.spent - self.released
 
+    def release(self) -> None:
+        """Scheduler: hand back all credit held (the lease thread returns it)."""
+        c = self.granted - self.spent - self.released
+        if c > 0:
+            self.released += c
 
-class SharedLimiter(Limiter):
-    """A `Limiter` whose takes also spend credit leased from a shared store."""
 
-    _bucket_cls = SharedBucket
+def credit_of(b: Bucket) -> Credit:
+    """`b`'s Credit: every bucket of a table lent by a SharedBudget has one
+    (`SharedBudget.open`)."""
+    return cast(Credit, b.credit)
+
+
+class SharedBudget:
+    """The `Lender` of a table whose budgets are shared through Redis."""
 
     def __init__(
         self,
-        policy: LimitSource,
-        clock: Callable[[], int] = time.monotonic_ns,
         fallback: str = "share",
         engines_hint: int = 1,
         interval_s: float = LEASE_INTERVAL_S,
     ) -> None:
         if fallback not in FALLBACKS:
             raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
-        super().__init__(policy, clock)
         self.fallback = fallback
-        self.shared = False
-        """Applied mode (scheduler thread): True spends leased credit."""
-        self.want_shared = False
-        """Requested mode (lease thread); applied at the next step boundary."""
-        self.grace = False
-        """Applied: just back from the fallback, still within rate/N per engine."""
-        self.want_grace = False
-        """Requested by the lease thread; applied with the mode."""
-        self.engines = max(1, engines_hint)
-        """Live engines by the last heartbeat (lease thread)."""
-        self.fallback_n = self.engines
-        """N of the fallback in force: `engines` when the store went away."""
-        self._scaled: dict[tuple[Limit, Fraction], Limit] = {}
-        self.arrivals: deque[SharedBucket] = deque()
-        """Buckets whose first request arrived (scheduler -> lease thread)."""
-        self.settle: deque[SharedBucket] = deque()
-        """Buckets granted credit after their last request left (lease -> scheduler)."""
+        self.mode = Mode(n=max(1, engines_hint))
+        """Published by the lease thread (one assignment of a new record)."""
+        self.applied = self.mode
+        """The mode in force (scheduler's thread, set at step boundaries)."""
+        self.arrivals: deque[Bucket] = deque()
+        self.settle: deque[Bucket] = deque()
+        self.reshare: deque[Bucket] = deque()
         self.kick = threading.Event()
+        """Set on an arrival: wakes the lease thread early."""
         self.interval_ns = int(interval_s * NS_PER_S)
         self.next_credit_ns = 0
         """When the next lease round is expected to have answered (lease thread)."""
+        self._scaled: dict[tuple[Limit, Fraction], Limit] = {}
 
-    # -- modes -----------------------------------------------------------------
+    # -- the Lender's verbs (scheduler's thread) --------------------------------
 
-    def _local(self, b: Bucket, lim: Limit) -> Limit:
-        """The local limit: the policy's rate times this engine's share of
-        the user's demand (shared), or times 1/N (fallback `share`). Pacing
-        each engine at its share is what makes engines share fairly: without
-        it, the engine whose lease calls happen to land first after each
-        token conforms in Redis would take them all."""
-        sb: SharedBucket = b  # type: ignore[assignment]
-        share = sb.used = sb.share
+    def open(self, b: Bucket) -> Account:
+        return Credit(b)
+
+    def local(self, b: Bucket, lim: Limit) -> Limit:
+        """The policy's limit times this engine's share of the user's demand
+        (shared), or times 1/N (fallback `share`, and the grace after it).
+        Pacing each engine at its share is what makes engines share fairly:
+        without it, the engine whose lease calls happen to land first after
+        each token conforms in Redis would take them all."""
         if lim.rate is None:
             return lim
-        split = self.fallback == "share" and self.fallback_n > 1
-        if not self.shared:
+        mode = self.applied
+        share = credit_of(b).share
+        split = self.fallback == "share" and mode.n > 1
+        if not mode.shared:
             if not split:
                 return lim
-            share = Fraction(1, self.fallback_n)
-        elif self.grace and split:
+            share = Fraction(1, mode.n)
+        elif mode.grace and split:
             # Just back from the fallback: other engines may still be in
             # theirs (they retry once a second), spending rate/N each without
             # Redis knowing. Until they are back, stay within rate/N too.
-            share = min(share, Fraction(1, self.fallback_n))
-        return self._scale(lim, share)
-
-    def _scale(self, lim: Limit, share: Fraction) -> Limit:
-        if share >= 1 or lim.rate is None:
+            share = min(share, Fraction(1, mode.n))
+        if share >= 1:
             return lim
-        key = (lim, share)
-        scaled = self._scaled.get(key)
+        scaled = self._scaled.get((lim, share))
         if scaled is None:
             if len(self._scaled) > 10_000:
                 self._scaled.clear()
-            scaled = Limit(
-                lim.rate * share,
-                lim.burst_ns,
-                lim.max_streams,
-                lim.rule,
-                lim.shadow,
-                lim.label,
-            )
-            self._scaled[key] = scaled
+            scaled = self._scaled[(lim, share)] = lim.scaled(share)
         return scaled
 
-    def _apply_mode(self) -> None:
-        """Scheduler thread, between steps. Leaving shared mode drops the
-        credit held (it was leased before the outage; dropping it never
-        grants anything); either way every bucket re-resolves its limit and
-        keeps its debt in tokens (Limiter._refresh)."""
-        want = self.want_shared
-        if want == self.shared:
-            if self.want_grace != self.grace:
-                self.grace = self.want_grace
-                self._gen += 1
-            return
-        self.grace = self.want_grace
-        if not want:
-            for b in list(self._buckets.values()):
-                sb: SharedBucket = b  # type: ignore[assignment]
-                sb.spent = sb.granted - sb.released
-            self.fallback_n = self.engines
-        self._scaled.clear()
-        self.shared = want
-        self._gen += 1
-
-    def set_policy(self, policy: LimitSource, now: int | None = None) -> None:
-        self._scaled.clear()
-        super().set_policy(policy, now)
-
-    # -- the scheduler's verbs -------------------------------------------------
-
-    def pin(self, user: str) -> Bucket:
-        if self.want_shared is not self.shared or self.want_grace is not self.grace:
-            self._apply_mode()
-        b = super().pin(user)
-        if b.pins == 1:
-            self.arrivals.append(b)  # type: ignore[arg-type]
-            self.kick.set()
-        return b
-
-    def unpin(self, b: Bucket) -> None:
-        super().unpin(b)
-        if b.pins == 0 and self.shared:
-            sb: SharedBucket = b  # type: ignore[assignment]
-            c = sb.granted - sb.spent - sb.released
-            if c > 0:
-                sb.released += c
-
-    def take(self, b: Bucket, now: int) -> bool:
-        if b.gen != self._gen or b.share is not b.used:  # type: ignore[attr-defined]
-            self._refresh(b, now)
-        lim = b.limit
-        s = lim.scale
-        if not s:
-            return True
-        shared = self.shared
-        if shared and b.granted - b.spent - b.released <= 0:  # type: ignore[attr-defined]
-            return False
-        now_s = now * s
-        tat = b.tat
-        if tat < now_s:
-            tat = now_s
-        elif tat - now_s > lim.tolerance:
-            return False
-        b.tat = tat + lim.interval
-        if shared:
-            b.spent += 1  # type: ignore[attr-defined]
-        return True
-
-    def take_upto(self, b: Bucket, now: int, n: int) -> int:
-        if b.gen != self._gen or b.share is not b.used:  # type: ignore[attr-defined]
-            self._refresh(b, now)
-        shared = self.shared and b.limit.scale
-        if shared:
-            c = b.granted - b.spent - b.released  # type: ignore[attr-defined]
-            if c <= 0:
-                return 0
-            if n > c:
-                n = c
-        k = super().take_upto(b, now, n)
-        if shared:
-            b.spent += k  # type: ignore[attr-defined]
-        return k
-
-    def give_back(self, b: Bucket, now: int, n: int = 1) -> None:
-        super().give_back(b, now, n)
-        if self.shared and b.limit.scale:
-            b.spent -= n  # type: ignore[attr-defined]
-
-    def limit_of(self, b: Bucket, now: int) -> Limit:
-        if b.share is not b.used:  # type: ignore[attr-defined]
-            self._refresh(b, now)
-        return super().limit_of(b, now)
-
-    def ready_at(self, b: Bucket, now: int) -> int:
-        if b.share is not b.used:  # type: ignore[attr-defined]
-            self._refresh(b, now)
-        t = super().ready_at(b, now)
-        if self.shared and b.limit.scale and b.credit <= 0:  # type: ignore[attr-defined]
-            nxt = self.next_credit_ns
-            if nxt <= now:
-                nxt = now + self.interval_ns // 4
-            return max(t, nxt)
-        return t
-
-    def available(self, b: Bucket, now: int) -> int:
-        if b.share is not b.used:  # type: ignore[attr-defined]
-            self._refresh(b, now)
-        n = super().available(b, now)
-        if self.shared and b.limit.scale:
-            c: int = b.credit  # type: ignore[attr-defined]
-            return min(n, c) if c > 0 else 0
-        return n
-
-    def cleanup(self, now: int | None = None, budget: int = 64) -> int:
-        if self.want_shared is not self.shared or self.want_grace is not self.grace:
-            self._apply_mode()
-        settle = self.settle
+    def boundary(self, table: Limiter) -> bool:
+        """Apply the published mode; release credit granted to users who
+        left; re-resolve the limits whose share changed. Leaving shared mode
+        drops the credit held (leased before the outage: dropping it never
+        grants anything); any switch makes every bucket re-resolve its
+        limit, keeping its debt in tokens."""
+        mode = self.mode
+        if mode is not self.applied:
+            if mode != self.applied:
+                if self.applied.shared and not mode.shared:
+                    for b in table.buckets():
+                        c = credit_of(b)
+                        c.spent = c.granted - c.released
+                table.invalidate()
+            self.applied = mode
+        settle, reshare = self.settle, self.reshare
         while settle:
             b = settle.popleft()
-            if b.pins == 0 and self.shared:
-                c = b.granted - b.spent - b.released
-                if c > 0:
-                    b.released += c
-        return super().cleanup(now, budget)
+            if b.pins == 0 and mode.shared:
+                credit_of(b).release()
+        while reshare:
+            table.stale(reshare.popleft())
+        return mode.shared
 
-    def _forgettable(self, b: Bucket, now: int) -> bool:
-        return super()._forgettable(b, now) and not b.leased  # type: ignore[attr-defined]
+    def pinned(self, b: Bucket) -> None:
+        self.arrivals.append(b)
+        self.kick.set()
+
+    def unpinned(self, b: Bucket) -> None:
+        if self.applied.shared:
+            credit_of(b).release()
+
+    def credit_due(self, now: int) -> int:
+        due = self.next_credit_ns
+        return due if due > now else now + self.interval_ns // 4

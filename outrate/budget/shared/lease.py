@@ -2,7 +2,7 @@
 
 Engines never ask Redis per token. A lease thread in each engine leases
 credit for every user that needs it once per lease interval, all in one
-pipelined round trip (outrate.budget.shared.credit). Users fall into `GROUPS` fixed groups
+pipelined round trip (outrate.budget.shared.runner). Users fall into `GROUPS` fixed groups
 by a hash of their id; one `LEASE_SCRIPT` call serves up to `MAX_BATCH` users
 of one group, so 10,000 users cost at most a few dozen script calls, not
 10,000. The script runs atomically in Redis with the server's `TIME`, so
@@ -34,14 +34,16 @@ Nothing here runs on the scheduler's thread; redis is imported lazily.
 
 from __future__ import annotations
 
-import os
-import time
 import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
-from urllib.parse import parse_qs, unquote, unquote_plus, urlsplit
 
 from outrate.budget.shared.scripts import HEARTBEAT_SCRIPT, LEASE_SCRIPT
+from outrate.budget.shared.url import PASSWORD_ENV as PASSWORD_ENV  # (re-exported)
+from outrate.budget.shared.url import check_url as check_url
+from outrate.budget.shared.url import redact_url as redact_url
+from outrate.budget.shared.url import split_password as split_password
+from outrate.env import Env
 
 if TYPE_CHECKING:
     from outrate.budget.limiter import Limit
@@ -67,9 +69,6 @@ MAX_BATCH = 256
 """Most users one script call serves: Redis runs a script alone, so one call
 holds it for a few ms at most (11-17 us of Redis CPU per user measured on a
 busy 2-core VM)."""
-
-PASSWORD_ENV = "OUTRATE_STORE_PASSWORD"
-"""Where the engine reads the store's password when the URL carries none."""
 
 
 def group_of(user: str) -> int:
@@ -143,83 +142,6 @@ class LeaseCall(NamedTuple):
     """Write this engine's demand (new, changed or due for renewal)."""
 
 
-# -- connection details ----------------------------------------------------------
-
-
-SECRET_PARAMS = ("password", "username")
-"""Query parameters redis-py reads as credentials (`parse_url`), beside the
-userinfo; any other parameter named `*password` (`ssl_password`) is one too."""
-
-
-def _params(query: str) -> list[tuple[str, str]]:
-    """(piece, name) of each `name=value` of a URL's query, its name decoded
-    as redis-py's `parse_qs` decodes it (`pass%77ord` is `password`). Pieces
-    without `=` are left out: redis-py ignores them, and one may be the tail
-    of a password with an unescaped `&`."""
-    out = []
-    for piece in query.split("&") if query else ():
-        name, eq, _ = piece.partition("=")
-        if eq:
-            out.append((piece, unquote_plus(name)))
-    return out
-
-
-def _secret(name: str) -> bool:
-    return name in SECRET_PARAMS or name.endswith("password")
-
-
-def redact_url(url: str) -> str:
-    """The URL with every credential redis-py would read in it replaced by
-    `***`: safe for logs. The userinfo (`user:pw@`, `:pw@`, `user@`) and the
-    credential query parameters (`?password=`, `?username=`), percent-encoded
-    or not; the fragment, which redis-py ignores, is dropped. A URL that
-    still has an `@` after its host (a password with an unescaped `/`, `?`
-    or `#`, whose tail landed in the path or the query) shows its scheme only."""
-    parts = urlsplit(url)
-    _, at, host = parts.netloc.rpartition("@")
-    params = _params(parts.query)
-    secret = {piece for piece, name in params if _secret(name)}
-    shown = [piece for piece in parts.query.split("&") if piece not in secret]
-    if "@" in parts.path + parts.fragment + "&".join(shown):
-        return f"{parts.scheme}://***"
-    query = "&".join(f"{p.partition('=')[0]}=***" if p in secret else p for p, _ in params)
-    return f"{parts.scheme}://{'***@' if at else ''}{host}{parts.path}" + (
-        f"?{query}" if query else ""
-    )
-
-
-def split_password(url: str) -> tuple[str, str | None]:
-    """(URL without its password, the password or None). The password is the
-    one redis-py would use: the userinfo's, else the first non-empty
-    `password` query parameter; every `password` parameter leaves the URL,
-    so the URL that travels on (vLLM's config, the engine's settings) never
-    carries one. The username stays, where it was."""
-    parts = urlsplit(url)
-    userinfo, _, host = parts.netloc.rpartition("@")
-    user = userinfo.partition(":")[0]
-    params = _params(parts.query)
-    password = unquote(parts.password) if parts.password else None
-    if password is None:
-        given = parse_qs(parts.query).get("password")
-        password = given[0] if given else None
-    query = "&".join(piece for piece, name in params if name != "password")
-    netloc = f"{user}@{host}" if user else host
-    return f"{parts.scheme}://{netloc}{parts.path}{f'?{query}' if query else ''}", password
-
-
-def check_url(url: str) -> str:
-    """Raise ValueError unless `url` is a redis:// or rediss:// URL."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("redis", "rediss", "unix"):
-        raise ValueError(
-            f"--outrate-store must be a redis://HOST:PORT/DB, rediss:// (TLS) or unix:// URL, "
-            f"got {redact_url(url)!r}"
-        )
-    if parts.scheme != "unix" and not parts.hostname:
-        raise ValueError(f"--outrate-store {redact_url(url)!r} names no host")
-    return url
-
-
 class RedisLink:
     """One engine's connection to Redis, used only by its lease thread.
 
@@ -235,7 +157,7 @@ class RedisLink:
 
         check_url(url)
         bare, in_url = split_password(url)  # the URL's password first, as redis-py would
-        password = in_url or password or os.environ.get(PASSWORD_ENV) or None
+        password = in_url or password or Env.read().store_password or None
         kwargs: dict[str, Any] = {
             "socket_timeout": timeout_s,
             "socket_connect_timeout": timeout_s,
@@ -252,15 +174,6 @@ class RedisLink:
         """Per user and limit: its two keys and its limit, packed."""
         self.script_calls = 0
         """Lease script calls sent (a round's users, batched by group)."""
-        self.pack_ns = 0
-        """Time the last round trip spent packing its calls (this thread, GIL held)."""
-        self.spread_ns = 0
-        self.spread_calls = 0
-        """The last round trip's replies after the first: how long they took
-        to arrive and be read, and how many lease calls they answered. Redis
-        answers a pipeline's commands in order as it runs them, so this is
-        what each call costs Redis or this thread (whichever is slower),
-        without the network latency every round pays once."""
 
     def load(self) -> None:
         """Load both scripts (after a start or a Redis restart)."""
@@ -287,7 +200,6 @@ class RedisLink:
         """
         from redis.exceptions import NoScriptError
 
-        t0 = time.monotonic_ns()
         groups = batches(calls)
         for attempt in (0, 1):
             if self._lease_sha is None:
@@ -307,9 +219,7 @@ class RedisLink:
                         ttl_us,
                     )
                 )
-            data = b"".join(parts)
-            self.pack_ns = time.monotonic_ns() - t0
-            replies = self._send(data, len(parts))
+            replies = self._send(b"".join(parts), len(parts))
             if attempt == 0 and any(isinstance(r, NoScriptError) for r in replies):
                 self._lease_sha = None  # Redis restarted and forgot the scripts
                 continue
@@ -318,7 +228,6 @@ class RedisLink:
                     raise r
             break
         self.script_calls += len(groups)
-        self.spread_calls = len(calls) - len(groups[0]) if groups else 0
         grants: list[Grant | None] = [None] * len(calls)
         for g, r in zip(groups, replies[: len(groups)], strict=True):
             *v, now = map(int, r.split())
@@ -388,15 +297,11 @@ class RedisLink:
         try:
             conn.send_packed_command([data])  # type: ignore[no-untyped-call]
             replies: list[Any] = []
-            first = 0
             for _ in range(n):
                 try:
                     replies.append(conn.read_response())
                 except ResponseError as e:
                     replies.append(e)
-                if not first:
-                    first = time.monotonic_ns()
-            self.spread_ns = time.monotonic_ns() - first
             return replies
         except BaseException:
             conn.disconnect()  # type: ignore[no-untyped-call]  # a half-read pipeline cannot be reused

@@ -1,9 +1,9 @@
 """The budget store as one engine sees it (`--outrate-store`): counted by the
 lease thread (outrate.budget.shared.runner), carried in the engine's metrics snapshot
-under "store" (outrate.observe.metrics.snapshot), merged across data-parallel ranks
+under "store" (outrate.observe.publish.snapshot), merged across data-parallel ranks
 and rendered beside the scheduler's families on /metrics.
 
-Names are a contract (README "Several engines"): `outrate_store_up`,
+Names are a contract (README "Metrics"): `outrate_store_up`,
 `outrate_store_errors_total`, `outrate_store_transitions_total{to}`,
 `outrate_lease_seconds`, `outrate_lease_calls_total`, `outrate_store_engines`,
 `outrate_store_policy_mismatch`.

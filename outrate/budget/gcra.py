@@ -1,0 +1,158 @@
+"""The GCRA decision, `gcra()`, and the limits it runs on (`Limit`).
+
+`gcra()` is the one place that decides whether tokens conform: every verb
+of every budget store (the in-memory `Limiter`, the same table lent credit by
+a shared budget) asks it, so a reader keeps one formula in mind, not six.
+
+Time is kept in *scaled units*: for a rate p/q tokens/s (a reduced fraction)
+one nanosecond is `p` units and one token costs `1e9 * q` units, so any rate the
+policy can express (fractions included) is paced exactly, with no rounding
+drift over long runs. Each `Limit` carries its own scale; a user's state is the
+theoretical arrival time (TAT) in its limit's units.
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from fractions import Fraction
+
+from outrate.units import format_duration, format_rate
+
+NS_PER_S = 1_000_000_000
+
+
+def gcra(tat: int, now: int, interval: int, tolerance: int, n: int = 1) -> tuple[int, int]:
+    """How many of `n` tokens asked for at `now`, back to back, conform, and
+    the TAT once they are taken: `(k, tat')`, `0 <= k <= n` (`tat' == tat`
+    when k is 0). All arguments in one limit's scaled units.
+
+    A token conforms when the TAT is no more than `tolerance` ahead of `now`;
+    each one taken moves the TAT by `interval`. A TAT in the past counts as
+    `now`: an idle user is a fresh user. So `k` is how many steps of
+    `interval` fit between the TAT and `now + tolerance`, plus one.
+    """
+    ahead = tat - now
+    if ahead > tolerance or n <= 0:
+        return 0, tat
+    if ahead < 0:
+        ahead, tat = 0, now
+    k = (tolerance - ahead) // interval + 1
+    if n < k:
+        k = n
+    return k, tat + k * interval
+
+
+def exact_rate(value: int | float | str | Decimal | Fraction) -> Fraction:
+    """The exact rate a human wrote: 0.1 is 1/10, not the nearest binary float."""
+    if isinstance(value, Fraction):
+        return value
+    if isinstance(value, float):
+        return Fraction(Decimal(repr(value)))
+    if isinstance(value, str):  # '0.1' and '1/3' alike; junk is a ValueError
+        try:
+            return Fraction(value)
+        except ZeroDivisionError as e:
+            raise ValueError(f"rate {value!r} divides by zero") from e
+    return Fraction(Decimal(str(value)))
+
+
+_INTS: dict[int, int] = {}
+
+
+def _shared_int(v: int) -> int:
+    """One int object per value across all Limits: a take reads three of them
+    per call, and a policy of many rules with the same rate (one per listed
+    user) then touches the same three objects instead of three per user."""
+    if len(_INTS) > 100_000:
+        _INTS.clear()
+    return _INTS.setdefault(v, v)
+
+
+class Limit:
+    """One resolved limit: rate (None = unlimited), burst and stream cap.
+
+    Immutable and shared by every user that resolves to the same rule, so it
+    costs nothing per user. `scale`, `interval` and `tolerance` are the GCRA
+    integers in this limit's scaled units (see module docstring).
+    """
+
+    __slots__ = (  # the take's first: fewer cache lines per call
+        "scale",
+        "interval",
+        "tolerance",
+        "rate",
+        "burst_ns",
+        "max_streams",
+        "rule",
+        "shadow",
+        "label",
+    )
+
+    def __init__(
+        self,
+        rate: Fraction | int | float | str | None,
+        burst_ns: int,
+        max_streams: int | None = None,
+        rule: str = "",
+        shadow: bool = False,
+        label: str = "",
+    ) -> None:
+        if rate is not None:
+            rate = exact_rate(rate)
+            if rate <= 0:
+                raise ValueError(f"rate must be > 0, got {rate}")
+        if burst_ns <= 0:
+            raise ValueError(f"burst must be > 0 ns, got {burst_ns}")
+        if max_streams is not None and max_streams < 1:
+            raise ValueError(f"max_streams must be >= 1, got {max_streams}")
+        self.rate: Fraction | None = rate
+        self.burst_ns = int(burst_ns)
+        self.max_streams = max_streams
+        self.rule = rule
+        self.shadow = shadow
+        """Computed and counted, never enforced: nobody is held, no prefill capped."""
+        self.label = label
+        """The `limit` label of this rule's metrics (`default`, `tier:pro`, ...)."""
+        if rate is None:
+            self.scale = 0
+            self.interval = 0
+            self.tolerance = 0
+        else:
+            self.scale = _shared_int(rate.numerator)
+            self.interval = _shared_int(NS_PER_S * rate.denominator)
+            self.tolerance = _shared_int(self.burst_ns * rate.numerator)
+
+    @property
+    def unlimited(self) -> bool:
+        return self.rate is None
+
+    def scaled(self, share: Fraction) -> Limit:
+        """This limit at `share` of its rate (same burst, stream cap and labels)."""
+        assert self.rate is not None
+        return Limit(
+            self.rate * share, self.burst_ns, self.max_streams, self.rule, self.shadow, self.label
+        )
+
+    def _key(self) -> tuple[Fraction | None, int, int | None, bool]:
+        return (self.rate, self.burst_ns, self.max_streams, self.shadow)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Limit) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def describe(self) -> str:
+        """Human form used in log lines: `20 tok/s burst 100ms` or `unlimited`."""
+        if self.rate is None:
+            text = "unlimited"
+        else:
+            text = f"{format_rate(self.rate)} tok/s burst {format_duration(self.burst_ns)}"
+        if self.max_streams is not None:
+            text += f" max_streams {self.max_streams}"
+        if self.shadow:
+            text += " (shadow)"
+        return text
+
+    def __repr__(self) -> str:
+        return f"Limit({self.describe()!r}, rule={self.rule!r})"
