@@ -10,17 +10,18 @@ from __future__ import annotations
 import json
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
-from typer.core import TyperCommand
 
+from outrate.argv import VLLM_ARGS, SplitAtDoubleDash
 from outrate.check.deployment import Deployment, load_deployment
 from outrate.check.lint import LintReport, lint_all
 from outrate.errors import OutrateError
 from outrate.identity.core import identity_error
 from outrate.policy.keys import add_key, revoke_keys
 from outrate.policy.model import policy_json_schema
+from outrate.simulate.commands import simulate_app
 from outrate.units import format_count
 
 app = typer.Typer(
@@ -41,19 +42,7 @@ def _err(line: str) -> None:
     typer.echo(line, err=True)
 
 
-class _SplitAtDoubleDash(TyperCommand):
-    """Everything after `--` is vllm serve's, never a policy path: click alone
-    would hand it to the POLICY... argument."""
-
-    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
-        if "--" in args:
-            at = args.index("--")
-            ctx.meta["outrate.vllm_args"] = args[at + 1 :]
-            args = args[:at]
-        return super().parse_args(ctx, args)
-
-
-@app.command(cls=_SplitAtDoubleDash)
+@app.command(cls=SplitAtDoubleDash)
 def lint(
     ctx: typer.Context,
     policies: Annotated[
@@ -75,7 +64,7 @@ def lint(
 
     vLLM serve arguments go after `--`:  outrate lint p.yaml -- -tp 2 --max-num-seqs 64
     """
-    argv = ctx.meta.get("outrate.vllm_args", [])
+    argv = ctx.meta.get(VLLM_ARGS, [])
     deployment: Deployment | None = None
     if vllm_config is not None or argv:
         try:
@@ -198,6 +187,7 @@ keys_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(keys_app)
+app.add_typer(simulate_app)  # outrate simulate (outrate/simulate/commands.py)
 
 KeysFile = Annotated[
     Path,

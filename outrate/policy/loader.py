@@ -75,9 +75,10 @@ def _unwrap(tp: Any) -> Any:
             return tp
 
 
-def _model_at(path: Path) -> type[BaseModel] | None:
-    """The model that validates the mapping at `path` (for 'did you mean')."""
-    tp: Any = Policy
+def model_at(root: type[BaseModel], path: Path) -> type[BaseModel] | None:
+    """The model under `root` that validates the mapping at `path` (for
+    'did you mean'; the workload reader asks it too)."""
+    tp: Any = root
     for part in path:
         tp = _unwrap(tp)
         if isinstance(tp, type) and issubclass(tp, BaseModel):
@@ -100,12 +101,30 @@ def _unknown_key(parent: Path, key: object, written: str | None = None) -> str:
     if len(parent) == 2 and parent[0] == "tiers" and key == "tier":
         return "unknown key 'tier': a tier cannot refer to another tier; give it a 'rate'"
     text = f"unknown key {written if written is not None else shown(key)}"
-    model = _model_at(parent)
+    return text + did_you_mean(Policy, parent, key)
+
+
+def did_you_mean(root: type[BaseModel], parent: Path, key: object) -> str:
+    """` (did you mean 'rate'?)` for a key close to one the model at `parent`
+    has, else ""."""
+    model = model_at(root, parent)
     if model is not None and isinstance(key, str):
         close = difflib.get_close_matches(key, list(model.model_fields), n=1, cutoff=0.6)
         if close:
-            text += f" (did you mean '{close[0]}'?)"
-    return text
+            return f" (did you mean '{close[0]}'?)"
+    return ""
+
+
+def type_message(err: Any) -> str:
+    """A pydantic error other than outrate's own, in outrate's words."""
+    got = shown(err.get("input"))
+    kind = err["type"]
+    if kind in ("dict_type", "model_type", "model_attributes_type"):
+        return f"must be a mapping (got {got})"
+    if kind in ("list_type", "tuple_type"):
+        return f"must be a list (got {got})"
+    msg = str(err["msg"])
+    return msg[:1].lower() + msg[1:]
 
 
 def _message(err: Any, doc: Doc, where: Path) -> str:
@@ -116,13 +135,7 @@ def _message(err: Any, doc: Doc, where: Path) -> str:
         if quote and written is not None:  # the hint in the author's own spelling
             return must_be_string(quote, written)
         return str(err["msg"])
-    got = shown(err.get("input"))
-    if kind in ("dict_type", "model_type", "model_attributes_type"):
-        return f"must be a mapping (got {got})"
-    if kind in ("list_type", "tuple_type"):
-        return f"must be a list (got {got})"
-    msg = str(err["msg"])
-    return msg[:1].lower() + msg[1:]
+    return type_message(err)
 
 
 def _translate(err: ValidationError, doc: Doc) -> list[tuple[Path, Pos, str, str]]:

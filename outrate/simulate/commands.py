@@ -1,0 +1,163 @@
+"""`outrate simulate`: the commands (mounted on the `outrate` CLI in cli.py).
+
+    outrate simulate POLICY --workload LOAD.yaml [options] [-- vllm serve flags]
+    outrate simulate calibrate --trace TRACE.jsonl [--workload LOAD.yaml] [-o model.json]
+    outrate simulate schema
+
+Thin, like the rest of the CLI: each command calls one core function and
+prints; exit 1 on a bad policy, workload, trace or deployment, 2 on usage.
+vLLM is imported only by a run (`_runner`), so a bad file fails in a blink.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from typer.core import TyperGroup
+
+from outrate.argv import VLLM_ARGS, SplitAtDoubleDash
+from outrate.errors import OutrateError, Problem
+from outrate.observe.trace import read_trace
+from outrate.simulate.stepmodel import StepModel, calibrate, load_step_model
+from outrate.simulate.study import Runner, plan_configs, run_study
+from outrate.simulate.workload import load_workload, workload_json_schema
+
+
+class Format(StrEnum):
+    text = "text"
+    json = "json"
+
+
+class _RunByDefault(TyperGroup):
+    """`outrate simulate POLICY ...` is `outrate simulate run POLICY ...`."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
+            args = ["run", *args]
+        return super().parse_args(ctx, args)
+
+
+simulate_app = typer.Typer(
+    name="simulate",
+    cls=_RunByDefault,
+    help="What a policy and an engine configuration do to each user, before deploying.",
+    no_args_is_help=True,
+)
+
+
+def _err(line: str) -> None:
+    typer.echo(line, err=True)
+
+
+def _fail(e: OutrateError) -> typer.Exit:
+    problems: tuple[Problem, ...] = getattr(e, "problems", ())
+    for line in [str(p) for p in problems] or [str(e)]:
+        _err(line)
+    return typer.Exit(1)
+
+
+def _runner() -> Runner:
+    from vllm_integration.simulator import simulate  # vLLM only when a run starts
+
+    return simulate
+
+
+@simulate_app.command("run", cls=SplitAtDoubleDash)
+def run(
+    ctx: typer.Context,
+    policy: Annotated[
+        str,
+        typer.Argument(help="The policy file, or 'stock' for vLLM without outrate."),
+    ],
+    workload: Annotated[Path, typer.Option("--workload", "-w", help="The workload file.")],
+    step_model: Annotated[
+        Path | None,
+        typer.Option("--step-model", help="A step-time model (`simulate calibrate -o`)."),
+    ] = None,
+    kv_cache_tokens: Annotated[
+        int | None,
+        typer.Option("--kv-cache-tokens", min=1, help="KV cache size in tokens."),
+    ] = None,
+    compare: Annotated[
+        str | None, typer.Option("--compare", help="Another policy ('stock': none) to compare.")
+    ] = None,
+    compare_flags: Annotated[
+        str | None,
+        typer.Option("--compare-flags", help="More vllm serve flags for a second run: '--x 8'."),
+    ] = None,
+    sweep: Annotated[
+        str | None,
+        typer.Option("--sweep", help="One run per value: max-num-active-seqs=8,12,16."),
+    ] = None,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="Write PNG figures into this directory.")
+    ] = None,
+    output: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.text,
+) -> None:
+    """Run a workload through vLLM's real scheduler and outrate's policy on a
+    virtual clock; print per-user and engine figures.
+
+    vLLM serve flags go after `--`:  outrate simulate p.yaml -w load.yaml -- --max-num-seqs 64
+    """
+    flags = ctx.meta.get(VLLM_ARGS, [])
+    try:
+        loaded = load_workload(workload)
+        model = load_step_model(step_model) if step_model is not None else StepModel()
+        kind, configs = plan_configs(policy, flags, compare, compare_flags, sweep)
+        study = run_study(loaded, configs, kind, _runner(), model, kv_cache_tokens)
+    except OutrateError as e:
+        raise _fail(e) from e
+    if output is Format.json:
+        typer.echo(json.dumps(study.to_json(), indent=2))
+    else:
+        typer.echo(study.text())
+    if plot is not None:
+        from outrate.simulate.plot import plot_runs  # matplotlib only for --plot
+
+        runs = study.runs if kind != "sweep" else study.runs[:4]
+        for path in plot_runs(runs, plot):
+            _err(f"wrote {path}")
+
+
+@simulate_app.command("calibrate")
+def calibrate_cmd(
+    trace: Annotated[Path, typer.Option("--trace", help="A trace (--outrate-trace) to fit.")],
+    workload: Annotated[
+        Path | None,
+        typer.Option("--workload", "-w", help="The workload that ran (fits the prompt cost)."),
+    ] = None,
+    since_ns: Annotated[
+        int, typer.Option("--since-ns", help="Only steps at or after this trace time.")
+    ] = 0,
+    out: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Write the model (JSON) here.")
+    ] = None,
+    output: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.text,
+) -> None:
+    """Fit the step-time model to a real engine's trace."""
+    try:
+        ran = load_workload(workload).workload if workload is not None else None
+        try:
+            lines = [r for r in read_trace(trace) if r.get("t", 0) >= since_ns]
+        except OSError as e:
+            raise OutrateError(f"{trace}: cannot read: {e.strerror or e}") from e
+        result = calibrate(lines, ran, source=str(trace))
+    except OutrateError as e:
+        raise _fail(e) from e
+    if out is not None:
+        out.write_text(json.dumps(result.model.to_json(), indent=2) + "\n")
+        _err(f"wrote {out}")
+    if output is Format.json:
+        typer.echo(json.dumps(result.to_json(), indent=2))
+    else:
+        typer.echo(result.describe())
+
+
+@simulate_app.command("schema")
+def schema() -> None:
+    """Print the JSON Schema of workload files (for editors)."""
+    typer.echo(json.dumps(workload_json_schema(), indent=2, sort_keys=True))

@@ -1,0 +1,273 @@
+"""How long a simulated engine step takes, and how to learn it from a real
+engine's trace.
+
+The model is linear, as a step's cost is to first order:
+
+    step = fixed + per_decode x (requests decoding one token)
+                 + per_prefill x (prompt tokens computed)
+
+The defaults are rough figures for an 8B model in bf16 on one H100-class GPU
+(7 ms a step, 40 us more per sequence decoding, 60 us per prompt token:
+about 17k prompt tokens/s); they give sensible shapes, not your numbers.
+`calibrate` fits the model to the engine's own record (`--outrate-trace`):
+the time between two consecutive steps is the first one's length, the
+tokens it charged are its batch. A step's prompt tokens are not in the
+trace; given the workload that ran, each new request a step started (a
+user's charged count rising without a release) is counted with the mean
+prompt of its user. Without a workload the prompt cost is kept from `base`.
+
+The fit is ordinary least squares on every step but the ones the engine
+idled after (longer than `IDLE_FACTOR` x the median): a mean-unbiased model,
+because throughput follows the mean step, stalls included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from outrate.errors import OutrateError
+from outrate.simulate.workload import Workload
+
+IDLE_FACTOR = 10
+"""A gap longer than this many median steps is the engine waiting, not a step."""
+
+
+@dataclass(frozen=True)
+class StepModel:
+    fixed_us: float = 7000.0
+    per_decode_us: float = 40.0
+    per_prefill_us: float = 60.0
+    turnaround_us: float = 0.0
+    """A closed-loop stream's next request reaches the scheduler this long after
+    its last token, beyond its think time: the API server and the client, both
+    ways (`calibrate` measures it; 0 by default)."""
+    source: str = "defaults"
+
+    def step_ns(self, decode: int, prefill: int) -> int:
+        us = self.fixed_us + self.per_decode_us * decode + self.per_prefill_us * prefill
+        return max(int(us * 1000), 1)
+
+    def describe(self) -> str:
+        return (
+            f"step = {self.fixed_us:g}us + {self.per_decode_us:g}us/decode "
+            f"+ {self.per_prefill_us:g}us/prompt token; turnaround "
+            f"{self.turnaround_us:g}us ({self.source})"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def load_step_model(path: str | os.PathLike[str]) -> StepModel:
+    """A model written by `outrate simulate calibrate -o FILE` (JSON)."""
+    source = os.fspath(path)
+    try:
+        with open(source, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise OutrateError(f"{source}: cannot read: {e.strerror or e}") from e
+    except json.JSONDecodeError as e:
+        raise OutrateError(f"{source}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from e
+    data = data.get("model", data) if isinstance(data, dict) else data
+    if not isinstance(data, dict):
+        raise OutrateError(f"{source}: expected a JSON object with fixed_us, per_decode_us, ...")
+    known = {"fixed_us", "per_decode_us", "per_prefill_us", "turnaround_us"}
+    unknown = set(data) - known - {"source"}
+    if unknown:
+        raise OutrateError(f"{source}: unknown key {sorted(unknown)[0]!r}")
+    values: dict[str, float] = {}
+    for key in known & set(data):
+        v = data[key]
+        if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
+            raise OutrateError(f"{source}: {key}: must be a number >= 0 (got {v!r})")
+        values[key] = float(v)
+    return StepModel(**values, source=source)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    model: StepModel
+    steps: int
+    """Steps the fit used."""
+    skipped: int
+    """Step pairs left out: the engine idled after the step."""
+    mean_step_us: float
+    r2: float
+    prefill_fitted: bool
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["model"] = self.model.to_json()
+        return out
+
+    def describe(self) -> str:
+        lines = [
+            self.model.describe(),
+            f"fitted on {self.steps} steps (mean {self.mean_step_us:.0f}us, R^2 {self.r2:.2f});"
+            f" {self.skipped} idle gaps left out",
+            *self.notes,
+        ]
+        return "\n".join(lines)
+
+
+def _solve(rows: list[list[float]], ys: list[float], free: list[int]) -> list[float]:
+    """Least squares over the columns in `free` (normal equations, Gauss-Jordan)."""
+    k = len(free)
+    a = [[sum(r[i] * r[j] for r in rows) for j in free] for i in free]
+    b = [sum(r[i] * y for r, y in zip(rows, ys, strict=True)) for i in free]
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-12:
+            raise OutrateError("the trace does not vary enough to fit the step model")
+        a[col], a[pivot] = a[pivot], a[col]
+        b[col], b[pivot] = b[pivot], b[col]
+        for r in range(k):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [x - f * y for x, y in zip(a[r], a[col], strict=True)]
+                b[r] -= f * b[col]
+    return [b[i] / a[i][i] for i in range(k)]
+
+
+def _fit(rows: list[list[float]], ys: list[float], fixed: dict[int, float]) -> list[float]:
+    """Least squares with every coefficient >= 0: a negative one is pinned at
+    0 and the rest refitted (columns in `fixed` are given, not fitted)."""
+    pinned = dict(fixed)
+    while True:
+        free = [i for i in range(3) if i not in pinned]
+        adj = [y - sum(r[i] * v for i, v in pinned.items()) for r, y in zip(rows, ys, strict=True)]
+        coef = _solve(rows, adj, free)
+        out = [0.0] * 3
+        for i, v in pinned.items():
+            out[i] = v
+        worst = min(range(len(free)), key=lambda j: coef[j])
+        if coef[worst] >= 0:
+            for j, i in enumerate(free):
+                out[i] = coef[j]
+            return out
+        pinned[free[worst]] = 0.0
+
+
+def calibrate(
+    lines: Iterable[dict[str, Any]],
+    workload: Workload | None = None,
+    base: StepModel | None = None,
+    source: str = "trace",
+) -> Calibration:
+    """Fit a StepModel to a trace's step lines (`read_trace`). `workload`: the
+    one that ran (None: the prompt cost and the turnaround stay `base`'s)."""
+    base = base or StepModel()
+    steps = {r["step"]: r for r in lines if "step" in r and "t" in r}
+    if len(steps) < 10:
+        raise OutrateError(f"{source}: fewer than 10 steps in the trace: nothing to fit")
+    prompt_means = prompt_means_of(workload) if workload is not None else None
+    default_prompt = statistics.fmean(prompt_means.values()) if prompt_means else 0.0
+    samples: list[tuple[float, float, float]] = []  # (decode, prefill, duration us)
+    for number, rec in steps.items():
+        nxt = steps.get(number + 1)
+        charged: dict[str, int] = rec.get("charged", {})
+        if nxt is None or not charged:
+            continue
+        refunded: dict[str, int] = rec.get("refunded", {})
+        released: dict[str, int] = rec.get("released", {})
+        before: dict[str, int] = steps.get(number - 1, {}).get("charged", {})
+        n = sum(charged.values()) - sum(refunded.values())
+        new = {
+            u: max(0, k - refunded.get(u, 0) - before.get(u, 0) - released.get(u, 0))
+            for u, k in charged.items()
+        }
+        prefill = 0.0
+        if prompt_means is not None:
+            prefill = sum(k * prompt_means.get(u, default_prompt) for u, k in new.items())
+        samples.append((n - sum(new.values()), prefill, (nxt["t"] - rec["t"]) / 1000))
+    if len(samples) < 10:
+        raise OutrateError(f"{source}: fewer than 10 consecutive steps with tokens: nothing to fit")
+    median = statistics.median(s[2] for s in samples)
+    kept = [s for s in samples if s[2] <= IDLE_FACTOR * median]
+    rows = [[1.0, d, p] for d, p, _ in kept]
+    ys = [s[2] for s in kept]
+    fixed = {} if prompt_means is not None else {2: base.per_prefill_us}
+    notes = []
+    if prompt_means is None:
+        notes.append(
+            f"prompt cost and turnaround kept ({base.per_prefill_us:g}us/token, "
+            f"{base.turnaround_us:g}us): pass the workload (--workload) to fit them"
+        )
+    base_of = {1: base.per_decode_us, 2: base.per_prefill_us}
+    for col, what in ((1, "per-decode"), (2, "prompt")):
+        if col not in fixed and len({r[col] for r in rows}) < 2:
+            fixed[col] = base_of[col]  # constant: not separable from the fixed part
+            notes.append(f"the {what} count never varied: its cost is kept")
+    coef = _fit(rows, ys, fixed)
+    mean = statistics.fmean(ys)
+    predicted = [sum(c * x for c, x in zip(coef, r, strict=True)) for r in rows]
+    ss_res = sum((y - p) ** 2 for y, p in zip(ys, predicted, strict=True))
+    ss_tot = sum((y - mean) ** 2 for y in ys)
+    turnaround = base.turnaround_us
+    if workload is not None:
+        found = _turnaround_us(steps, workload, mean)
+        if found is None:
+            notes.append("no unthrottled closed-loop user to measure the turnaround on: kept")
+        else:
+            turnaround = found
+    model = StepModel(
+        fixed_us=round(coef[0], 3),
+        per_decode_us=round(coef[1], 3),
+        per_prefill_us=round(coef[2], 3),
+        turnaround_us=round(turnaround, 1),
+        source=f"calibrated from {source}",
+    )
+    return Calibration(
+        model=model,
+        steps=len(kept),
+        skipped=len(samples) - len(kept),
+        mean_step_us=mean,
+        r2=1 - ss_res / ss_tot if ss_tot > 0 else 1.0,
+        prefill_fitted=2 not in fixed,
+        notes=notes,
+    )
+
+
+def _turnaround_us(
+    steps: dict[int, dict[str, Any]], workload: Workload, mean_step_us: float
+) -> float | None:
+    """The time a closed-loop stream spends between requests beyond its think
+    time, from the steps it sat out: between a user's first and last token,
+    each step it was charged for fewer tokens than it has streams is a
+    stream between requests. Only users never held (a throttled stream sits
+    out for budget, not for its client) count; the mean over them."""
+    held = {u for r in steps.values() for u in r.get("held", {})}
+    found = []
+    for user, load in workload.expanded():
+        if load.streams is None or user in held:
+            continue
+        mine = [n for n, r in steps.items() if user in r.get("charged", {})]
+        if len(mine) < 2:
+            continue
+        first, last = min(mine), max(mine)
+        ramp_end = steps[first]["t"] + (load.ramp or 0)  # before it, streams are still starting
+        while first < last and steps.get(first, {}).get("t", 0) < ramp_end:
+            first += 1
+        missing = 0
+        tokens = 0
+        for n in range(first, last + 1):
+            k = steps.get(n, {}).get("charged", {}).get(user, 0)
+            tokens += k
+            missing += max(load.streams - k, 0)
+        requests = tokens / max(load.output.mean, 1)
+        if requests < 1:
+            continue
+        think = load.think.mean / 1000 if load.think is not None else 0.0
+        found.append(max(missing * mean_step_us / requests - think, 0.0))
+    return statistics.fmean(found) if found else None
+
+
+def prompt_means_of(workload: Workload) -> dict[str, float]:
+    """Mean prompt length per user id of a `Workload` (groups spelled out)."""
+    return {user: load.prompt.mean for user, load in workload.expanded()}

@@ -1,0 +1,155 @@
+"""The simulator on the real vLLM scheduler: what the engine does to users
+(limits, holds, max_streams, displacement, KV preemption), that outrate
+with nothing to limit is stock vLLM step for step, and that calibration
+recovers a step model from a trace the scheduler itself wrote."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from outrate.observe.trace import read_trace  # noqa: E402
+from outrate.simulate.engine import EngineSpec, engine_from_flags  # noqa: E402
+from outrate.simulate.stepmodel import StepModel, calibrate  # noqa: E402
+from outrate.simulate.workload import parse_workload  # noqa: E402
+from vllm_integration.simulator import simulate  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+MODEL = StepModel(fixed_us=2000, per_decode_us=100, per_prefill_us=10)
+
+
+def workload(users: str, duration: str = "5s", seed: int = 1):
+    return parse_workload(f"version: 1\nduration: {duration}\nseed: {seed}\nusers:\n{users}", "w")
+
+
+def policy(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "policy.yaml"
+    path.write_text("version: 1\ndefault: unlimited\nburst: 100ms\n" + text)
+    return str(path)
+
+
+def engine(*flags: str, kv: int | None = None) -> EngineSpec:
+    return engine_from_flags(list(flags), kv_cache_tokens=kv)
+
+
+def test_a_limited_user_gets_its_rate_and_the_others_are_untouched(tmp_path):
+    w = workload(
+        "  alice: {streams: 8, prompt: 50, output: 400}\n"
+        "  bob: {streams: 2, prompt: 50, output: 400}\n"
+    )
+    limited = simulate(
+        w, engine("--max-num-seqs", "16"), policy(tmp_path, "users:\n  alice: 40\n"), MODEL
+    )
+    stock = simulate(w, engine("--max-num-seqs", "16"), None, MODEL)
+    a, b = limited.users["alice"], limited.users["bob"]
+    assert 38 <= a.rate <= 42  # (W + burst) * rate + 1 over ~5 s
+    assert a.held_share > 0.8 and b.held_share == 0  # alice's streams wait held, keeping KV
+    assert stock.users["alice"].rate > 10 * a.rate
+    # bob's steps get shorter without alice's 8 decodes in every batch
+    assert b.rate > stock.users["bob"].rate * 1.2
+    assert b.gap_p50 is not None and b.gap_p50 < stock.users["bob"].gap_p50
+
+
+def test_with_nothing_to_limit_outrate_is_stock_vllm_token_for_token(tmp_path):
+    w = workload(
+        "  a: {streams: 6, prompt: {uniform: [20, 300]}, output: {uniform: [10, 60]}}\n"
+        "  b: {rate: 20, prompt: 100, output: 30}\n",
+        duration="4s",
+    )
+    e = engine("--max-num-seqs", "8", "--max-num-batched-tokens", "256", kv=4096)
+    ours = simulate(w, e, policy(tmp_path, ""), MODEL)
+    stock = simulate(w, e, None, MODEL)
+    for user in ("a", "b"):
+        assert ours.users[user].token_times == stock.users[user].token_times
+        assert ours.users[user].completed == stock.users[user].completed > 5
+    assert ours.engine.steps == stock.engine.steps
+    assert ours.engine.timeline.kv == stock.engine.timeline.kv
+
+
+def test_max_streams_defers_admissions_without_blocking_others(tmp_path):
+    w = workload(
+        "  hog: {streams: 12, prompt: 20, output: 50}\n  bob: {rate: 5, prompt: 20, output: 10}\n"
+    )
+    pol = policy(tmp_path, "users:\n  hog: {rate: unlimited, max_streams: 3}\n")
+    r = simulate(w, engine("--max-num-seqs", "8"), pol, MODEL)
+    hog, bob = r.users["hog"], r.users["bob"]
+    assert hog.deferred >= 9  # 12 streams, 3 at a time: the others wait their turn
+    steps_per_s = r.engine.steps / r.engine.seconds
+    assert 2.9 * steps_per_s < hog.rate <= 3.01 * steps_per_s  # 3 streams, a token a step
+    assert bob.deferred == 0 and bob.ttft_p99 is not None and bob.ttft_p99 < 20_000_000
+
+
+def test_held_requests_give_way_the_seeds_open_question(tmp_path):
+    """A throttled hog with 3x max-num-seqs streams: its requests are held or
+    their admission deferred (a seat stays free for users with budget), and
+    bob's first tokens come at once; in stock vLLM bob waits for the hog."""
+    w = workload(
+        "  hog: {streams: 24, prompt: 32, output: 200}\n"
+        "  bob: {streams: 1, think: 200ms, prompt: 32, output: 16, start: 1s}\n",
+        duration="8s",
+    )
+    pol = policy(tmp_path, "users:\n  hog: 20\n")
+    fair = simulate(w, engine("--max-num-seqs", "8", "--max-num-active-seqs", "6"), pol, MODEL)
+    stock = simulate(w, engine("--max-num-seqs", "8"), None, MODEL)
+    hog = fair.users["hog"]
+    assert hog.deferred > 0 and hog.held_share > 0.2 and 18 < hog.rate < 22
+    assert fair.users["bob"].completed >= 15
+    assert fair.users["bob"].ttft_p50 is not None and fair.users["bob"].ttft_p50 < 30_000_000
+    assert stock.users["bob"].ttft_p50 is not None
+    assert stock.users["bob"].ttft_p50 > 10 * fair.users["bob"].ttft_p50
+
+
+def test_kv_pressure_preempts_and_held_requests_go_first(tmp_path):
+    w = workload(
+        "  a: {streams: 4, prompt: 200, output: 300}\n"
+        "  b: {streams: 4, prompt: 200, output: 300}\n",
+        duration="6s",
+    )
+    small = engine("--max-num-seqs", "8", kv=2000)
+    stock = simulate(w, small, None, MODEL)
+    assert stock.engine.kv_preemptions > 0 and max(stock.engine.timeline.kv) > 0.9
+    limited = simulate(w, small, policy(tmp_path, "users:\n  a: 5\n"), MODEL)
+    assert limited.users["b"].completed > stock.users["b"].completed
+    assert limited.users["a"].held_share > 0.3 and limited.engine.kv_preemptions > 0
+    assert limited.users["b"].ttft_p99 < stock.users["b"].ttft_p99
+
+
+def test_async_scheduling_runs_one_step_behind(tmp_path):
+    w = workload("  a: {streams: 4, prompt: 30, output: 100}\n", duration="3s")
+    pol = policy(tmp_path, "users:\n  a: 200\n")
+    sync = simulate(w, engine("--max-num-seqs", "8"), pol, MODEL)
+    asyn = simulate(w, engine("--max-num-seqs", "8", "--async-scheduling"), pol, MODEL)
+    assert 180 < asyn.users["a"].rate < 220 and 180 < sync.users["a"].rate < 220
+    assert asyn.users["a"].completed > 0 and sync.users["a"].completed > 0
+
+
+def test_calibration_recovers_the_model_from_the_schedulers_own_trace(tmp_path):
+    truth = StepModel(fixed_us=3000, per_decode_us=200, per_prefill_us=15)
+    w = workload(
+        "  a: {streams: 6, ramp: 2s, think: {exponential: 100ms}, prompt: 300,"
+        " output: {uniform: [20, 200]}}\n"
+        "  b: {rate: 15, prompt: 500, output: 5}\n",
+        duration="10s",
+    )
+    trace = tmp_path / "trace.jsonl"
+    simulate(w, engine("--max-num-seqs", "16"), policy(tmp_path, ""), truth, trace=trace)
+    cal = calibrate(read_trace(trace), w)
+    m = cal.model
+    assert abs(m.fixed_us - 3000) < 300, cal.describe()
+    assert abs(m.per_decode_us - 200) < 30, cal.describe()
+    assert abs(m.per_prefill_us - 15) < 3, cal.describe()
+    assert m.turnaround_us < 20_000  # the simulator has none: a few steps of noise
+    without = calibrate(read_trace(trace))
+    assert without.model.per_prefill_us == StepModel().per_prefill_us and not without.prefill_fitted
+
+
+def test_a_turnaround_delays_each_streams_next_request(tmp_path):
+    w = workload("  a: {streams: 1, prompt: 10, output: 10}\n", duration="2s")
+    quick = simulate(w, engine(), None, MODEL)
+    slow = simulate(w, engine(), None, StepModel(2000, 100, 10, turnaround_us=100_000))
+    cycle = 10 * MODEL.step_ns(1, 0) + 100_000_000
+    assert slow.users["a"].completed == pytest.approx(2e9 / cycle, abs=1)
+    assert quick.users["a"].completed > 2 * slow.users["a"].completed

@@ -1,0 +1,151 @@
+"""The simulator against a real engine: the same workload on a real `outrate
+serve` (tiny model) and on the simulator calibrated from that server's trace.
+
+Bounds (issue 25): each user's engine-side tok/s within 5% of the
+simulation; time to first token p50 within 25% or 20 ms. The engine's side
+is what it recorded: tokens and rates from its `--outrate-trace`, time to
+first token from vLLM's per-request metrics (queue + first token, engine-core
+timestamps: `--enable-per-request-metrics`). Then a policy where throttling
+matters: a hog with 3x --max-num-seqs streams beside a normal user, whose
+time to first token the simulator must show as the engine does (with the
+step model of the first run: nothing refitted).
+
+The server is this module's own (its flags are the simulated engine's)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from build_tiny_model import build  # noqa: E402
+from serverproc import ServerProcess, outrate_serve_argv  # noqa: E402
+from workload_player import Played, Player  # noqa: E402
+
+from outrate.observe.trace import engine_rate, read_trace, user_tokens  # noqa: E402
+from outrate.simulate.engine import engine_from_flags  # noqa: E402
+from outrate.simulate.report import RunResult  # noqa: E402
+from outrate.simulate.stepmodel import StepModel, calibrate  # noqa: E402
+from outrate.simulate.workload import load_workload  # noqa: E402
+from vllm_integration.simulator import simulate  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parent.parent
+WORKLOADS = REPO / "examples" / "workloads"
+POLICY = "version: 1\ndefault: unlimited\nburst: 100ms\nusers:\n  bob: 30\n  hog: 20\n"
+ENGINE_FLAGS = ["--max-num-seqs", "8", "--max-num-active-seqs", "6"]
+KV_TOKENS = 256 * 1024 * 1024 // 512  # --kv-cache-memory-bytes 256M at 512 bytes a token
+RATE_BOUND = 0.05
+TTFT_BOUND, TTFT_SLACK_S = 0.25, 0.020
+
+
+@pytest.fixture(scope="module")
+def sim_server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("simulate-e2e")
+    policy = d / "policy.yaml"
+    policy.write_text(POLICY)
+    trace = d / "trace.jsonl"
+    argv = outrate_serve_argv(
+        build(REPO / "models" / "tiny-llama"),
+        policy,
+        *ENGINE_FLAGS,
+        "--outrate-trace",
+        str(trace),
+        "--enable-per-request-metrics",
+    )
+    proc = ServerProcess(argv, log_path=d / "server.log", name="outrate")
+    proc.start(timeout_s=300)
+    proc.policy_path, proc.trace_path = policy, trace
+    warm = load_workload(WORKLOADS / "e2e-agree.yaml").workload.model_copy(
+        update={"duration": 3_000_000_000}
+    )
+    Player(proc.base_url, warm).play()
+    yield proc
+    proc.stop()
+
+
+def play(server, name: str) -> tuple[object, list[Played], list[dict]]:
+    """Play a workload; (workload, requests, the trace's steps meanwhile)."""
+    workload = load_workload(WORKLOADS / name).workload
+    since = time.monotonic_ns()
+    played = Player(server.base_url, workload).play()
+    until = time.monotonic_ns()
+    time.sleep(0.5)  # the trace is written every 100 ms
+    steps = [r for r in read_trace(server.trace_path) if "step" in r and since <= r["t"] <= until]
+    for p in played:
+        assert p.error is None, p.error
+    return workload, played, steps
+
+
+def engine_ttft_p50(played: list[Played], user: str) -> float:
+    values = [p.engine_ttft_s for p in played if p.user == user and p.engine_ttft_s is not None]
+    assert values, f"no per-request metrics for {user}"
+    return statistics.median(values)
+
+
+def sim(workload, model: StepModel, policy: Path) -> RunResult:
+    engine = engine_from_flags(ENGINE_FLAGS, kv_cache_tokens=KV_TOKENS)
+    return simulate(workload, engine, str(policy), model)
+
+
+def ttft_agrees(real_s: float, sim_s: float) -> bool:
+    return abs(real_s - sim_s) <= max(TTFT_BOUND * real_s, TTFT_SLACK_S)
+
+
+def test_the_simulator_agrees_with_the_engine_it_was_calibrated_on(sim_server):
+    workload, played, steps = play(sim_server, "e2e-agree.yaml")
+    cal = calibrate(steps, workload, source="the server's trace")
+    result = sim(workload, cal.model, sim_server.policy_path)
+    report = [cal.describe()]
+    failures = []
+    for user, stats in result.users.items():
+        real_rate = engine_rate(user_tokens(steps, user))
+        real_ttft = engine_ttft_p50(played, user)
+        sim_ttft = (stats.ttft_p50 or 0) / 1e9
+        client = statistics.median(p.client_ttft_s for p in played if p.user == user and p.first)
+        report.append(
+            f"{user}: engine {real_rate:.1f} tok/s, simulated {stats.rate:.1f} "
+            f"({(stats.rate - real_rate) / real_rate:+.1%}); TTFT p50 engine "
+            f"{real_ttft * 1000:.1f} ms, simulated {sim_ttft * 1000:.1f} ms "
+            f"(client {client * 1000:.1f} ms)"
+        )
+        if abs(stats.rate - real_rate) > RATE_BOUND * real_rate:
+            failures.append(f"{user}: rate")
+        if not ttft_agrees(real_ttft, sim_ttft):
+            failures.append(f"{user}: TTFT")
+    print("\n".join(report))
+    assert not failures, "\n".join([*failures, *report])
+    # The calibrated model is the one the throttling case uses.
+    sim_server.step_model = cal.model
+
+
+def test_a_throttled_hog_and_a_normal_user_as_the_engine_shows_them(sim_server):
+    model = getattr(sim_server, "step_model", None)
+    if model is None:  # run alone: calibrate on the agreement workload first
+        workload, _, steps = play(sim_server, "e2e-agree.yaml")
+        model = calibrate(steps, workload).model
+    workload, played, steps = play(sim_server, "e2e-hog.yaml")
+    result = sim(workload, model, sim_server.policy_path)
+    real_ttft = engine_ttft_p50(played, "dave")
+    sim_ttft = (result.users["dave"].ttft_p50 or 0) / 1e9
+    hog_real = engine_rate(user_tokens(steps, "hog"))
+    dave_done = sum(1 for p in played if p.user == "dave" and p.finish_reason == "length")
+    report = (
+        f"dave TTFT p50: engine {real_ttft * 1000:.1f} ms, simulated {sim_ttft * 1000:.1f} ms; "
+        f"dave requests engine {dave_done}, simulated {result.users['dave'].completed}; hog "
+        f"engine {hog_real:.1f} tok/s, simulated {result.users['hog'].rate:.1f}, held "
+        f"{result.users['hog'].held_share:.0%}, deferred {result.users['hog'].deferred}"
+    )
+    print(report)
+    assert ttft_agrees(real_ttft, sim_ttft), report
+    # The hog is throttled in both (held, its admissions deferred), and dave
+    # got through in both.
+    hog = result.users["hog"]
+    assert hog.held_share > 0.2 and hog.deferred > 0, report
+    assert abs(hog.rate - 20) < 2 and abs(hog_real - 20) < 2, report
+    assert abs(result.users["dave"].completed - dave_done) <= max(2, 0.2 * dave_done), report
