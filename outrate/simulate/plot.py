@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from outrate.errors import OutrateError
 from outrate.simulate.report import RunResult
 
 DPI = 80
@@ -36,7 +37,12 @@ def _thin(xs: Sequence[float], ys: Sequence[float]) -> tuple[list[float], list[f
 
 
 def _pyplot() -> Any:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise OutrateError(
+            "--plot needs matplotlib: pip install 'outrate[simulate]' (or matplotlib)"
+        ) from e
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
