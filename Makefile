@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 $(STAMP033): pyproject.toml
 	@test -x $(VENV033)/bin/python || $(PYTHON) -m venv $(VENV033)
 	@echo "installing outrate with vLLM 0.33.0 into $(VENV033) (about 10 GB; a few minutes)"
-	$(VENV033)/bin/pip install --quiet --disable-pip-version-check -e '.[test]' 'vllm==0.33.0'
+	$(VENV033)/bin/pip install --quiet --disable-pip-version-check -e '.[test,simulate]' 'vllm==0.33.0'
 	@touch $(STAMP033)
 
 install: $(STAMP)
