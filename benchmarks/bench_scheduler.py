@@ -541,6 +541,8 @@ def isolated(cell: Cell, sizes: Sizes, reps: int = 200) -> tuple[float, float, f
             sched._step += 1
             sched._now += STEP_NS
         t0 = clock()
+        if after:
+            sched.ledger.begin(sched._now)  # (schedule() starts each step with it)
         for q, c in zip(reqs, computed, strict=True):
             hook(q, c, 1)
         if after:

@@ -14,10 +14,11 @@ import.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import Any
 
 from outrate.budget.store import BudgetStore
-from outrate.observe.metrics import Metrics
+from outrate.observe.metrics import BUCKETS_NS, Metrics
 from outrate.policy.compiler import CompiledPolicy
 from vllm_integration.recorder import StepRecorder
 from vllm_integration.state import ATTR, RequestState, StepScratch, UserState, is_held
@@ -30,16 +31,32 @@ class Ledger:
         self.limiter = limiter
         self.metrics = metrics
         self.recorder = recorder  # with --outrate-trace
+        self.now = -1  # this step's time (-1: no step yet)
+        self.prev_now = -1  # the step before's
+        self.period = 0  # their difference: a consecutive token's interval
+        self.period_slot = 0  # ... and its bucket in every interval histogram
 
-    @staticmethod
-    def charge(rs: RequestState, u: UserState, now: int) -> None:
+    def begin(self, now: int) -> None:
+        """A step starts at `now`. Most tokens' requests had a token in the
+        step before, so their interval is the period between the two steps:
+        its bucket is found once per step, not once per token."""
+        self.prev_now = self.now
+        self.now = now
+        self.period = now - self.prev_now
+        self.period_slot = bisect_left(BUCKETS_NS, self.period)
+
+    def charge(self, rs: RequestState, u: UserState, now: int) -> None:
         """A token charged at step time `now`: counted on the user's label,
         and its interval since the request's last token observed (a token
         after a hold or a preemption has the wait in its interval)."""
         m = u.m
         m.tokens += 1
         last = rs.last_ns
-        if last:
+        if last == self.prev_now:  # its last token was in the step before
+            h = m.interval
+            h.buckets[self.period_slot] += 1
+            h.sum_ns += self.period
+        elif last:
             m.interval.observe(now - last)
         rs.prev_ns = last
         rs.last_ns = now

@@ -253,6 +253,7 @@ class OutrateMixin:
     def schedule(self, throttle_prefills: bool = False) -> Any:
         self._step += 1
         now = self._now = self._clock()
+        self.ledger.begin(now)
         policy = self.policy_box.current
         if policy is not self._policy:
             self.swap_policy(policy, now)  # a reload, at a step's start
