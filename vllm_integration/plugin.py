@@ -195,7 +195,9 @@ def add_outrate_args(parser: Any) -> None:
         default=None,
         metavar="URL",
         help="Share each user's budget with every engine using the same Redis: "
-        "redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS (the password may instead "
+        "redis://[:PASSWORD@]HOST:PORT/DB (rediss:// for TLS), a Redis Cluster "
+        "redis+cluster://HOST:PORT[,HOST:PORT...]/, or a primary named by Sentinels "
+        "redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER_NAME/DB (the password may instead "
         "come from $OUTRATE_STORE_PASSWORD; it is never logged). Needed for "
         "--data-parallel-size > 1.",
     )
@@ -203,8 +205,11 @@ def add_outrate_args(parser: Any) -> None:
         "--outrate-store-fallback",
         choices=["share", "full"],
         default=None,
-        help="While the store is unreachable each engine enforces rate/N (share, the "
-        "default; N = live engines when it was last seen) or the full rate (full).",
+        help="While the store is lost each engine enforces rate/N (share, the default; "
+        "N = engines when it was last seen) for up to 30 s, then its limited users wait "
+        "for the store, as they do when it was never reached; or the full rate (full). "
+        "A store that refuses the engine at start (a wrong password) stops the start, "
+        "unless full.",
     )
     group.add_argument(
         "--outrate-store-lease-ms",

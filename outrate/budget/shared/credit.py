@@ -17,7 +17,7 @@ The two threads never lock. What crosses between them:
   it never sees half a switch, and a mode holds for a whole step.
 - **One writer per `Credit` field.** The lease thread writes `granted`,
   `sent`, `share` and its bookkeeping (`fair`, `demand`, `seen`, `reg`,
-  `reg_at`, `leased`); the scheduler writes `spent` (takes, net of give
+  `reg_at`, `leased`, `lost`); the scheduler writes `spent` (takes, net of give
   backs) and `released` (credit handed back). Credit held is `granted -
   spent - released`: each thread reads the other's fields, never writes them.
 - **Queues of buckets** (deques, appended by one thread, popped by the
@@ -29,9 +29,11 @@ The two threads never lock. What crosses between them:
 The local limit is the policy's rate times this engine's share of the
 user's demand (its live requests over every engine's, as Redis last
 reported), so engines pace a user fairly. Without the store the scheduler
-keeps going on local GCRA alone, at `rate / N` per engine (N: live engines
-when the store went away) or at the full rate (`fallback="full"`); just
-back from the fallback it stays within `rate / N` a while (`Mode.grace`).
+keeps going on local GCRA alone, at `rate / N` per engine (N: engines
+when the store went away), at most its last share, or at the full rate
+(`fallback="full"`); just back from the fallback it stays within `rate / N`
+a while (`Mode.grace`); while engines gone without leaving may still be in
+their fallback, the live ones leave them their part (`Mode.scale`).
 
 The bound (docs/several-engines.md): in any window W a user's tokens summed
 over all engines stay within `(W + burst) * rate + 1 + S`, where S is the
@@ -63,11 +65,17 @@ class Mode(NamedTuple):
     """What the lease thread publishes, in one assignment."""
 
     shared: bool = False
-    """Takes spend leased credit; False: the fallback, local GCRA alone."""
+    """Takes spend leased credit; False: the fallback, local GCRA alone. An
+    engine that waits for its store (it never reached it, or its fallback
+    ran out: outrate.budget.shared.runner) is shared with no credit coming:
+    its limited users wait, they are not cut."""
     grace: bool = False
     """Just back from the fallback: stay within rate/n until the other engines are."""
     n: int = 1
     """Engines the fallback (and the grace) divides the rate by."""
+    scale: Fraction = Fraction(1)
+    """Shared: what the live engines keep of each rate while engines gone
+    without leaving may still spend their fallback (each its 1/n of it)."""
 
 
 class Credit:
@@ -87,6 +95,7 @@ class Credit:
         "reg",
         "reg_at",
         "leased",
+        "lost",
     )
 
     def __init__(self, bucket: Bucket) -> None:
@@ -102,6 +111,7 @@ class Credit:
         self.reg = False  # lease thread: demand registered in Redis
         self.reg_at = 0  # lease thread: when it last wrote its demand
         self.leased = False  # lease thread: in its active set (the table keeps the bucket)
+        self.lost = False  # lease thread: its state was lost in Redis, not yet answered
 
     @property
     def held(self) -> int:
@@ -162,16 +172,21 @@ class SharedBudget:
             return lim
         mode = self.applied
         share = credit_of(b).share
-        split = self.fallback == "share" and mode.n > 1
-        if not mode.shared:
-            if not split:
-                return lim
-            share = Fraction(1, mode.n)
-        elif mode.grace and split:
-            # Just back from the fallback: other engines may still be in
-            # theirs (they retry once a second), spending rate/N each without
-            # Redis knowing. Until they are back, stay within rate/N too.
-            share = min(share, Fraction(1, mode.n))
+        if self.fallback == "share":
+            if not mode.shared:
+                # Alone: at most 1/N, and at most the last share Redis gave
+                # (another engine may be spending the rest of it).
+                share = min(share, Fraction(1, mode.n))
+            else:
+                if mode.grace:
+                    # Just back from the fallback: other engines may still be
+                    # in theirs (they retry once a second), spending rate/N
+                    # each without Redis knowing. Until they are back, stay
+                    # within rate/N too.
+                    share = min(share, Fraction(1, mode.n))
+                share *= mode.scale  # what engines cut off may still spend
+        elif not mode.shared:
+            return lim
         if share >= 1:
             return lim
         scaled = self._scaled.get((lim, share))

@@ -23,7 +23,11 @@ a group in one slot and every call touches one slot (`user_keys`):
   so the script can size this engine's fair slice. A string, not a hash, so
   one `MGET` reads every user's state of a call.
 
-Both keys carry a TTL: a user who leaves leaves nothing behind.
+Both keys carry a TTL: a user who leaves leaves nothing behind. One more
+key per group lives a day past its last call, `outrate:{g:<n>}:epoch`: made once, it tells an
+engine that the group's state was lost under it (FLUSHALL, a restart
+without persistence), and the script then assumes the worst of every TAT
+it lost (outrate.budget.shared.scripts).
 
 And one hash per deployment, `outrate:{engines}`: each engine's heartbeat
 (its expiry and its policy's sha256), plus `outrate:{engines}:<id>`, a key
@@ -34,10 +38,12 @@ Nothing here runs on the scheduler's thread; redis is imported lazily.
 
 from __future__ import annotations
 
+import binascii
 import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from outrate.budget.shared.nodes import Part, open_nodes, sha1
 from outrate.budget.shared.scripts import HEARTBEAT_SCRIPT, LEASE_SCRIPT
 from outrate.budget.shared.url import PASSWORD_ENV as PASSWORD_ENV  # (re-exported)
 from outrate.budget.shared.url import check_url as check_url
@@ -85,6 +91,31 @@ def user_keys(user: str) -> tuple[str, str]:
 
 def engine_key(engine_id: str) -> str:
     return f"{ENGINES_KEY}:{engine_id}"
+
+
+def epoch_key(group: int) -> str:
+    """The group's epoch (a day's TTL, renewed): gone or changed means its state was lost."""
+    return f"{PREFIX}:{{g:{group}}}:epoch"
+
+
+def _slot(key: str) -> int:
+    """Redis Cluster's hash slot of `key`: CRC16/XMODEM of its hash tag, mod
+    16384 (here without importing redis)."""
+    start = key.find("{")
+    if start >= 0:
+        end = key.find("}", start + 1)
+        if end > start + 1:
+            key = key[start + 1 : end]
+    return binascii.crc_hqx(key.encode(), 0) % 16384
+
+
+GROUP_SLOTS = [_slot(epoch_key(g)) for g in range(GROUPS)]
+"""The cluster hash slot of each group's keys (their hash tag's)."""
+ENGINES_SLOT = _slot(ENGINES_KEY)
+SLOTS = (*GROUP_SLOTS, ENGINES_SLOT)
+"""Every slot an engine's keys are in."""
+LEASE_SHA = sha1(LEASE_SCRIPT)
+BEAT_SHA = sha1(HEARTBEAT_SCRIPT)
 
 
 class Units(NamedTuple):
@@ -140,10 +171,29 @@ class LeaseCall(NamedTuple):
     debt_us: int = 0
     register: bool = True
     """Write this engine's demand (new, changed or due for renewal)."""
+    lost: bool = False
+    """This user's state was lost in Redis (its group's epoch changed): the
+    script puts its TAT where the lost one may have been, at the worst."""
+
+
+class Round:
+    """What a round trip got, filled in even when it raises (`into`): the
+    grants of the calls whose script call answered (None for the others),
+    the live engines, those missing, and the groups found reset."""
+
+    def __init__(self) -> None:
+        self.grants: list[Grant | None] = []
+        self.engines: list[tuple[str, str]] | None = None
+        self.missing: list[tuple[str, int]] = []
+        """Engines whose heartbeat stopped without leaving: (id, their n)."""
+        self.resets: set[int] = set()
+        """Groups whose epoch changed since this engine last called them."""
 
 
 class RedisLink:
-    """One engine's connection to Redis, used only by its lease thread.
+    """One engine's connection to its store, used only by its lease thread:
+    the packing of every round, over the nodes of the store's URL form
+    (outrate.budget.shared.nodes: one server, Sentinel, or a cluster).
 
     Timeouts are short and the client never retries on its own: a failed
     round trip is retried by the next lease round, and an engine whose store
@@ -151,38 +201,26 @@ class RedisLink:
     """
 
     def __init__(self, url: str, password: str | None = None, timeout_s: float = 0.5) -> None:
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
         check_url(url)
         bare, in_url = split_password(url)  # the URL's password first, as redis-py would
         password = in_url or password or Env.read().store_password or None
-        kwargs: dict[str, Any] = {
-            "socket_timeout": timeout_s,
-            "socket_connect_timeout": timeout_s,
-            "retry": Retry(NoBackoff(), 0),
-            "health_check_interval": 0,
-        }
-        if password is not None:
-            kwargs["password"] = password
         self.url = redact_url(url)
-        self.client = redis.Redis.from_url(bare, **kwargs)
-        self._lease_sha: str | None = None
-        self._beat_sha: str | None = None
+        self.nodes = open_nodes(bare, password, timeout_s, (LEASE_SCRIPT, HEARTBEAT_SCRIPT), SLOTS)
         self._users: dict[tuple[str, Units], tuple[bytes, bytes]] = {}
         """Per user and limit: its two keys and its limit, packed."""
+        self.epochs: dict[int, bytes] = {}
+        """Per group, the epoch this engine last saw (outrate.budget.shared.scripts)."""
         self.script_calls = 0
         """Lease script calls sent (a round's users, batched by group)."""
 
-    def load(self) -> None:
-        """Load both scripts (after a start or a Redis restart)."""
-        self._lease_sha = self.client.script_load(LEASE_SCRIPT)
-        self._beat_sha = self.client.script_load(HEARTBEAT_SCRIPT)
+    @property
+    def client(self) -> Any:
+        """The redis-py client of a single server or Sentinel primary (benchmarks)."""
+        return getattr(self.nodes, "client", None)
 
     def ping(self) -> None:
-        self.client.ping()
-        self.load()
+        """Reach the store (and learn its topology): raises if it does not answer."""
+        self.nodes.connect()
 
     def round_trip(
         self,
@@ -190,59 +228,81 @@ class RedisLink:
         calls: Sequence[LeaseCall],
         demand_ttl_us: int,
         beat: tuple[str, int] | None = None,
+        into: Round | None = None,
+        hold: tuple[int, int] = (0, 1),
     ) -> tuple[list[Grant], list[tuple[str, str]] | None]:
-        """All lease calls (and a heartbeat) in one pipelined round trip:
-        one script call per group of users (`batches`).
+        """All lease calls (and a heartbeat) in one pipelined round trip per
+        node: one script call per group of users (`batches`).
 
-        `beat` is (policy sha256, ttl_us; 0 leaves). Returns the grants in call
-        order and, with `beat`, the live engines as (id, policy sha256).
-        Raises redis errors (the caller counts them).
+        `beat` is (policy sha256, ttl_us; 0 leaves); `hold` (hold_us, n) how
+        long engines gone without leaving are reported as missing, and the
+        live engines this one counts. Returns the grants in call order and,
+        with `beat`, the live engines as (id, policy sha256). Raises the first
+        error (the caller counts it), after filling `into` with what did
+        answer: on a cluster one shard may fail while the others grant.
         """
-        from redis.exceptions import NoScriptError
-
+        got = into if into is not None else Round()
         groups = batches(calls)
-        for attempt in (0, 1):
-            if self._lease_sha is None:
-                self.load()
-            parts = [self._lease_call(engine_id, calls, g, demand_ttl_us) for g in groups]
-            if beat is not None:
-                sha, ttl_us = beat
-                parts.append(
+        parts = [self._lease_call(engine_id, calls, g, demand_ttl_us) for g in groups]
+        if beat is not None:
+            sha, ttl_us = beat
+            parts.append(
+                Part(
+                    ENGINES_SLOT,
                     _pack(
                         b"EVALSHA",
-                        self._beat_sha,
+                        BEAT_SHA,
                         2,
                         ENGINES_KEY,
                         engine_key(engine_id),
                         engine_id,
                         sha,
                         ttl_us,
-                    )
+                        *hold,
+                    ),
                 )
-            replies = self._send(b"".join(parts), len(parts))
-            if attempt == 0 and any(isinstance(r, NoScriptError) for r in replies):
-                self._lease_sha = None  # Redis restarted and forgot the scripts
-                continue
-            for r in replies:
-                if isinstance(r, Exception):
-                    raise r
-            break
+            )
+        replies = self.nodes.send(parts)
         self.script_calls += len(groups)
-        grants: list[Grant | None] = [None] * len(calls)
+        got.grants = [None] * len(calls)
+        error: Exception | None = None
         for g, r in zip(groups, replies[: len(groups)], strict=True):
-            *v, now = map(int, r.split())
+            if isinstance(r, Exception):
+                if type(r).__name__ == "TryAgainError":
+                    # A slot migrating with this call's keys on both sides:
+                    # its users are called again next round (not an outage).
+                    self.nodes.redirects["tryagain"] = self.nodes.redirects.get("tryagain", 0) + 1
+                else:
+                    error = error or r
+                continue
+            *v, now, epoch, reset = r.split()
+            group = group_of(calls[g[0]].user)
+            if reset == b"1":
+                got.resets.add(group)
+            self.epochs[group] = epoch
+            now_us = int(now)
             for j, i in enumerate(g):
                 k = 4 * j
-                grants[i] = Grant(v[k], v[k + 1], v[k + 2], v[k + 3], now)
-        engines = None
+                got.grants[i] = Grant(
+                    int(v[k]), int(v[k + 1]), int(v[k + 2]), int(v[k + 3]), now_us
+                )
         if beat is not None:
             raw = replies[-1]
-            engines = [(_s(raw[i]), _s(raw[i + 1])) for i in range(0, len(raw), 2)]
-        return grants, engines  # type: ignore[return-value]  # every index is in one batch
+            if isinstance(raw, Exception):
+                error = error or raw
+            else:
+                live, missing = raw
+                got.engines = [(_s(live[i]), _s(live[i + 1])) for i in range(0, len(live), 2)]
+                got.missing = [
+                    (_s(missing[i]), int(missing[i + 1])) for i in range(0, len(missing), 2)
+                ]
+        if error is not None:
+            raise error
+        return got.grants, got.engines  # type: ignore[return-value]  # every index answered
 
     def _lease_call(
         self, engine_id: str, calls: Sequence[LeaseCall], batch: list[int], demand_ttl_us: int
-    ) -> bytes:
+    ) -> Part:
         """One EVALSHA for a batch of users of one group, in RESP, packed by
         hand (redis-py's pipeline spent ~40 us per command packing). Each
         user's keys and limit are packed once and cached, and the rest of its
@@ -270,48 +330,32 @@ class RedisLink:
                 cached[1],
                 c.horizon_us,
                 c.debt_us,
-                c.register,
+                c.register + 2 * c.lost,
             )
             args.append(b"$%d\r\n%s\r\n" % (len(one), one))
         n = len(batch)
-        return b"".join(
-            (
-                b"*%d\r\n" % (5 + 3 * n),
-                _bulk(b"EVALSHA"),
-                _bulk(self._lease_sha or ""),  # loaded by round_trip before any call
-                _bulk(2 * n),
-                *keys,
-                _bulk(engine_id),
-                _bulk(demand_ttl_us),
-                *args,
-            )
+        group = group_of(calls[batch[0]].user)
+        return Part(
+            GROUP_SLOTS[group],
+            b"".join(
+                (
+                    b"*%d\r\n" % (7 + 3 * n),
+                    _bulk(b"EVALSHA"),
+                    _bulk(LEASE_SHA),
+                    _bulk(1 + 2 * n),
+                    _bulk(epoch_key(group)),
+                    *keys,
+                    _bulk(engine_id),
+                    _bulk(demand_ttl_us),
+                    _bulk(self.epochs.get(group, b"-")),
+                    *args,
+                )
+            ),
         )
-
-    def _send(self, data: bytes, n: int) -> list[Any]:
-        """Write a packed pipeline, read its `n` replies (error replies as
-        exception objects, like `execute(raise_on_error=False)`)."""
-        from redis.exceptions import ResponseError
-
-        pool = self.client.connection_pool
-        conn = pool.get_connection()
-        try:
-            conn.send_packed_command([data])  # type: ignore[no-untyped-call]
-            replies: list[Any] = []
-            for _ in range(n):
-                try:
-                    replies.append(conn.read_response())
-                except ResponseError as e:
-                    replies.append(e)
-            return replies
-        except BaseException:
-            conn.disconnect()  # type: ignore[no-untyped-call]  # a half-read pipeline cannot be reused
-            raise
-        finally:
-            pool.release(conn)
 
     def close(self) -> None:
         try:
-            self.client.close()
+            self.nodes.close()
         except Exception:
             pass
 

@@ -6,7 +6,11 @@ and rendered beside the scheduler's families on /metrics.
 Names are a contract (README "Metrics"): `outrate_store_up`,
 `outrate_store_errors_total`, `outrate_store_transitions_total{to}`,
 `outrate_lease_seconds`, `outrate_lease_calls_total`, `outrate_store_engines`,
-`outrate_store_policy_mismatch`.
+`outrate_store_policy_mismatch`; and for the store's own faults
+(docs/several-engines.md, "Faults"): `outrate_store_waiting`,
+`outrate_store_engines_missing`, `outrate_store_primary{node}`,
+`outrate_store_failovers_total`, `outrate_store_redirects_total{kind}`,
+`outrate_store_resets_total`.
 """
 
 from __future__ import annotations
@@ -40,6 +44,19 @@ class StoreMetrics:
         """Live engines by the last heartbeat (this one included)."""
         self.policy_mismatch = 0
         """Live engines whose policy sha256 differs from this engine's."""
+        self.waiting = 0
+        """1 while limited users wait for the store: it was never reached
+        (fallback share), or the fallback ran out (outrate.budget.shared.peers.HOLD_S)."""
+        self.engines_missing = 0
+        """Engines whose heartbeat stopped without leaving, whose part is kept for them."""
+        self.primaries: list[str] = []
+        """host:port of each primary serving this engine's keys now."""
+        self.failovers = 0
+        """Primaries seen replaced by another node (Sentinel, or a cluster's replica)."""
+        self.redirects = {"moved": 0, "ask": 0, "tryagain": 0}
+        """Cluster redirects followed (a slot moved or moving, a replica promoted)."""
+        self.resets = 0
+        """Groups of users whose state was found lost under this engine (their epoch changed)."""
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -51,6 +68,12 @@ class StoreMetrics:
             "calls": self.calls,
             "engines": self.engines,
             "policy_mismatch": self.policy_mismatch,
+            "waiting": self.waiting,
+            "engines_missing": self.engines_missing,
+            "primaries": list(self.primaries),
+            "failovers": self.failovers,
+            "redirects": dict(self.redirects),
+            "resets": self.resets,
         }
 
 
@@ -58,12 +81,15 @@ def merge_store(store: dict[str, Any], other: dict[str, Any]) -> None:
     """Fold another engine's store snapshot into `store`: the store is up only
     if every engine sees it; counts add up; engine counts are the widest view."""
     store["up"] = min(store["up"], other["up"])
-    for k in ("errors", "round_trips", "calls"):
-        store[k] += other[k]
-    for k in ("engines", "policy_mismatch"):
-        store[k] = max(store[k], other[k])
-    for k, v in other["transitions"].items():
-        store["transitions"][k] = store["transitions"].get(k, 0) + v
+    for k in ("errors", "round_trips", "calls", "failovers", "resets"):
+        store[k] = store.get(k, 0) + other.get(k, 0)
+    for k in ("engines", "policy_mismatch", "waiting", "engines_missing"):
+        store[k] = max(store.get(k, 0), other.get(k, 0))
+    for name in ("transitions", "redirects"):
+        mine = store.setdefault(name, {})
+        for k, v in other.get(name, {}).items():
+            mine[k] = mine.get(k, 0) + v
+    store["primaries"] = sorted({*store.get("primaries", ()), *other.get("primaries", ())})
     store["lease"] = add_json(store["lease"], other["lease"])
 
 
@@ -106,4 +132,39 @@ def store_families(store: dict[str, Any]) -> Iterator[Any]:
         "Live engines whose policy sha256 differs from this engine's.",
     )
     mismatch.add_metric([], store["policy_mismatch"])
+    waiting = GaugeMetricFamily(
+        "outrate_store_waiting",
+        "1 while limited users wait for the budget store (never reached, or the fallback ran out).",
+    )
+    waiting.add_metric([], store.get("waiting", 0))
+    missing = GaugeMetricFamily(
+        "outrate_store_engines_missing",
+        "Engines whose heartbeat stopped without leaving; their part of each rate is kept.",
+    )
+    missing.add_metric([], store.get("engines_missing", 0))
+    primary = GaugeMetricFamily(
+        "outrate_store_primary",
+        "1 for each store node serving this engine's keys as primary now.",
+        labels=["node"],
+    )
+    for node in store.get("primaries", ()):
+        primary.add_metric([node], 1)
+    failovers = CounterMetricFamily(
+        "outrate_store_failovers", "Store primaries seen replaced by another node."
+    )
+    failovers.add_metric([], store.get("failovers", 0))
+    redirects = CounterMetricFamily(
+        "outrate_store_redirects",
+        "Redis Cluster redirects followed (MOVED: a slot moved; ASK: a slot moving; "
+        "TRYAGAIN: a call retried at the next round while its slot moves).",
+        labels=["kind"],
+    )
+    for kind in ("moved", "ask", "tryagain"):
+        redirects.add_metric([kind], store.get("redirects", {}).get(kind, 0))
+    resets = CounterMetricFamily(
+        "outrate_store_resets",
+        "Groups of users whose state was found lost in the store (FLUSHALL, a restart).",
+    )
+    resets.add_metric([], store.get("resets", 0))
     yield from (up, errors, transitions, lease, calls, engines, mismatch)
+    yield from (waiting, missing, primary, failovers, redirects, resets)

@@ -8,12 +8,19 @@ engine's id and policy sha256. The slice each call asks for lasts the
 horizon H: until the user's next turn, that many measured periods, plus a
 round trip.
 
-It owns the faults, and says so by publishing one `Mode` record
-(outrate.budget.shared.credit), which the scheduler applies at its next step:
-two failed round trips in a row switch to the fallback; the first answer
-after that reports each user's local debt so nobody gets a burst, and
-starts a grace at rate/N until the other engines are back. Each switch is
-logged once and counted in `StoreMetrics`.
+It meets the faults; `Faults` (outrate.budget.shared.faults) decides and
+says so by publishing one `Mode` record (outrate.budget.shared.credit),
+which the scheduler applies at its next step:
+two failed round trips in a row switch to the fallback, for `HOLD_S` at most
+(outrate.budget.shared.peers: the others leave this engine its part that
+long), then limited users wait for the store; the first answer after that
+reports each user's local debt so nobody gets a burst, and starts a grace at
+rate/N until the other engines are back. A store never reached is waited
+for (it cannot say N); one that refuses this engine at start (a wrong
+password) stops the start. State lost under the engine (an epoch changed:
+FLUSHALL, a restart) is answered in the script, and the users of that group
+not in the call are marked for it. Each switch is logged once and counted
+in `StoreMetrics`.
 """
 
 from __future__ import annotations
@@ -28,22 +35,23 @@ from collections.abc import Callable
 from fractions import Fraction
 
 from outrate.budget.limiter import NS_PER_S, Limiter
-from outrate.budget.shared.credit import (
-    LEASE_INTERVAL_S,
-    Credit,
-    Mode,
-    SharedBudget,
-    credit_of,
-)
-from outrate.budget.shared.lease import MAX_HORIZON_US, LeaseCall, RedisLink
+from outrate.budget.shared.credit import LEASE_INTERVAL_S, Credit, SharedBudget, credit_of
+from outrate.budget.shared.faults import DOWN_AFTER as DOWN_AFTER  # (re-exported)
+from outrate.budget.shared.faults import Faults
+from outrate.budget.shared.faults import StoreRefused as StoreRefused  # (re-exported)
+from outrate.budget.shared.lease import MAX_HORIZON_US, LeaseCall, RedisLink, Round, group_of
 from outrate.budget.shared.metrics import StoreMetrics
+from outrate.budget.shared.peers import HOLD_S, Peers
 from outrate.budget.shared.turns import ROUND_CALLS, Turns
 
 HEARTBEAT_S = 1.0
 ENGINE_TTL_S = 3.0
 """An engine that has not heartbeaten for 3 s is no longer counted."""
-DEMAND_TTL_S = 2.0
-"""An engine's demand for a user expires unless renewed (every 0.5 s)."""
+DEMAND_TTL_S = 5.0
+"""An engine's demand for a user expires unless renewed (every 0.5 s): past
+the time the others take to see its heartbeat missing (`ENGINE_TTL_S` and
+one heartbeat), so an engine cut off is counted in their shares until they
+leave it its part instead (outrate.budget.shared.peers)."""
 RETRY_S = 1.0
 """While the store is down, how often the lease thread tries again."""
 TIMEOUT_S = 0.5
@@ -52,10 +60,9 @@ GRACE_NS = int((RETRY_S + HEARTBEAT_S + ENGINE_TTL_S) * NS_PER_S)
 """After the store is back, each engine stays within rate/N until the
 heartbeats show every engine back, at most this long (the others retry once
 a second; a dead one's heartbeat expires)."""
-DOWN_AFTER = 2
-"""Consecutive failed round trips before an engine falls back: one slow
-answer on a loaded machine (a starved process, not a slow store) is
-retried at the next round instead of switching modes."""
+RESET_LOG_NS = 10 * NS_PER_S
+"""State lost under the engine is logged at most once per 10 s (a FLUSHALL
+is found group by group, and a script may flush every few hundred ms)."""
 
 
 def engine_id() -> str:
@@ -83,6 +90,7 @@ class LeaseRunner:
         retry_s: float = RETRY_S,
         heartbeat_s: float = HEARTBEAT_S,
         cap: int = ROUND_CALLS,
+        hold_s: float = HOLD_S,
     ) -> None:
         if table.lender is not budget:
             raise ValueError("the table must be lent by this budget (Limiter(lender=budget))")
@@ -97,12 +105,23 @@ class LeaseRunner:
         self.interval_ns = int(interval_s * NS_PER_S)
         self.retry_s = retry_s
         self.heartbeat_ns = int(heartbeat_s * NS_PER_S)
-        self.engines = budget.mode.n
-        """Live engines by the last heartbeat (the hint until one answered)."""
-        self.up: bool | None = None  # None: not tried yet
-        self._fails = 0  # consecutive failed round trips
-        self._grace_end = 0
-        self._ever_up = False
+        self.peers = Peers(self.metrics, self.log, budget.mode.n)
+        self.faults = Faults(
+            budget,
+            self.metrics,
+            self.peers,
+            self.turns,
+            self.log,
+            link.url,
+            int(hold_s * NS_PER_S),
+            GRACE_NS,
+        )
+        # What the others keep for this engine once its heartbeat is gone:
+        # its fallback, plus a retry and a connect it may be late by.
+        self._hold_us = int((hold_s + retry_s + 2 * TIMEOUT_S) * 1_000_000)
+        self._last_error: Exception | None = None
+        self._reset_logged = -RESET_LOG_NS
+        self._resets_unlogged = 0
         self.period_ns = self.interval_ns
         """Time between the starts of the last two rounds."""
         self.avg_period_ns = self.interval_ns
@@ -115,10 +134,19 @@ class LeaseRunner:
         it is late, so tests discount it from the rate they expect."""
         self._last_beat = 0
         self._last_start = 0
-        self._mismatch: frozenset[str] = frozenset()
         self._stopping = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="outrate-lease", daemon=True)
+
+    @property
+    def up(self) -> bool | None:
+        """The store answers (None: not tried yet)."""
+        return self.faults.up
+
+    @property
+    def engines(self) -> int:
+        """Live engines by the last heartbeat (the hint until one answered)."""
+        return self.peers.live
 
     @property
     def max_horizon_us(self) -> int:
@@ -131,7 +159,8 @@ class LeaseRunner:
         """Try the store once right here (at most 2 x `TIMEOUT_S`; unless it
         answered already), so requests arriving right after start are already
         shared, then keep leasing in the thread. An unreachable store is
-        logged, and retried there."""
+        logged, and retried there; one that refuses this engine raises
+        `StoreRefused` (unless the fallback is `full`)."""
         if not self.up:
             self.connect()
         self._thread.start()
@@ -155,8 +184,11 @@ class LeaseRunner:
         next_round = time.monotonic_ns()
         while not self._stopping:
             if not self.up:
-                if self._stop.wait(self.retry_s):
+                left = self.faults.hold_left_s()
+                if self._stop.wait(self.retry_s if left is None else min(self.retry_s, left)):
                     return
+                if self.faults.hold_ran_out():
+                    continue
                 self.turns.drain()
                 self.connect()
                 next_round = time.monotonic_ns()
@@ -210,22 +242,40 @@ class LeaseRunner:
         if not plan and beat is None:
             budget.next_credit_ns = start + self.interval_ns
             return True
+        got = Round()
+        hold = (self._hold_us, self.peers.n)
         try:
-            grants, engines = self.link.round_trip(
-                self.engine, [c for _, c in plan], int(DEMAND_TTL_S * 1_000_000), beat
+            self.link.round_trip(
+                self.engine, [c for _, c in plan], int(DEMAND_TTL_S * 1_000_000), beat, got, hold
             )
+            error = None
         except Exception as e:
-            self._down(e)
+            error = e
+        self._apply(plan, got, start)
+        if error is not None:
+            self._last_error = error
+            self.faults.failed(error)
             return False
         end = time.monotonic_ns()
-        self._fails = 0
+        self.faults.answered()
         m = self.metrics
         m.round_trips += 1
         m.calls += len(plan)
         m.lease.observe(end - start)
         self.last_rtt_ns = end - start
         budget.next_credit_ns = start + self.interval_ns + self.last_rtt_ns
+        if got.engines is not None:
+            self._last_beat = start
+            self._engines(got.engines, got.missing)
+        return True
+
+    def _apply(self, plan: list[tuple[Credit, LeaseCall]], got: Round, start: int) -> None:
+        """Take in what answered (on a cluster, some shards may not have)."""
+        budget = self.budget
+        grants = got.grants or [None] * len(plan)
         for (c, call), g in zip(plan, grants, strict=True):
+            if g is None:
+                continue
             if g.granted:
                 c.granted += g.granted
                 if c.bucket.pins == 0:
@@ -241,76 +291,59 @@ class LeaseRunner:
             c.reg = call.demand > 0
             if call.register:
                 c.reg_at = start
-        if engines is not None:
-            self._last_beat = start
-            self._engines(engines)
-        return True
+            if call.lost:
+                c.lost = False
+        if got.resets:
+            self._resets(got.resets, {c for c, _ in plan})
+        nodes, m = self.link.nodes, self.metrics
+        for line in nodes.news:
+            self.log.warning("outrate: budget store %s: %s", self.link.url, line)
+        nodes.news.clear()
+        m.failovers = nodes.failovers
+        m.redirects = dict(nodes.redirects)
+        m.primaries = nodes.primaries()
 
-    def _engines(self, engines: list[tuple[str, str]]) -> None:
-        n = max(1, len(engines))
-        mode = self.budget.mode
-        if mode.grace and (n >= mode.n or time.monotonic_ns() > self._grace_end):
-            self.budget.mode = mode._replace(
-                grace=False
-            )  # every engine is back (or had its chance)
-        self.engines = self.metrics.engines = n
-        mine = self.policy_sha()
-        other = frozenset(f"{e} ({sha[:12]})" for e, sha in engines if sha != mine)
-        self.metrics.policy_mismatch = len(other)
-        if other != self._mismatch:
-            if other:
-                self.log.warning(
-                    "outrate: %d engine(s) sharing the budget store run another policy than "
-                    "this one (%s): %s; each enforces its own limits on the shared budgets",
-                    len(other),
-                    mine[:12],
-                    ", ".join(sorted(other)),
-                )
-            elif self._mismatch:
-                self.log.info("outrate: every engine sharing the store runs policy %s", mine[:12])
-            self._mismatch = other
-
-    # -- faults ---------------------------------------------------------------------
-
-    def _describe_fallback(self) -> str:
-        if self.budget.fallback == "full":
-            return "enforcing the full rate on each engine"
-        n = self.engines
-        return f"enforcing rate/{n} on each engine (last known live engines: {n})"
-
-    def _down(self, e: Exception) -> None:
-        self.metrics.errors += 1
-        if self.up is False:
-            return
-        self._fails += 1
-        if self.up and self._fails < DOWN_AFTER:
-            return  # retried at the next round; credit held meanwhile still spends
-        first = self.up is None
-        self.up = False
-        self.metrics.up = 0
-        self.budget.mode = Mode(shared=False, grace=False, n=self.engines)
+    def _resets(self, groups: set[int], called: set[Credit]) -> None:
+        """Groups whose state was lost: the script already assumed the worst
+        for the users it was called for; the others of those groups are
+        marked, so their next call does."""
         for c in self.turns.active:
-            c.reg = False  # Redis forgets demand by itself (TTL)
-        if not first:
-            self.metrics.transitions["down"] += 1
-        self.log.warning(
-            "outrate: budget store %s %s (%s: %s): %s until it answers again",
-            self.link.url,
-            "unreachable at start" if first else "lost",
-            type(e).__name__,
-            e,
-            self._describe_fallback(),
-        )
+            if c not in called and group_of(c.bucket.key) in groups:
+                c.lost = True
+        self.metrics.resets += len(groups)
+        self._resets_unlogged += len(groups)
+        now = time.monotonic_ns()
+        if now - self._reset_logged >= RESET_LOG_NS:
+            self.log.warning(
+                "outrate: budget store %s lost the state of %d group(s) of users under this "
+                "engine since the last such line (FLUSHALL, FLUSHDB, a restart without "
+                "persistence): each of their users is charged as far as the lost state may "
+                "have reached, so nobody gains a token from it",
+                self.link.url,
+                self._resets_unlogged,
+            )
+            self._reset_logged = now
+            self._resets_unlogged = 0
+
+    def _engines(self, engines: list[tuple[str, str]], missing: list[tuple[str, int]]) -> None:
+        self.peers.heard(engines, missing, self.policy_sha())
+        self.faults.heard()
+
+    # -- faults (outrate.budget.shared.faults) ---------------------------------------
 
     def connect(self) -> None:
         """Try the store once; on an answer, lease at once and share again
-        (what the thread does while the store is down, once per `retry_s`)."""
+        (what the thread does while the store is down, once per `retry_s`).
+        At start, a store that refuses this engine raises `StoreRefused`."""
+        faults = self.faults
+        first = faults.up is None
         try:
             self.link.ping()
         except Exception as e:
-            self._down(e)
+            faults.refuse(e, first)
+            faults.failed(e)
             return
-        was_down = self.up is False
+        was_down = faults.up is False
         # An outage is not a round period: measured across it, the first
         # round back would lease up to a second ahead (H is capped at 1 s)
         # on top of the debt. Rounds start again at the interval.
@@ -322,33 +355,18 @@ class LeaseRunner:
             debts = self._debts()
             for c in self.turns.active:
                 c.sent = c.released  # credit from before the outage was dropped
-        self.up = True
+        # Still down (or not tried) until this round answers: a store that
+        # pings but does not serve (a cluster with a shard down) stays lost,
+        # counted, not logged again.
         if not self.round(debts):
+            if self._last_error is not None:
+                faults.refuse(self._last_error, first)
             return
-        self.metrics.up = 1
-        if was_down:
-            self._grace_end = time.monotonic_ns() + GRACE_NS
-        self.budget.mode = Mode(shared=True, grace=was_down, n=self.budget.mode.n)
-        if was_down:
-            self.metrics.transitions["up"] += 1
-        if not self._ever_up:
-            self._ever_up = True
-            self.log.info(
-                "outrate: sharing budgets through %s (engine %s, %d live engine(s), lease "
-                "interval %d ms)%s",
-                self.link.url,
-                self.engine,
-                self.engines,
-                self.interval_ns // 1_000_000,
-                " after all" if was_down else "",
-            )
-        else:
-            self.log.warning(
-                "outrate: budget store %s is back: budgets shared again (%d user debt(s) "
-                "carried over, no burst granted)",
-                self.link.url,
-                len(debts or ()),
-            )
+        where = (
+            f"engine {self.engine}, {self.engines} live engine(s), lease interval "
+            f"{self.interval_ns // 1_000_000} ms, primary {', '.join(self.metrics.primaries)}"
+        )
+        faults.back(was_down, len(debts or ()), where)
 
     def _debts(self) -> dict[Credit, int]:
         """What each user spent here while the store was away, in the store's
@@ -377,4 +395,4 @@ class LeaseRunner:
             units = self.turns.units_of(policy.limit_for(c.bucket.key))
             if units is not None and (refund > 0 or c.reg):
                 calls.append(LeaseCall(c.bucket.key, units, 0, 0, 0, max(refund, 0), 0))
-        self.link.round_trip(self.engine, calls, 1, (self.policy_sha(), 0))
+        self.link.round_trip(self.engine, calls, 1, (self.policy_sha(), 0), None, (0, 1))

@@ -9,13 +9,17 @@ every integer they form stays below 2**53 (Lua numbers are doubles;
 
 LEASE_SCRIPT = """
 -- One call leases for every user of one group (one hash tag: one slot).
--- KEYS: per user i, KEYS[2i-1] its TAT and KEYS[2i] its demand.
--- ARGV[1] engine, ARGV[2] demand_ttl_us, then one per user, ten integers
+-- KEYS[1] the group's epoch; per user i, KEYS[2i] its TAT and KEYS[2i+1]
+-- its demand.
+-- ARGV[1] engine, ARGV[2] demand_ttl_us, ARGV[3] the epoch this engine last
+--   saw in this group ('-': none yet), then one per user, ten integers
 --   separated by spaces: demand credit want refund p num tol_us horizon_us
---   debt_us register (0: this engine's demand entry is fresh, leave it).
+--   debt_us flags (1: write this engine's demand entry, else it is fresh;
+--   2: this user's state was lost here, assume the worst).
 -- Returns one string: granted fair wait_us total_demand per user, then the
--- server's now (one string: a reply of 40,000 integers costs the client
--- more to read than the script costs Redis).
+-- server's now, the group's epoch and 1 if it is not the one the engine
+-- saw (one string: a reply of 40,000 integers costs the client more to
+-- read than the script costs Redis).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local eid = ARGV[1]
@@ -27,7 +31,21 @@ local function ceil_div(a, b)
   if r > 0 then q = q + 1 end
   return q
 end
-local state = redis.call('MGET', unpack(KEYS))
+-- The epoch: made once per group and kept a day past its last call (every
+-- key expires on its own), so its absence, or another value, means the
+-- group's state was lost since this engine last called (FLUSHALL, FLUSHDB,
+-- a restart without persistence).
+local epoch = redis.call('GET', KEYS[1])
+if not epoch then
+  epoch = string.format('%.0f', now)
+  redis.call('SET', KEYS[1], epoch, 'PX', 86400000)
+elseif redis.call('PTTL', KEYS[1]) < 43200000 then
+  redis.call('PEXPIRE', KEYS[1], 86400000)
+end
+local reset = ARGV[3] ~= '-' and ARGV[3] ~= epoch
+local users = {}
+for i = 2, #KEYS do users[i - 1] = KEYS[i] end
+local state = redis.call('MGET', unpack(users))
 -- What this call wrote, by key: a user twice in one call (never sent, but
 -- cheap to rule out) must see its first grant, not the MGET's snapshot.
 local written = {}
@@ -47,17 +65,20 @@ local function put(key, text, expiry)
 end
 local out = {}
 local n = 0
-local args = '^(%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) ([01])$'
-for i = 1, #KEYS / 2 do
-  local tkey, dkey = KEYS[2 * i - 1], KEYS[2 * i]
-  local dem, credit, want, refund, p, num, tol, horizon, debt, reg =
-    string.match(ARGV[2 + i], args)
-  if not reg then
+local args = '^(%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) ([0-3])$'
+for i = 1, #users / 2 do
+  local tkey, dkey = users[2 * i - 1], users[2 * i]
+  local dem, credit, want, refund, p, num, tol, horizon, debt, flags =
+    string.match(ARGV[3 + i], args)
+  if not flags then
     return redis.error_reply('outrate lease: bad arguments for ' .. tkey)
   end
   dem, credit, want, refund = tonumber(dem), tonumber(credit), tonumber(want), tonumber(refund)
   p, num, tol, horizon = tonumber(p), tonumber(num), tonumber(tol), tonumber(horizon)
-  debt, reg = tonumber(debt), reg == '1'
+  debt, flags = tonumber(debt), tonumber(flags)
+  local reg = flags % 2 == 1
+  local lost = reset or flags >= 2
+  local reach = math.max(tol, horizon)
   local tat0 = tonumber(current(tkey, 2 * i - 1) or '0')
   local tat = tat0
   -- Unused credit comes back first; a refund can at most fill the bucket.
@@ -68,6 +89,15 @@ for i = 1, #KEYS / 2 do
   -- the whole burst (no one gets a burst on recovery).
   if debt > 0 then
     tat = math.max(tat, math.min(math.max(tat, now) + debt, now + tol))
+  end
+  -- State lost (the epoch changed, or the engine learnt it in another
+  -- call): the TAT may have been anywhere up to a grant's reach and one
+  -- token past it, so it is put there. A reset never grants a token the
+  -- lost state would have refused; it costs the user at most that wait.
+  -- The demand entry is written again (it was lost too).
+  if lost then
+    tat = math.max(tat, now + reach + ceil_div(num, p))
+    reg = true
   end
   -- Demand: one line `demand:expiry_us:engine` per engine (engine ids,
   -- host:pid:suffix, hold no newline). Expired lines go; this engine's is
@@ -102,7 +132,6 @@ for i = 1, #KEYS / 2 do
   -- away: granting only what conforms now would cap a user at a burst per
   -- round trip once round trips outlast the burst. The engine paces its
   -- spending locally, so tokens granted ahead are not spent ahead.
-  local reach = math.max(tol, horizon)
   local granted = 0
   local fair = want
   if dem > 0 then
@@ -123,8 +152,11 @@ for i = 1, #KEYS / 2 do
       end
     end
   end
+  -- The TAT is kept 10 s past itself, not dropped once it is past: while
+  -- a cluster slot migrates, a call whose keys are all on one side runs
+  -- there, one with a key on neither side gets TRYAGAIN until it is done.
   if tat ~= tat0 then
-    put(tkey, tat > now and string.format('%.0f', tat), tat)
+    put(tkey, string.format('%.0f', tat), math.max(tat, now) + 10000000)
   end
   local wait = tat - reach - now
   if wait < 0 then wait = 0 end
@@ -132,32 +164,45 @@ for i = 1, #KEYS / 2 do
   n = n + 4
 end
 out[n + 1] = string.format('%.0f', now)
+out[n + 2] = epoch
+out[n + 3] = reset and 1 or 0
 return table.concat(out, ' ')
 """
 
 HEARTBEAT_SCRIPT = """
 -- KEYS[1] the engines hash, KEYS[2] this engine's key (one hash tag: one slot).
--- ARGV: engine, policy sha256, ttl_us (0: leave)
+-- ARGV: engine, policy sha256, ttl_us (0: leave), hold_us, n (the live
+-- engines this one counts, itself included: what its fallback divides by).
+-- An entry reads `expiry:sha256:n`. One that expired without leaving (an
+-- engine dead, or cut off from this store and in its fallback) is kept
+-- hold_us longer and reported as missing; one that left is gone at once.
+-- Returns {live: id, sha256, ...}, {missing: id, n, ...}.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local ttl = tonumber(ARGV[3])
+local hold = tonumber(ARGV[4])
 if ttl > 0 then
-  redis.call('HSET', KEYS[1], ARGV[1], string.format('%.0f', now + ttl) .. ':' .. ARGV[2])
+  local entry = string.format('%.0f', now + ttl) .. ':' .. ARGV[2] .. ':' .. ARGV[5]
+  redis.call('HSET', KEYS[1], ARGV[1], entry)
   redis.call('SET', KEYS[2], ARGV[2], 'PX', math.ceil(ttl / 1000))
 else
   redis.call('HDEL', KEYS[1], ARGV[1])
   redis.call('DEL', KEYS[2])
 end
-local out = {}
+local live, missing = {}, {}
 local fields = redis.call('HGETALL', KEYS[1])
 for i = 1, #fields, 2 do
-  local x, sha = string.match(fields[i + 1], '^(%d+):(.*)$')
-  if x and tonumber(x) > now then
-    out[#out + 1] = fields[i]
-    out[#out + 1] = sha
+  local x, sha, n = string.match(fields[i + 1], '^(%d+):([^:]*):?(%d*)$')
+  x = tonumber(x or '0')
+  if x > now then
+    live[#live + 1] = fields[i]
+    live[#live + 1] = sha
+  elseif x + hold > now then
+    missing[#missing + 1] = fields[i]
+    missing[#missing + 1] = n ~= '' and n or '1'
   else
     redis.call('HDEL', KEYS[1], fields[i])
   end
 end
-return out
+return {live, missing}
 """

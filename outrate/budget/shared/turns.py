@@ -14,7 +14,8 @@ feeds back into the cap. Past ~50 x `ROUND_CALLS` users with a lease
 `MAX_HORIZON_US`) and users start to lose rate.
 
 A user is called when its credit ran below its slice, its demand changed or
-its registration is due, or it has credit to hand back; a user whose last
+its registration is due, its state was lost in Redis, or it has credit to
+hand back; a user whose last
 request left is deregistered, and dropped once it holds nothing. Runs on the
 lease thread only; it writes what the module docstring of
 outrate.budget.shared.credit gives the lease thread.
@@ -144,8 +145,9 @@ class Turns:
             pins = 0
         held = c.granted - c.spent - c.released
         debt = debts.get(c, 0) if debts else 0
+        lost = c.lost
         if pins == 0:
-            if not refund and not c.reg and not debt:
+            if not refund and not c.reg and not debt and not lost:
                 if held > 0:
                     self.budget.settle.append(c.bucket)  # released at the next step
                 else:
@@ -154,7 +156,7 @@ class Turns:
                 return True
             if units is None:
                 units = Units(1, 1, 0)  # only deregisters: no token moves
-            out.append((c, LeaseCall(key, units, 0, 0, 0, refund, 0, debt)))
+            out.append((c, LeaseCall(key, units, 0, 0, 0, refund, 0, debt, True, lost)))
             return True
         d = min(pins, MAX_DEMAND)
         assert units is not None  # (pins > 0: a limited user)
@@ -164,9 +166,9 @@ class Turns:
         spent = c.spent
         low = held < max(1, min(c.fair, 2 * (spent - c.seen) + 1))
         c.seen = spent
-        if low or refund or debt or register:
+        if low or refund or debt or register or lost:
             call = LeaseCall(
-                key, units, d, max(held, 0), MAX_TOKENS, refund, horizon_us, debt, register
+                key, units, d, max(held, 0), MAX_TOKENS, refund, horizon_us, debt, register, lost
             )
             out.append((c, call))
             if horizon_us > self.max_horizon_us:

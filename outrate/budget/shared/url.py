@@ -1,5 +1,8 @@
 """The store's URL (`--outrate-store`): checked, redacted for logs, and
-split from its password, exactly as redis-py would read it.
+split from its password, exactly as redis-py would read it. Three forms
+(`FORMS`): one server (redis-py's own URL), a Redis Cluster by its seed
+nodes (`redis+cluster://`), a primary named by its Sentinels
+(`redis+sentinel://`); the last two are read here (`parse_nodes`).
 
 The password never travels with the URL (vLLM hashes and may print its
 config): `split_password` takes it out, and the engine reads it from
@@ -8,7 +11,8 @@ config): `split_password` takes it out, and the engine reads it from
 
 from __future__ import annotations
 
-from urllib.parse import parse_qs, unquote, unquote_plus, urlsplit
+from typing import NamedTuple
+from urllib.parse import parse_qs, parse_qsl, unquote, unquote_plus, urlsplit
 
 from outrate.env import STORE_PASSWORD
 
@@ -76,14 +80,96 @@ def split_password(url: str) -> tuple[str, str | None]:
     return f"{parts.scheme}://{netloc}{parts.path}{f'?{query}' if query else ''}", password
 
 
-def check_url(url: str) -> str:
-    """Raise ValueError unless `url` is a redis:// or rediss:// URL."""
+SCHEMES = ("redis", "rediss", "unix")
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+FORMS = (
+    "a redis://HOST:PORT/DB URL (rediss:// for TLS, or unix://PATH), "
+    "redis+cluster://HOST:PORT[,HOST:PORT...]/ (a Redis Cluster) or "
+    "redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER_NAME[/DB] (a primary named by "
+    "Sentinels; rediss+cluster:// and rediss+sentinel:// for TLS), each with an optional "
+    "[USER]:PASSWORD@"
+)
+
+
+class StoreUrl(NamedTuple):
+    """A cluster or Sentinel URL, read (`parse_nodes`); a plain one goes to
+    redis-py's own `from_url` as it is."""
+
+    kind: str
+    """`cluster` or `sentinel`."""
+    tls: bool
+    nodes: tuple[tuple[str, int], ...]
+    """The cluster's seed nodes, or the Sentinels."""
+    master: str | None
+    """The Sentinel service name (`sentinel monitor NAME ...`)."""
+    db: int
+    username: str | None
+    password: str | None
+
+
+def _hosts(netloc: str, url: str) -> tuple[tuple[str, int], ...]:
+    out = []
+    for piece in netloc.split(","):
+        if piece.startswith("["):  # [IPv6]:PORT
+            host, _, port = piece[1:].partition("]")
+            port = port.removeprefix(":")
+        else:
+            host, _, port = piece.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(
+                f"--outrate-store {redact_url(url)!r}: {piece!r} is not HOST:PORT (each node "
+                "of a cluster or Sentinel URL names its port)"
+            )
+        out.append((host, int(port)))
+    return tuple(out)
+
+
+def parse_nodes(url: str) -> StoreUrl | None:
+    """The nodes of a `redis+cluster://` or `redis+sentinel://` URL (None for
+    any other). Raises ValueError naming what is wrong, the URL redacted."""
     parts = urlsplit(url)
-    if parts.scheme not in ("redis", "rediss", "unix"):
+    scheme = parts.scheme
+    if scheme not in CLUSTER_SCHEMES + SENTINEL_SCHEMES:
+        return None
+    userinfo, _, netloc = parts.netloc.rpartition("@")
+    user, _, pw = userinfo.partition(":")
+    params = dict(parse_qsl(parts.query))
+    unknown = sorted(set(params) - {"password", "username"})
+    if unknown:
         raise ValueError(
-            f"--outrate-store must be a redis://HOST:PORT/DB, rediss:// (TLS) or unix:// URL, "
-            f"got {redact_url(url)!r}"
+            f"--outrate-store {redact_url(url)!r}: unknown parameter {unknown[0]!r} "
+            "(a cluster or Sentinel URL takes only username and password)"
         )
+    username = unquote(user) or params.get("username") or None
+    password = unquote(pw) if pw else params.get("password") or None
+    nodes = _hosts(netloc, url)
+    path = [p for p in parts.path.split("/") if p]
+    if scheme in CLUSTER_SCHEMES:
+        if path and path != ["0"]:
+            raise ValueError(
+                f"--outrate-store {redact_url(url)!r}: a Redis Cluster has database 0 only"
+            )
+        return StoreUrl("cluster", scheme.startswith("rediss"), nodes, None, 0, username, password)
+    if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
+        raise ValueError(
+            f"--outrate-store {redact_url(url)!r}: a Sentinel URL names the primary "
+            "it watches: redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER_NAME[/DB]"
+        )
+    db = int(path[1]) if len(path) == 2 else 0
+    return StoreUrl(
+        "sentinel", scheme.startswith("rediss"), nodes, unquote(path[0]), db, username, password
+    )
+
+
+def check_url(url: str) -> str:
+    """Raise ValueError unless `url` is one of the store's URL forms (`FORMS`)."""
+    parts = urlsplit(url)
+    if parts.scheme in CLUSTER_SCHEMES + SENTINEL_SCHEMES:
+        parse_nodes(url)
+        return url
+    if parts.scheme not in SCHEMES:
+        raise ValueError(f"--outrate-store must be {FORMS}, got {redact_url(url)!r}")
     if parts.scheme != "unix" and not parts.hostname:
         raise ValueError(f"--outrate-store {redact_url(url)!r} names no host")
     return url

@@ -1,0 +1,198 @@
+"""The store's health as one engine's lease thread sees it, and what each
+switch publishes to the scheduler (a `Mode`, outrate.budget.shared.credit),
+logs (once) and counts (`StoreMetrics`): `Faults`.
+
+- Unreachable at start: with the fallback `share`, limited users wait for
+  the store (an engine that never joined knows neither N nor its share);
+  with `full`, the full rate. A store that answers but refuses the engine
+  (`refused`: a wrong password, a cluster behind a plain URL) stops the
+  start, unless the fallback is `full`.
+- Lost (`DOWN_AFTER` failed round trips in a row): rate/N locally, at most
+  each user's last share, for `hold_ns` after the last answer (the others
+  leave this engine its part that long: outrate.budget.shared.peers); then
+  limited users wait for the store.
+- Back: shared again, within rate/N until every engine is (`Mode.grace`),
+  while engines gone without leaving keep their part (`Mode.scale`).
+
+Runs on the lease thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from outrate.budget.limiter import NS_PER_S
+from outrate.budget.shared.credit import Mode, SharedBudget
+from outrate.budget.shared.metrics import StoreMetrics
+from outrate.budget.shared.nodes import refused
+from outrate.budget.shared.peers import Peers
+from outrate.budget.shared.turns import Turns
+from outrate.errors import OutrateError
+
+DOWN_AFTER = 2
+"""Consecutive failed round trips before an engine falls back: one slow
+answer on a loaded machine (a starved process, not a slow store) is
+retried at the next round instead of switching modes."""
+
+
+class StoreRefused(OutrateError):
+    """The store answered at start but will not serve this engine as
+    configured (outrate.budget.shared.nodes.refused): the engine does not start."""
+
+
+class Faults:
+    """Up, lost, waiting or back, and the switches between them."""
+
+    def __init__(
+        self,
+        budget: SharedBudget,
+        metrics: StoreMetrics,
+        peers: Peers,
+        turns: Turns,
+        log: logging.Logger,
+        url: str,
+        hold_ns: int,
+        grace_ns: int,
+    ) -> None:
+        self.budget = budget
+        self.metrics = metrics
+        self.peers = peers
+        self.turns = turns
+        self.log = log
+        self.url = url
+        self.hold_ns = hold_ns
+        self.grace_ns = grace_ns
+        self.up: bool | None = None  # None: not tried yet
+        self.fails = 0  # consecutive failed round trips
+        self.last_ok = 0
+        """When a round trip last answered in full (monotonic ns; 0: never)."""
+        self.grace_end = 0
+        self.ever_up = False
+
+    def answered(self) -> None:
+        self.fails = 0
+        self.last_ok = time.monotonic_ns()
+
+    def failed(self, e: Exception) -> None:
+        """A round trip (or an attempt to reach the store) failed."""
+        self.metrics.errors += 1
+        if self.up is False:
+            return
+        self.fails += 1
+        if self.up and self.fails < DOWN_AFTER:
+            return  # retried at the next round; credit held meanwhile still spends
+        first = self.up is None
+        self.up = False
+        self.metrics.up = 0
+        if first and self.budget.fallback == "share":
+            self._wait()
+        else:
+            self.budget.mode = Mode(shared=False, grace=False, n=self.peers.n)
+        for c in self.turns.active:
+            c.reg = False  # Redis forgets demand by itself (TTL)
+        if not first:
+            self.metrics.transitions["down"] += 1
+        self.log.warning(
+            "outrate: budget store %s %s (%s: %s): %s",
+            self.url,
+            "unreachable at start" if first else "lost",
+            type(e).__name__,
+            e,
+            self._describe(first),
+        )
+
+    def _describe(self, first: bool) -> str:
+        if self.budget.fallback == "full":
+            return "enforcing the full rate on each engine until it answers"
+        if first:
+            return (
+                "limited users wait for it (an engine that never joined knows neither how "
+                "many engines share a budget nor its share; --outrate-store-fallback full "
+                "serves them at the full rate meanwhile)"
+            )
+        n = self.peers.n
+        return (
+            f"enforcing rate/{n} on each engine, at most each user's last share (engines: "
+            f"{n}), for up to {self.hold_ns / NS_PER_S:.0f} s; then limited users wait for it"
+        )
+
+    def _wait(self) -> None:
+        """Shared with no credit coming: limited users wait, they are not cut."""
+        self.budget.mode = Mode(shared=True, n=self.peers.n)
+        self.metrics.waiting = 1
+
+    def hold_left_s(self) -> float | None:
+        """Seconds until the fallback runs out (None: it does not)."""
+        if self.budget.fallback != "share" or self.metrics.waiting or not self.last_ok:
+            return None
+        return max(0.0, (self.last_ok + self.hold_ns - time.monotonic_ns()) / NS_PER_S)
+
+    def hold_ran_out(self) -> bool:
+        """The fallback has lasted `hold_ns` since the last answer: the others
+        stop keeping this engine's part, so its limited users wait now."""
+        if self.hold_left_s() != 0.0:
+            return False
+        self._wait()
+        self.log.warning(
+            "outrate: budget store %s still lost after %.0f s: limited users wait for it "
+            "now (the other engines stop keeping this engine's part)",
+            self.url,
+            self.hold_ns / NS_PER_S,
+        )
+        return True
+
+    def refuse(self, e: Exception, first: bool) -> None:
+        """Raise `StoreRefused` for a store that refuses this engine at its
+        first try (unless the fallback is `full`)."""
+        if not first or not refused(e) or self.budget.fallback == "full":
+            return
+        msg = (
+            f"outrate: budget store {self.url} refused this engine at start "
+            f"({type(e).__name__}: {e}): not starting, since an engine that never joined "
+            "knows neither how many engines share a budget nor its share. Fix the URL or "
+            "the password, or pass --outrate-store-fallback full to start at the full rate"
+        )
+        self.log.error(msg)
+        raise StoreRefused(msg) from e
+
+    def back(self, was_down: bool, debts: int, where: str) -> None:
+        """The first round after (re)connecting answered: share again."""
+        self.up = True
+        self.metrics.up = 1
+        self.metrics.waiting = 0
+        if was_down:
+            self.grace_end = time.monotonic_ns() + self.grace_ns
+            self.metrics.transitions["up"] += 1
+        # Back from the fallback, N is at least what it was: a restarted
+        # Redis forgot the heartbeats of engines that may still be in theirs.
+        n = max(self.budget.mode.n, self.peers.n) if was_down else self.peers.n
+        self.budget.mode = Mode(shared=True, grace=was_down, n=n, scale=self.peers.scale())
+        if not self.ever_up:
+            self.ever_up = True
+            self.log.info(
+                "outrate: sharing budgets through %s (%s)%s",
+                self.url,
+                where,
+                " after all" if was_down else "",
+            )
+        else:
+            self.log.warning(
+                "outrate: budget store %s is back: budgets shared again (%d user debt(s) "
+                "carried over, no burst granted)",
+                self.url,
+                debts,
+            )
+
+    def heard(self) -> None:
+        """After a heartbeat: end the grace once every engine is back (or
+        had its chance), and follow the engines missing."""
+        mode = self.budget.mode
+        if not mode.shared or not self.up:
+            return
+        grace = mode.grace and not (
+            self.peers.live >= mode.n or time.monotonic_ns() > self.grace_end
+        )
+        scale = self.peers.scale()
+        if grace != mode.grace or scale != mode.scale:
+            self.budget.mode = mode._replace(grace=grace, scale=scale)

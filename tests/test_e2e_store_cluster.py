@@ -1,0 +1,162 @@
+"""End to end on a Redis Cluster: two `outrate serve` replicas of the tiny
+model share one budget through a real 3-primary cluster with a replica per
+primary (tests/redis_cluster_support.py). While alice runs on both, her
+slot's primary is failed over by hand (`CLUSTER FAILOVER`), then the new
+primary is killed (SIGKILL) and its replica takes over. Every request
+completes; her tokens summed over both engines' traces stay within the
+bound across a failover (docs/several-engines.md: S twice, plus each
+engine's own +1 while the cluster was down); she has her rate afterwards;
+/metrics says which nodes serve and how many failovers each engine saw.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import urllib.request
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("redis")
+
+from build_tiny_model import build  # noqa: E402
+from e2e_support import REPO, assert_complete  # noqa: E402
+from loadgen import run_concurrently  # noqa: E402
+from redis_cluster_support import Cluster  # noqa: E402
+from serverproc import ServerProcess, cpu_server_env, outrate_serve_argv  # noqa: E402
+
+from outrate.budget.shared.credit import LEASE_INTERVAL_S  # noqa: E402
+from outrate.budget.shared.lease import GROUP_SLOTS, group_of  # noqa: E402
+from outrate.observe.trace import engine_rate, max_window_excess, read_trace, user_tokens  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+RATE = 20
+BURST_NS = 100_000_000
+ENGINES = 2
+POLICY = "version: 1\ndefault: unlimited\nburst: 100ms\nusers:\n  alice: 20\n"
+S = RATE * LEASE_INTERVAL_S + ENGINES
+"""rate * H + N with H = the 20 ms interval: under the stated S, whose H is
+the longest horizon sent (after a round that waited out its timeout, over
+0.5 s), so stricter than the bound, as in test_e2e_store.py."""
+SLACK = 2 * S + ENGINES
+
+
+def metric(text: str, name: str) -> float:
+    m = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)", text, re.M)
+    assert m is not None, name
+    return float(m.group(1))
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cluster-e2e")
+    cluster = Cluster(root / "cluster").start()
+    policy = root / "policy.yaml"
+    policy.write_text(POLICY)
+    model = build(REPO / "models" / "tiny-llama")
+    servers, traces = [], []
+    for i, core in enumerate(("0", "1")):
+        trace = root / f"trace-{i}.jsonl"
+        traces.append(trace)
+        argv = outrate_serve_argv(
+            model,
+            policy,
+            "--max-num-seqs",
+            "16",
+            "--max-num-active-seqs",
+            "12",
+            "--outrate-trace",
+            str(trace),
+            "--outrate-store",
+            cluster.url,
+        )
+        env = cpu_server_env({"VLLM_CPU_OMP_THREADS_BIND": core})
+        servers.append(
+            ServerProcess(argv, env=env, log_path=root / f"server-{i}.log", name=f"c{i}")
+        )
+    errors: list[BaseException] = []
+
+    def start(s: ServerProcess) -> None:
+        try:
+            s.start(timeout_s=420)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        if errors:
+            raise errors[0]
+        for s in servers:
+            run_concurrently(s.base_url, [("warmup", 2, 8)])
+        yield cluster, servers, traces
+    finally:
+        for s in servers:
+            s.stop()
+        cluster.stop()
+
+
+def test_two_engines_on_a_cluster_keep_the_bound_through_two_failovers(deployment):
+    cluster, servers, traces = deployment
+    slot = GROUP_SLOTS[group_of("alice")]
+    marks: dict[str, int] = {}
+
+    def faults() -> None:
+        time.sleep(2.5)
+        primary = cluster.primary_of(slot)
+        cluster.failover(cluster.replicas_of(primary)[0])
+        marks["failover"] = time.monotonic_ns()
+        time.sleep(2.5)
+        victim = cluster.primary_of(slot)
+        victim.kill()
+        marks["killed"] = time.monotonic_ns()
+        cluster.wait_taken_over(slot, victim)
+        marks["taken_over"] = time.monotonic_ns()
+
+    since = time.monotonic_ns()
+    t = threading.Thread(target=faults)
+    t.start()
+    results: list = [None, None]
+
+    def load(i: int) -> None:
+        results[i] = run_concurrently(servers[i].base_url, [("alice", 2, 80)])
+
+    loaders = [threading.Thread(target=load, args=(i,)) for i in range(2)]
+    for x in loaders:
+        x.start()
+    for x in loaders:
+        x.join()
+    t.join()
+    assert_complete([s for r in results for s in r])  # every request completed, none cut
+    time.sleep(0.3)  # the trace is written every 100 ms
+    per = [user_tokens(read_trace(p), "alice", since) for p in traces]
+    merged = sorted(per[0] + per[1])
+    excess = max_window_excess(merged, RATE, BURST_NS)
+    after = [x for x in merged if x[0] >= marks["taken_over"] + 2_000_000_000]
+    pages = [
+        urllib.request.urlopen(s.root_url + "/metrics", timeout=10).read().decode() for s in servers
+    ]
+    moved = 'outrate_store_redirects_total{kind="moved"}'
+    print(
+        f"alice on a cluster: {[sum(k for _, k in p) for p in per]} tokens, "
+        f"{engine_rate(merged):.2f} tok/s, worst window {excess:+.2f} (slack {SLACK:.1f}); "
+        f"after the kill {engine_rate(after):.2f} tok/s over {len(after)} steps; failovers "
+        f"{[metric(p, 'outrate_store_failovers_total') for p in pages]}, moved "
+        f"{[metric(p, moved) for p in pages]}"
+    )
+    assert sum(k for p in per for _, k in p) == 320
+    assert excess <= SLACK
+    assert len(after) > 10 and engine_rate(after) >= 0.8 * RATE
+    for i, page in enumerate(pages):
+        assert metric(page, "outrate_store_up") == 1
+        assert metric(page, "outrate_store_failovers_total") >= 2
+        assert len(re.findall(r"^outrate_store_primary\{node=", page, re.M)) == 3
+        log = servers[i].log_path.read_text(errors="replace")
+        assert "sharing budgets through redis+cluster://" in log
+        assert log.count(": a failover") == metric(page, "outrate_store_failovers_total")

@@ -1,0 +1,303 @@
+"""The shared budget on the Redis that production runs, and its faults, on
+real servers started here (tests/redis_cluster_support.py): a 3-primary
+Redis Cluster with a replica each, a primary with a replica behind three
+Sentinels, a TCP proxy that cuts one engine off, and a Redis flushed under
+running engines.
+
+Each test runs two real vLLM schedulers with fabricated outputs
+(tests/store_engines.py) and checks what they charged, merged over both, in
+every window against the bound docs/several-engines.md states for the
+fault: `(W + burst) * rate + 1 + S`, with S = rate * (H + max(0, H - burst))
++ N; a failover adds F = S (the grants not yet replicated, one lease round
+of them per engine); a fallback adds N (each engine's own +1 while it paced
+alone). Every request keeps running (none is cut), no scheduler step waits
+on the store, and the user has her rate again afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("redis")
+
+from redis_cluster_support import Cluster, SentinelSet  # noqa: E402
+from redis_support import SECRET, RedisServer  # noqa: E402
+from store_engines import BURST_NS, RATE, Engine, run  # noqa: E402
+from tcp_proxy import Proxy  # noqa: E402
+
+from outrate.budget.limiter import Limiter  # noqa: E402
+from outrate.budget.shared import nodes  # noqa: E402
+from outrate.budget.shared.credit import SharedBudget, credit_of  # noqa: E402
+from outrate.budget.shared.lease import GROUP_SLOTS, RedisLink, group_of  # noqa: E402
+from outrate.budget.shared.runner import TIMEOUT_S, LeaseRunner, StoreRefused  # noqa: E402
+from outrate.observe.trace import engine_rate, max_window_excess  # noqa: E402
+from outrate.policy.compiler import compile_policy  # noqa: E402
+from outrate.policy.loader import parse_policy  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+S_NS = 1_000_000_000
+ALICE_SLOT = GROUP_SLOTS[group_of("alice")]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("cluster")).start()
+    yield c
+    c.stop()
+
+
+def slack(engines: list[Engine], failover: bool, fallback: bool) -> float:
+    """The stated bound's slack over `(W + burst) * rate + 1`, with the
+    longest horizon any engine sent."""
+    n = len(engines)
+    h = max(e.runner.max_horizon_us for e in engines) / 1e6
+    s = RATE * (h + max(0.0, h - BURST_NS / 1e9)) + n
+    return s * (2 if failover else 1) + (n if fallback else 0)
+
+
+def report(name: str, engines: list[Engine], since: int = 0) -> tuple[list, float, float]:
+    merged = sorted(t for e in engines for t in e.rec.tokens("alice", since))
+    excess = max_window_excess(merged, RATE, BURST_NS)
+    rate = engine_rate(merged)
+    m = [e.runner.metrics for e in engines]
+    print(
+        f"{name}: alice {[sum(k for _, k in e.rec.tokens('alice', since)) for e in engines]} "
+        f"tokens, {rate:.2f} tok/s, worst window {excess:+.2f}; H "
+        f"{max(e.runner.max_horizon_us for e in engines) / 1000:.0f} ms; errors "
+        f"{[x.errors for x in m]}, transitions {[x.transitions for x in m]}, failovers "
+        f"{[x.failovers for x in m]}, redirects {[x.redirects for x in m]}, resets "
+        f"{[x.resets for x in m]}, slowest step {max(e.slowest_ns for e in engines) / 1e6:.0f} ms"
+    )
+    return merged, excess, rate
+
+
+def stop(engines: list[Engine]) -> None:
+    for e in engines:
+        e.runner.stop()
+
+
+def test_a_cluster_round_is_one_pipelined_round_trip_per_shard(cluster, monkeypatch):
+    """300 users over the 64 groups: a round writes one pipeline to each of
+    the 3 primaries and reads them (one `_exchange`, 3 jobs), every script
+    call within one slot (no CROSSSLOT), every user granted."""
+    pol = compile_policy(parse_policy("version: 1\ndefault: 100\nburst: 100ms\n", "t"), "t", "s")
+    budget = SharedBudget()
+    lim = Limiter(pol, lender=budget)
+    runner = LeaseRunner(lim, budget, RedisLink(cluster.url), lambda: "s", engine="shards")
+    runner.connect()
+    lim.cleanup(time.monotonic_ns(), 0)
+    buckets = [lim.pin(f"u{i}") for i in range(300)]
+    assert runner.round()  # (the scripts load on each primary: NOSCRIPT followed)
+    sends = []
+    stock = nodes._exchange
+
+    def counted(jobs, *a, **kw):
+        sends.append(len(jobs))
+        return stock(jobs, *a, **kw)
+
+    monkeypatch.setattr(nodes, "_exchange", counted)
+    for b in buckets:
+        lim.take_upto(b, time.monotonic_ns(), 1000)
+    assert runner.round()
+    print(f"one round of 300 users: {sends} pipelines; primaries {runner.metrics.primaries}")
+    assert sends == [3]  # one round trip, one pipeline per shard
+    assert all(credit_of(b).granted > 2 for b in buckets)
+    assert len(runner.metrics.primaries) == 3 and runner.metrics.errors == 0
+    runner.stop()
+
+
+def test_a_plain_url_at_a_cluster_node_is_refused_at_start(cluster, caplog):
+    url = f"redis://127.0.0.1:{cluster.nodes[0].port}/0"
+    pol = compile_policy(parse_policy("version: 1\ndefault: 100\n", "t"), "t", "s")
+    budget = SharedBudget()
+    runner = LeaseRunner(Limiter(pol, lender=budget), budget, RedisLink(url), lambda: "s")
+    with pytest.raises(StoreRefused, match="redis\\+cluster://"):
+        runner.start()
+
+
+def test_a_slot_move_and_two_failovers_keep_the_bound(cluster, caplog):
+    """alice's slot moves to another primary while she runs (ASK, then
+    MOVED: followed, no outage); then her primary is failed over by hand
+    (`CLUSTER FAILOVER`: MOVED, no write lost); then the new primary is
+    frozen (SIGSTOP) until its replica takes over (an outage of ~2 s: each
+    engine falls back, then comes back with its debt)."""
+    caplog.set_level(logging.INFO, logger="vllm.outrate")
+    cluster.wait_ok()
+    engines = [Engine("sync", cluster.url, f"c{i}").start() for i in range(2)]
+    for e in engines:
+        e.add("alice", 2)
+    marks: dict[str, int] = {}
+
+    def faults() -> None:
+        src = cluster.primary_of(ALICE_SLOT)
+        dst = next(
+            cluster.by_port(r["port"])
+            for r in cluster.table()
+            if "master" in r["flags"] and r["port"] != src.port
+        )
+        cluster.move_slot(ALICE_SLOT, dst, hold_s=0.3)
+        marks["moved"] = time.monotonic_ns()
+        time.sleep(1.5)
+        cluster.failover(cluster.replicas_of(dst)[0])
+        marks["failover"] = time.monotonic_ns()
+        time.sleep(1.5)
+        frozen = cluster.primary_of(ALICE_SLOT)
+        frozen.pause()
+        marks["frozen"] = time.monotonic_ns()
+        cluster.wait_taken_over(ALICE_SLOT, frozen)
+        marks["taken_over"] = time.monotonic_ns()
+        frozen.resume()  # it comes back as a replica
+
+    run(engines, 12.0, [(1.0, faults)])
+    stop(engines)
+    cluster.wait_ok()
+    merged, excess, rate = report("cluster", engines)
+    after = [x for x in merged if x[0] >= marks["taken_over"] + 2 * S_NS]
+    at = {k: round((v - marks["moved"]) / 1e9, 2) for k, v in marks.items()}
+    print(f"s after the move: {at}; after: {engine_rate(after):.2f} tok/s")
+    assert excess <= slack(engines, failover=True, fallback=True)
+    assert engine_rate(after) >= 0.8 * RATE  # her rate is back
+    for e in engines:
+        m = e.runner.metrics
+        assert m.up == 1 and m.redirects["moved"] >= 1
+        assert m.failovers >= 2  # the manual one and the frozen primary's
+        assert m.transitions["down"] == m.transitions["up"] <= 1  # only the freeze was an outage
+        assert e.slowest_ns < TIMEOUT_S * S_NS  # no step waited on the store
+        assert sum(k for _, k in e.rec.tokens("alice", marks["taken_over"])) > 0
+    # Each failover an engine saw is logged once by it.
+    said = caplog.text.count(": a failover")
+    assert said == sum(e.runner.metrics.failovers for e in engines)
+
+
+def test_a_sentinel_failover_and_a_killed_primary_keep_the_bound(tmp_path, caplog):
+    """The primary behind three Sentinels is failed over (`SENTINEL
+    FAILOVER`: the old primary stays up, a primary, for seconds; the engines
+    ask a Sentinel each round and move within a round or two), then the new
+    primary is killed (SIGKILL) and the Sentinels promote the old one back.
+    The password is in the URL and never in a log line."""
+    caplog.set_level(logging.INFO, logger="vllm.outrate")
+    sentinels = SentinelSet(tmp_path, password=f"{SECRET}-sentinel").start()
+    try:
+        engines = [Engine("sync", sentinels.url, f"s{i}").start() for i in range(2)]
+        for e in engines:
+            e.add("alice", 2)
+        marks: dict[str, int] = {}
+
+        def faults() -> None:
+            sentinels.failover()
+            marks["failover"] = time.monotonic_ns()
+            time.sleep(2.0)
+            victim = sentinels.current()
+            victim.kill()
+            marks["killed"] = time.monotonic_ns()
+            sentinels.wait_new_primary(victim.port)
+            marks["promoted"] = time.monotonic_ns()
+
+        run(engines, 12.0, [(1.5, faults)])
+        stop(engines)
+    finally:
+        sentinels.stop()
+    merged, excess, rate = report("sentinel", engines)
+    after = [x for x in merged if x[0] >= marks["promoted"] + 2 * S_NS]
+    took = (marks["promoted"] - marks["killed"]) / 1e9
+    print(f"promoted {took:.1f} s after the kill; after: {engine_rate(after):.2f} tok/s")
+    assert excess <= slack(engines, failover=True, fallback=True)
+    assert engine_rate(after) >= 0.8 * RATE
+    for e in engines:
+        m = e.runner.metrics
+        assert m.up == 1 and m.failovers >= 2
+        assert m.transitions["down"] == m.transitions["up"] <= 1
+        assert e.slowest_ns < TIMEOUT_S * S_NS
+    assert SECRET not in caplog.text
+    assert caplog.text.count(": a failover") == sum(e.runner.metrics.failovers for e in engines)
+
+
+def test_an_engine_cut_off_keeps_the_total_within_the_rate(tmp_path, caplog):
+    """Engine B reaches Redis through a proxy that cuts it off for 6.5 s. B
+    falls back to rate/2 (at most its last share) for its hold (3 s here),
+    then its limited users wait; A sees B's heartbeat stop without a leave
+    and leaves B its half until B's hold is over, so the sum over both stays
+    within the rate throughout; once the link is back both share again."""
+    caplog.set_level(logging.INFO, logger="vllm.outrate")
+    server = RedisServer(tmp_path).start()
+    proxy = Proxy(server.port)
+    try:
+        a = Engine("sync", server.url, "a", hold_s=3.0).start()
+        b = Engine("sync", f"redis://127.0.0.1:{proxy.port}/0", "b", hold_s=3.0).start()
+        engines = [a, b]
+        for e in engines:
+            e.add("alice", 2)
+        marks: dict[str, int] = {}
+        seen: dict[str, int] = {}
+
+        def partition() -> None:
+            proxy.cut()
+            marks["cut"] = time.monotonic_ns()
+            time.sleep(5.5)
+            seen["a_missing"] = a.runner.metrics.engines_missing
+            seen["b_waiting"] = b.runner.metrics.waiting
+            seen["a_scale"] = a.budget.mode.scale
+            time.sleep(1.0)
+            proxy.heal()
+            marks["healed"] = time.monotonic_ns()
+
+        run(engines, 11.0, [(1.5, partition)])
+        stop(engines)
+    finally:
+        proxy.close()
+        server.stop()
+    merged, excess, rate = report("partition", engines)
+    cut, healed = marks["cut"], marks["healed"]
+    b_waiting = b.rec.tokens("alice", cut + int(4.5 * S_NS), healed)
+    during = [x for x in merged if cut <= x[0] < healed]
+    after = [x for x in merged if x[0] >= healed + 2 * S_NS]
+    print(
+        f"seen during the cut: {seen}; alice during the cut {engine_rate(during):.2f} tok/s "
+        f"(B after its hold: {sum(k for _, k in b_waiting)} tokens); "
+        f"after: {engine_rate(after):.2f}"
+    )
+    assert seen == {"a_missing": 1, "b_waiting": 1, "a_scale": 0.5}
+    assert not b_waiting  # B's limited users wait once its hold is over
+    assert excess <= slack(engines, failover=False, fallback=True)
+    assert engine_rate(during) <= RATE * 1.05
+    assert engine_rate(after) >= 0.8 * RATE
+    assert b.runner.metrics.transitions == {"down": 1, "up": 1} and b.runner.metrics.up == 1
+    assert caplog.text.count("stopped heartbeating without leaving") == 1  # A, once
+    assert caplog.text.count("still lost after 3 s") == 1  # B, once
+
+
+def test_state_flushed_under_running_engines_is_found_and_gives_nothing(tmp_path, caplog):
+    """20 FLUSHALLs in 5 s (an operator's script, another tenant): each
+    engine finds each reset by its group's epoch, counts it, logs it once,
+    and every user's TAT is put where the lost one may have been: alice
+    gains nothing from the resets (before: 28.2 tok/s of 20), the store stays
+    up and no error is counted."""
+    caplog.set_level(logging.INFO, logger="vllm.outrate")
+    server = RedisServer(tmp_path).start()
+    try:
+        engines = [Engine("sync", server.url, f"f{i}").start() for i in range(2)]
+        for e in engines:
+            e.add("alice", 2)
+
+        def flushes() -> None:
+            for _ in range(20):
+                server.client().flushall()
+                time.sleep(0.25)
+
+        run(engines, 7.0, [(1.0, flushes)])
+        stop(engines)
+    finally:
+        server.stop()
+    merged, excess, rate = report("flushall", engines)
+    assert excess <= slack(engines, failover=False, fallback=False)
+    assert rate >= 0.5 * RATE  # a reset costs the user a wait, no more
+    for e in engines:
+        m = e.runner.metrics
+        assert m.up == 1 and m.errors == 0 and m.transitions["down"] == 0
+        assert m.resets >= 10
+    assert caplog.text.count("lost the state of") == 2  # once per engine in 10 s
