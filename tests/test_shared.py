@@ -331,7 +331,7 @@ def test_with_more_users_than_the_cap_each_keeps_its_rate(fresh):
     runner.start()
     got = [0] * len(buckets)
     t0 = time.monotonic_ns()
-    warm, end = t0 + S // 2, t0 + 2 * S
+    warm, end = t0 + S // 2, t0 + 4 * S  # 3.5 s counted: one stall of the VM is not the rate
     late0 = 0
     while (now := time.monotonic_ns()) < end:  # the scheduler: every 10 ms, all it may
         if now >= warm and not late0:
