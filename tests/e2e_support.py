@@ -4,6 +4,7 @@ checked on the engine's own record."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -68,6 +69,26 @@ def start_server(tmp_path_factory):
     proc.trace_path = trace
     run_concurrently(proc.base_url, [("warmup", 2, 16)])
     return proc
+
+
+def start_together(servers: list[ServerProcess], timeout_s: float = 420) -> None:
+    """Start several servers at once (their model loads overlap); raises the
+    first start that failed, after every start has ended."""
+    errors: list[BaseException] = []
+
+    def start(s: ServerProcess) -> None:
+        try:
+            s.start(timeout_s=timeout_s)
+        except BaseException as e:  # raised below, once all have ended
+            errors.append(e)
+
+    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def _key(user: str | None) -> str:

@@ -23,7 +23,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("redis")
 
 from build_tiny_model import build  # noqa: E402
-from e2e_support import REPO, assert_complete  # noqa: E402
+from e2e_support import REPO, assert_complete, start_together  # noqa: E402
 from loadgen import run_concurrently  # noqa: E402
 from redis_support import RedisServer  # noqa: E402
 from serverproc import ServerProcess, cpu_server_env, outrate_serve_argv  # noqa: E402
@@ -127,22 +127,8 @@ def replicas(tmp_path_factory):
         ),
     ]
     traces = [(A, trace_a), (B, rank_trace(trace_b, 0)), (B, rank_trace(trace_b, 1))]
-    errors: list[BaseException] = []
-
-    def start(s: ServerProcess) -> None:
-        try:
-            s.start(timeout_s=420)
-        except BaseException as e:  # reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
     try:
-        if errors:
-            raise errors[0]
+        start_together(servers)
         print(f"started: {[round(s.startup_s or 0) for s in servers]} s (A, B with 2 ranks)")
         for s in servers:
             run_concurrently(s.base_url, [("warmup", 2, 8)])

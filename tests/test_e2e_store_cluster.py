@@ -22,7 +22,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("redis")
 
 from build_tiny_model import build  # noqa: E402
-from e2e_support import REPO, assert_complete  # noqa: E402
+from e2e_support import REPO, assert_complete, start_together  # noqa: E402
 from loadgen import run_concurrently  # noqa: E402
 from redis_cluster_support import Cluster  # noqa: E402
 from serverproc import ServerProcess, cpu_server_env, outrate_serve_argv  # noqa: E402
@@ -77,22 +77,8 @@ def deployment(tmp_path_factory):
         servers.append(
             ServerProcess(argv, env=env, log_path=root / f"server-{i}.log", name=f"c{i}")
         )
-    errors: list[BaseException] = []
-
-    def start(s: ServerProcess) -> None:
-        try:
-            s.start(timeout_s=420)
-        except BaseException as e:  # reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
     try:
-        if errors:
-            raise errors[0]
+        start_together(servers)
         for s in servers:
             run_concurrently(s.base_url, [("warmup", 2, 8)])
         yield cluster, servers, traces
