@@ -66,6 +66,10 @@ class Doc:
         """pydantic names a non-text key in error locations by its repr
         (`"Decimal('1.5')"`): (parent, that name) -> the key itself."""
 
+    def is_voided(self, path: Path) -> bool:
+        """Whether `path` lies under a value already reported and voided."""
+        return any(path[: len(v)] == v for v in self.voided)
+
     def nearest(self, loc: Path) -> Path:
         """The longest prefix of `loc` that exists in the file.
 

@@ -228,11 +228,7 @@ def validate(
         try:
             policy = Policy.model_validate(data, context={"tiers_checked": True})
         except ValidationError as e:
-            found += [
-                item
-                for item in _translate(e, doc)
-                if not any(item[0][: len(v)] == v for v in doc.voided)
-            ]
+            found += [item for item in _translate(e, doc) if not doc.is_voided(item[0])]
             cause = e
     if not found and policy is not None:
         policy._positions = dict(doc.pos)

@@ -283,11 +283,7 @@ def parse_workload(text: str, source: str) -> Workload:
         try:
             workload = Workload.model_validate(data)
         except ValidationError as e:
-            found += [
-                item
-                for item in _translate(e, doc)
-                if not any(item[0][: len(v)] == v for v in doc.voided)
-            ]
+            found += [item for item in _translate(e, doc) if not doc.is_voided(item[0])]
             cause = e
     if not found and workload is not None:
         return workload
