@@ -36,6 +36,8 @@ def gcra(tat: int, now: int, interval: int, tolerance: int, n: int = 1) -> tuple
         return 0, tat
     if ahead < 0:
         ahead, tat = 0, now
+    if n == 1:  # one token conforms: a decode step's usual ask needs no division
+        return 1, tat + interval
     k = (tolerance - ahead) // interval + 1
     if n < k:
         k = n
