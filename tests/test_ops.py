@@ -101,7 +101,9 @@ def exported_names() -> set[str]:
     """Every sample name outrate's collector renders, from a snapshot that has
     every part (a limit, the store, the trace): what /metrics can show."""
     pol = compile_policy(parse_policy("version: 1\ndefault: 10\n", "t.yaml"), "t.yaml", "sha")
-    data = snapshot(Metrics(), pol, store=StoreMetrics().snapshot(), trace_dropped=0)
+    store = StoreMetrics()
+    store.primaries = ["127.0.0.1:6379"]  # known after the first round trip
+    data = snapshot(Metrics(), pol, store=store.snapshot(), trace_dropped=0)
     registry = CollectorRegistry()
 
     class Collector:
@@ -182,6 +184,12 @@ def test_dashboard_covers_what_the_issue_asks():
         "outrate_store_errors_total",
         "outrate_store_engines",
         "outrate_store_policy_mismatch",
+        "outrate_store_waiting",
+        "outrate_store_engines_missing",
+        "outrate_store_primary",
+        "outrate_store_failovers_total",
+        "outrate_store_redirects_total",
+        "outrate_store_resets_total",
         "vllm:num_requests_running",
     ):
         assert name in used, name
