@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from redis_support import RedisServer, redis_cli_binary, redis_server_binary
+from redis_support import RedisServer, redis_cli_binary, redis_server_binary, stop_process
 
 MASTER = "outrate-primary"
 """The Sentinel service name of `SentinelSet`."""
@@ -288,12 +288,7 @@ class Sentinel:
 
     def stop(self) -> None:
         if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            stop_process(self.proc)
             self.proc = None
 
 

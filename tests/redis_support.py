@@ -85,6 +85,19 @@ def redis_server_binary() -> str | None:
     return shutil.which("redis-server") or shutil.which("valkey-server")
 
 
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """End a redis-server or redis-sentinel: SIGTERM (after SIGCONT: a paused
+    server cannot act on it), then SIGKILL if it has not exited in 10 s."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 class RedisServer:
     """One redis-server process. `stop()` then `start()` reuses the port."""
 
@@ -166,17 +179,9 @@ class RedisServer:
         )
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.proc.pid, signal.SIGCONT)  # a paused server cannot act on SIGTERM
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
+        if self.proc is not None:
+            stop_process(self.proc)
+            self.proc = None
 
     def pause(self) -> None:
         """Freeze the server (SIGSTOP): connections hang, nothing answers."""
