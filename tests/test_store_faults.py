@@ -268,6 +268,7 @@ def test_an_engine_cut_off_keeps_the_total_within_the_rate(tmp_path, caplog):
     assert engine_rate(after) >= 0.8 * RATE
     assert b.runner.metrics.transitions == {"down": 1, "up": 1} and b.runner.metrics.up == 1
     assert caplog.text.count("stopped heartbeating without leaving") == 1  # A, once
+    assert "keeping 1/2 of each rate, for up to 3 s" in caplog.text  # A, its own hold
     assert caplog.text.count("still lost after 3 s") == 1  # B, once
 
 

@@ -28,9 +28,13 @@ Every engine sharing a store must use the same value."""
 class Peers:
     """The engines sharing the store, as this engine last heard them."""
 
-    def __init__(self, metrics: StoreMetrics, log: logging.Logger, hint: int = 1) -> None:
+    def __init__(
+        self, metrics: StoreMetrics, log: logging.Logger, hint: int = 1, hold_s: float = HOLD_S
+    ) -> None:
         self.metrics = metrics
         self.log = log
+        self.hold_s = hold_s
+        """How long the others keep a missing engine's part (the runner's `hold_s`)."""
         self.live = max(1, hint)
         """Live engines by the last heartbeat, this one included (the hint until one answered)."""
         self.missing: dict[str, int] = {}
@@ -71,7 +75,7 @@ class Peers:
                     len(new),
                     ", ".join(new),
                     self.scale(),
-                    HOLD_S,
+                    self.hold_s,
                 )
             if back and not gone:
                 self.log.info(

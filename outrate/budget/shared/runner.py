@@ -105,7 +105,7 @@ class LeaseRunner:
         self.interval_ns = int(interval_s * NS_PER_S)
         self.retry_s = retry_s
         self.heartbeat_ns = int(heartbeat_s * NS_PER_S)
-        self.peers = Peers(self.metrics, self.log, budget.mode.n)
+        self.peers = Peers(self.metrics, self.log, budget.mode.n, hold_s)
         self.faults = Faults(
             budget,
             self.metrics,
