@@ -7,7 +7,7 @@ Same rig as bench_scheduler.py (real vLLM schedulers, real KV cache manager,
 fake clock, fabricated outputs, every request in decode, interleaved paired
 rounds). Two outrate schedulers per cell: as shipped (each charged token
 counted on its label and its interval observed: `Ledger.charge`,
-vllm_integration/ledger.py), and the same scheduler with `Ledger.charge`
+vllm_integration/step/ledger.py), and the same scheduler with `Ledger.charge`
 doing nothing (`without_metrics`). `ratio` = with / without, median over
 rounds of the per-round ratio of medians. Target: <= 1.02 in every cell.
 
@@ -52,23 +52,13 @@ from bench_scheduler import (  # noqa: E402
     copies_us,
     interleave,
     model_dir,
+    no_charge,
     policy_for,
+    without_metrics,
     workload,
 )
 
 TARGET = 1.02
-
-
-def without_metrics(sched: Any) -> None:
-    """The shipped scheduler with `Ledger.charge` (a token's count and
-    interval: every metric line of the hook) only keeping the request's
-    last token time: the benchmark times the hook it ships, minus what it
-    measures."""
-    sched.ledger.charge = _no_charge
-
-
-def _no_charge(rs: Any, u: Any, now: int) -> None:
-    rs.last_ns = now  # (the request's last token time only: nothing counted)
 
 
 def isolated(b: Bench, reps: int) -> tuple[float, float, float]:
@@ -87,7 +77,7 @@ def isolated(b: Bench, reps: int) -> tuple[float, float, float]:
     clock = time.perf_counter_ns
 
     def one(with_metrics: bool) -> int:
-        ledger.charge = shipped if with_metrics else _no_charge
+        ledger.charge = shipped if with_metrics else no_charge
         sched._step += 1
         sched._now += 10_000_000
         now = sched._now

@@ -93,7 +93,6 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))  # the vLLM harness lives with the tests
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
-from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm_harness import (  # noqa: E402
     BLOCK,
     MS,
@@ -106,6 +105,7 @@ from vllm_harness import (  # noqa: E402
 
 from outrate.policy.compiler import CompiledPolicy, compile_policy  # noqa: E402
 from outrate.policy.loader import parse_policy  # noqa: E402
+from vllm_integration.offline.outputs import model_runner_output  # noqa: E402
 
 PROMPT_LEN = 8
 MAX_TOKENS = 1_000_000  # never reached: the run is far shorter
@@ -248,11 +248,7 @@ class Bench:
         t1 = time.perf_counter_ns()
         ids = list(out.num_scheduled_tokens)
         reqs = sched.requests
-        mro = ModelRunnerOutput(
-            req_ids=ids,
-            req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=[[] if reqs[r].is_prefill_chunk else [TOKEN] for r in ids],
-        )
+        mro = model_runner_output(ids, [[] if reqs[r].is_prefill_chunk else [TOKEN] for r in ids])
         pending = self._pending
         pending.append((out, mro))
         spent = t1 - t0
@@ -597,8 +593,6 @@ def _ablated(sched: Any, name: str) -> None:
         for u in sched._users.values():
             u.m = label
     elif name == "no-metrics":
-        from bench_metrics import without_metrics  # (it imports this module)
-
         without_metrics(sched)
     elif name == "bare":
         stock = type(sched).__mro__[2]  # Scheduler / AsyncScheduler, after OutrateMixin
@@ -606,6 +600,18 @@ def _ablated(sched: Any, name: str) -> None:
         sched._after_schedule = lambda scheduled, now: None
     elif name != "shipped":
         raise ValueError(f"unknown ablation {name!r}")
+
+
+def without_metrics(sched: Any) -> None:
+    """The shipped scheduler with `Ledger.charge` (a token's count and
+    interval: every metric line of the hook) only keeping the request's
+    last token time: the benchmark times the hook it ships, minus what it
+    measures (bench_metrics.py's baseline, and the `no-metrics` ablation)."""
+    sched.ledger.charge = no_charge
+
+
+def no_charge(rs: Any, u: Any, now: int) -> None:
+    rs.last_ns = now  # (the request's last token time only: nothing counted)
 
 
 def ablate(cell: Cell, sizes: Sizes, copies: int = COPIES) -> dict[str, float]:

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from outrate.simulate.engine import engine_from_flags
     from outrate.simulate.stepmodel import StepModel
     from outrate.simulate.workload import parse_workload
-    from vllm_integration.simulator import Simulation
+    from vllm_integration.offline.simulator import Simulation
 
     with tempfile.TemporaryDirectory() as tmp:
         policy = Path(tmp) / "policy.yaml"

@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     assert ours is not None
     ratio = ours / stock
 
-    from vllm_integration.compat import vllm_version
+    from vllm_integration.common.versions import vllm_version
 
     print(f"\noutrate gpu_check: vLLM {vllm_version()}, {device_name()}, model {model}")
     print(f"flags: {' '.join(extra) or '(none)'}; logs and traces in {work}")

@@ -61,7 +61,7 @@ CPU_SERVER_ENV: dict[str, str] = {
     # vLLM's engine core busy-waits (sched_yield) for the worker's result;
     # on 2 cores that starved delivery to the API server: the client saw
     # nothing for ~7 s, then every token at once. Sleep 100 us instead
-    # (vllm_integration/cpu_spin.py; applied where the outrate plugin loads).
+    # (vllm_integration/startup/cpu_spin.py; applied where the outrate plugin loads).
     "OUTRATE_SHM_SPIN_SLEEP_US": "100",
 }
 
@@ -80,7 +80,7 @@ def cpu_server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 STOCK_PLUGINS = "outrate_cpu"
 """The one plugin stock vLLM loads here: outrate's CPU platform fixes alone
-(vllm_integration/cpu_amx.py, cpu_spin.py). Without it, vLLM 0.32's CPU
+(vllm_integration/startup/cpu_amx.py, cpu_spin.py). Without it, vLLM 0.32's CPU
 attention dies with SIGILL on its first forward on a CPU with AMX, and stock
 would busy-wait where outrate sleeps (an unfair comparison on 2 cores)."""
 

@@ -124,9 +124,20 @@ def schema_text() -> str:
 )
 def serve(ctx: typer.Context) -> None:
     """Run `vllm serve` in-process with outrate loaded; every argument goes to vLLM."""
-    from vllm_integration.launcher import main as launch  # vLLM only when serving
+    from vllm_integration.startup.launcher import main as launch  # vLLM only when serving
 
     raise typer.Exit(launch(list(ctx.args)))
+
+
+@app.command()
+def doctor() -> None:
+    """Check the installed vLLM before a restart: its version against the tested
+    range, every patch target outrate uses (found, moved, missing, changed), the
+    scheduler's overrides against vLLM's signatures, and the CPU fixes. Exit 1
+    where outrate would not start."""
+    from vllm_integration.startup.doctor import main as run  # vLLM only when asked
+
+    raise typer.Exit(run())
 
 
 @app.command()

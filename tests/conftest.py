@@ -44,7 +44,7 @@ def _no_identity_state_leaks():
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
-    identity = sys.modules.get("vllm_integration.identity")
+    identity = sys.modules.get("vllm_integration.apiserver.identity")
     if identity is not None:
         identity.reset_gate()
 

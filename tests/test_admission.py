@@ -8,10 +8,10 @@ from outrate.budget.limiter import Limiter
 from outrate.observe.metrics import Metrics
 from outrate.policy.compiler import compile_policy
 from outrate.policy.loader import parse_policy
-from vllm_integration.admission import DISPLACE_SCAN, Admission
-from vllm_integration.holdback import Holdback
-from vllm_integration.roster import Roster
-from vllm_integration.state import ATTR, StepScratch
+from vllm_integration.step.admission import DISPLACE_SCAN, Admission
+from vllm_integration.step.holdback import Holdback
+from vllm_integration.step.roster import Roster
+from vllm_integration.step.state import ATTR, StepScratch
 
 POLICY = """\
 version: 1

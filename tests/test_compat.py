@@ -1,4 +1,4 @@
-"""vllm_integration/compat.py: the supported range, the patch index against the
+"""vllm_integration/common/compat.py: the supported range, the patch index against the
 installed vLLM, and what an unsupported or changed vLLM gets.
 
 These run on every vLLM leg (`make test` on 0.32, `make test-vllm033` on 0.33):
@@ -19,29 +19,20 @@ pytest.importorskip("vllm")
 
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
-from vllm_integration import PATCHES, compat, plugin  # noqa: E402
-from vllm_integration.compat import (  # noqa: E402
-    PatchError,
-    check_overrides,
-    is_supported,
-    locate,
-    minor,
-    vllm_version,
-)
-from vllm_integration.scheduler import OutrateMixin  # noqa: E402
+from vllm_integration.common import versions  # noqa: E402
+from vllm_integration.common.compat import PatchError, check_overrides, locate  # noqa: E402
+from vllm_integration.common.patches import PATCHES
+from vllm_integration.common.versions import is_supported, minor, vllm_version  # noqa: E402
+from vllm_integration.startup import plugin  # noqa: E402
+from vllm_integration.step.scheduler import OutrateMixin  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_the_installed_vllm_is_supported() -> None:
     assert is_supported(vllm_version()), vllm_version()
-    assert [is_supported(v) for v in ("0.31.9", "0.32.0", "0.32.4", "0.33.0", "0.34.0")] == [
-        False,
-        True,
-        True,
-        True,
-        False,
-    ]
+    checked = ("0.31.9", "0.32.0", "0.32.4", "0.33.0", "0.34.0", "0.34.2", "0.35.0", "1.0.0")
+    assert [is_supported(v) for v in checked] == [False, True, True, True, True, True, False, False]
 
 
 def test_every_patch_finds_its_target_on_the_installed_vllm() -> None:
@@ -52,7 +43,7 @@ def test_every_patch_finds_its_target_on_the_installed_vllm() -> None:
     for p in rows:
         for owner, attr in locate(p.target):
             assert hasattr(owner, attr)
-    assert all(p.versions and set(p.versions) <= set(compat.SUPPORTED_MINORS) for p in PATCHES)
+    assert all(p.versions and set(p.versions) <= set(versions.SUPPORTED_MINORS) for p in PATCHES)
 
 
 def test_every_scheduler_override_takes_vllms_parameters() -> None:
@@ -67,7 +58,7 @@ def test_a_missing_target_is_an_error_that_names_the_patch(
     with pytest.raises(PatchError) as info:
         locate("_SENSITIVE_ARG_FIELDS")
     said = str(info.value)
-    assert said.startswith("patch '_SENSITIVE_ARG_FIELDS' (plugin.py): vLLM ")
+    assert said.startswith("patch '_SENSITIVE_ARG_FIELDS' (startup/plugin.py): vLLM ")
     assert f"has no {module.__name__}:{name}" in said
 
 
@@ -93,14 +84,14 @@ def test_an_unsupported_vllm_is_left_as_shipped_with_one_warning(
 ) -> None:
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_integration import cpu_amx, cpu_spin
+    from vllm_integration.startup import cpu_amx, cpu_spin
 
     def never(*a: object) -> None:
         raise AssertionError("a CPU fix ran on an unsupported vLLM")
 
     monkeypatch.setattr(plugin, "_registered", False)
     monkeypatch.setattr(plugin, "_warned", False)
-    monkeypatch.setattr(compat, "vllm_version", lambda: "0.35.0")
+    monkeypatch.setattr(versions, "vllm_version", lambda: "0.35.0")
     monkeypatch.setattr(cpu_amx, "enable_amx", never)
     monkeypatch.setattr(cpu_spin, "install_spin_sleep", never)
     monkeypatch.setattr(sys, "argv", ["vllm", "serve", "--model", "m"])
@@ -111,8 +102,9 @@ def test_an_unsupported_vllm_is_left_as_shipped_with_one_warning(
         plugin.register_cpu_fixes()  # the outrate_cpu entry point stays out too
     said = [r.getMessage() for r in caplog.records if r.name == "vllm.outrate"]
     assert said == [
-        "outrate: vLLM 0.35.0 is not supported by outrate (supported: vllm>=0.32,<0.34); "
-        "outrate adds no flags and patches nothing, vLLM runs as shipped"
+        "outrate: vLLM 0.35.0 is not supported by outrate (supported: vllm>=0.32,<0.35); "
+        "outrate adds no flags and patches nothing, vLLM runs as shipped (to run outrate on "
+        "it untested: `outrate doctor`, then OUTRATE_UNTESTED_VLLM=0.35.0)"
     ]
     assert (EngineArgs.__dict__["add_cli_args"], EngineArgs.__dict__["from_cli_args"]) == before
 
@@ -120,9 +112,9 @@ def test_an_unsupported_vllm_is_left_as_shipped_with_one_warning(
 # vLLM's own CLI, in a fresh process, on a vLLM that says it is 0.35.0.
 _CLI = """
 import sys
-from vllm_integration import compat
-compat.vllm_version = lambda: "0.35.0"
-from vllm_integration.launcher import _answer_vllm_version
+from vllm_integration.common import versions
+versions.vllm_version = lambda: "0.35.0"
+from vllm_integration.startup.launcher import _answer_vllm_version
 _answer_vllm_version()
 from vllm.entrypoints.cli.main import main
 sys.argv = ["vllm", "serve", *sys.argv[1:]]
@@ -143,8 +135,9 @@ def test_vllm_serve_on_an_unsupported_vllm(asks_for_outrate: bool) -> None:
     if asks_for_outrate:
         assert done.returncode == 1, done.stderr[-2000:]
         assert done.stderr.strip().splitlines()[-1] == (
-            "outrate: vLLM 0.35.0 is not supported by outrate (supported: vllm>=0.32,<0.34); "
-            "outrate adds no flags and patches nothing, vLLM runs as shipped; "
+            "outrate: vLLM 0.35.0 is not supported by outrate (supported: vllm>=0.32,<0.35); "
+            "outrate adds no flags and patches nothing, vLLM runs as shipped (to run outrate "
+            "on it untested: `outrate doctor`, then OUTRATE_UNTESTED_VLLM=0.35.0); "
             "--outrate-policy cannot be honoured"
         )
         assert "Traceback" not in done.stderr

@@ -1,4 +1,4 @@
-"""vllm_integration/cpu_amx.py: the AMX permission request on vLLM's CPU platform.
+"""vllm_integration/startup/cpu_amx.py: the AMX permission request on vLLM's CPU platform.
 
 The unit tests run on any machine: in a fresh process they read the
 permission back from the kernel (`arch_prctl(ARCH_GET_XCOMP_PERM)`), so on a
@@ -24,8 +24,8 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 
-from vllm_integration import cpu_amx, launcher, plugin  # noqa: E402
-from vllm_integration.cpu_amx import Amx, enable_amx  # noqa: E402
+from vllm_integration.startup import cpu_amx, launcher, plugin  # noqa: E402
+from vllm_integration.startup.cpu_amx import Amx, enable_amx  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -47,7 +47,7 @@ def permitted():
     return bool(mask.value & XTILEDATA)
 import torch
 before = permitted()
-from vllm_integration.cpu_amx import enable_amx
+from vllm_integration.startup.cpu_amx import enable_amx
 found = enable_amx()
 print(json.dumps({"amx": torch.cpu._is_amx_tile_supported(), "before": before,
                   "after": permitted(), "found": found.name}))

@@ -6,8 +6,8 @@ from __future__ import annotations
 from outrate.budget.limiter import Limiter
 from outrate.observe.metrics import Metrics
 from outrate.policy.pipeline import policy_from_flags
-from vllm_integration.holdback import Holdback
-from vllm_integration.state import ATTR, RequestState, UserState
+from vllm_integration.step.holdback import Holdback
+from vllm_integration.step.state import ATTR, RequestState, UserState
 
 S = 1_000_000_000
 

@@ -257,7 +257,7 @@ def test_startup_refuses_every_case_with_its_message(case: str, tmp_path: Path, 
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from vllm_integration import plugin
+    from vllm_integration.startup import plugin
 
     monkeypatch.setenv("OUTRATE_MAX_POLICY_BYTES", str(READ_LIMIT))
     plugin.register()

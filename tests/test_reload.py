@@ -687,8 +687,8 @@ def test_an_in_place_rewrite_of_the_keys_file_never_revokes_every_key(
     `load_checked`, and `authenticate`, which decides each request's 401."""
     from outrate.identity.core import key_digest
     from outrate.identity.gate import authenticate
-    from vllm_integration.config import load_checked
-    from vllm_integration.identity import Gate
+    from vllm_integration.apiserver.identity import Gate
+    from vllm_integration.common.config import load_checked
 
     policy = tmp_path / "policy.yaml"
     keys = tmp_path / "keys.yaml"

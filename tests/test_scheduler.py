@@ -366,7 +366,7 @@ def test_without_a_body_source_the_engine_never_trusts_a_body_claim(kind):
     and so is a signature made with another secret. A reload to body trusts
     claims again from the next request on."""
     from outrate.identity.core import STAMP_KEY, Stamper
-    from vllm_integration.state import ATTR
+    from vllm_integration.step.state import ATTR
 
     text = "version: 1\ndefault: 100\nidentity: {source: header, header: x-user}\n"
     s = make_scheduler(kind, policy(text), FakeClock())

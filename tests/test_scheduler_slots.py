@@ -15,7 +15,7 @@ from vllm_harness import MS, Driver, FakeClock, make_request, make_scheduler  # 
 from outrate.policy.compiler import compile_policy  # noqa: E402
 from outrate.policy.loader import parse_policy  # noqa: E402
 from outrate.policy.pipeline import policy_from_flags  # noqa: E402
-from vllm_integration.scheduler import IDLE_WAIT_MAX_NS  # noqa: E402
+from vllm_integration.step.scheduler import IDLE_WAIT_MAX_NS  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 KINDS = ["sync", "async"]

@@ -10,7 +10,7 @@ import pytest
 from outrate import env
 from outrate.env import Env
 from outrate.errors import OutrateError
-from vllm_integration.settings import EngineSettings
+from vllm_integration.common.settings import EngineSettings
 
 
 def test_engine_settings_travel_as_a_plain_dict_and_come_back_equal():

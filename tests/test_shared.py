@@ -662,8 +662,7 @@ def test_data_parallel_engines_write_their_own_files_and_metrics_merge(tmp_path)
     assert merged["store"]["up"] == 0 and merged["store"]["errors"] == 2
     assert merged["store"]["engines"] == 2
     pytest.importorskip("vllm")
-    from vllm_integration.settings import EngineSettings
-    from vllm_integration.threads import dp_suffix, rank_path
+    from vllm_integration.common.settings import EngineSettings, dp_suffix, rank_path
 
     class PC:
         data_parallel_size = 2

@@ -15,7 +15,7 @@ from outrate.observe.trace import read_trace  # noqa: E402
 from outrate.simulate.engine import EngineSpec, engine_from_flags  # noqa: E402
 from outrate.simulate.stepmodel import StepModel, calibrate  # noqa: E402
 from outrate.simulate.workload import parse_workload  # noqa: E402
-from vllm_integration.simulator import simulate  # noqa: E402
+from vllm_integration.offline.simulator import simulate  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 MODEL = StepModel(fixed_us=2000, per_decode_us=100, per_prefill_us=10)

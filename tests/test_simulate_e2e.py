@@ -31,7 +31,7 @@ from outrate.simulate.engine import engine_from_flags  # noqa: E402
 from outrate.simulate.report import RunResult  # noqa: E402
 from outrate.simulate.stepmodel import StepModel, calibrate  # noqa: E402
 from outrate.simulate.workload import load_workload  # noqa: E402
-from vllm_integration.simulator import simulate  # noqa: E402
+from vllm_integration.offline.simulator import simulate  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 

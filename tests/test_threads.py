@@ -16,8 +16,8 @@ from vllm_harness import MS, Driver, FakeClock, make_request, make_scheduler  # 
 from outrate.observe.metrics import SNAPSHOT_FILE  # noqa: E402
 from outrate.observe.trace import read_trace  # noqa: E402
 from outrate.policy.pipeline import load_compiled  # noqa: E402
-from vllm_integration.settings import EngineSettings  # noqa: E402
-from vllm_integration.threads import start_engine_threads  # noqa: E402
+from vllm_integration.common.settings import EngineSettings  # noqa: E402
+from vllm_integration.enginecore.threads import start_engine_threads  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

@@ -10,6 +10,7 @@ import sys
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +20,13 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from outrate.policy.compiler import CompiledPolicy
-from vllm_integration.scheduler import OutrateAsyncScheduler, OutrateScheduler
+from vllm_integration import enginecore
+from vllm_integration.offline.outputs import model_runner_output
+from vllm_integration.step import OutrateAsyncScheduler, OutrateScheduler
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "examples"))
@@ -121,7 +123,7 @@ def make_scheduler(
             )
         ],
     )
-    sched = cls(
+    sched = (cls if stock else partial(enginecore.build, cls))(
         vllm_config=vc,
         kv_cache_config=kv,
         block_size=BLOCK,
@@ -212,11 +214,7 @@ class Driver:
     def _deliver(self) -> None:
         out, samplers = self._pending.popleft()
         ids = list(out.num_scheduled_tokens)
-        mro = ModelRunnerOutput(
-            req_ids=ids,
-            req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=[[TOKEN] if r in samplers else [] for r in ids],
-        )
+        mro = model_runner_output(ids, [[TOKEN] if r in samplers else [] for r in ids])
         outputs = self.sched.update_from_output(out, mro)
         now = self.clock.now if self.clock is not None else 0
         for eco in outputs.values():

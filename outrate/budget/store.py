@@ -1,6 +1,6 @@
 """The budget store protocol: what the scheduler needs from per-user state.
 
-The scheduler (vllm_integration/scheduler.py) only talks to a `BudgetStore`.
+The scheduler (vllm_integration/step/scheduler.py) only talks to a `BudgetStore`.
 `outrate.budget.limiter.Limiter` is the implementation: in memory for one
 engine, or lent credit by a budget shared between engines
 (outrate.budget.shared.credit.SharedBudget), and the scheduler does not

@@ -2,7 +2,7 @@
 
 Pure functions over what an ASGI server hands over (header pairs as bytes, the
 request body's identity claims), so every rule is unit-tested without a
-server. `vllm_integration/api.py` calls them from its middleware and turns a
+server. `vllm_integration/apiserver/guards.py` calls them from its middleware and turns a
 refusal into vLLM's error response.
 
 Order of checks, so an unauthenticated client learns nothing else:

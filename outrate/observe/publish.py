@@ -38,11 +38,13 @@ def snapshot(
     reloads: dict[str, int] | None = None,
     store: dict[str, Any] | None = None,
     trace_dropped: int | None = None,
+    vllm: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A JSON-able picture of `metrics` (and of the reloader's counts, which
-    live on the reloader, the budget store's, `StoreMetrics.snapshot()`,
-    which live on the lease thread, and the trace writer's dropped lines,
-    with `--outrate-trace`). Safe to call from another thread."""
+        live on the reloader, the budget store's, `StoreMetrics.snapshot()`,
+        which live on the lease thread, and the trace writer's dropped lines,
+        with `--outrate-trace`; and `vllm`, the version the engine runs on and
+    whether outrate is tested on it). Safe to call from another thread."""
     now = time.monotonic_ns() if now is None else now
     labels = {}
     for m in list(metrics.labels.values()):
@@ -68,6 +70,8 @@ def snapshot(
         out["store"] = store
     if trace_dropped is not None:
         out["trace"] = {"dropped": trace_dropped}
+    if vllm is not None:
+        out["vllm"] = vllm
     return out
 
 
@@ -274,6 +278,17 @@ def families(data: dict[str, Any] | None) -> Iterator[Any]:
     policy = data.get("policy", {})
     info.add_metric([policy.get("sha256", ""), policy.get("source", "")], 1)
     yield info
+    vllm = data.get("vllm")
+    if vllm is not None:
+        runs_on = GaugeMetricFamily(
+            "outrate_vllm_info",
+            'The vLLM the engine runs on (value 1); tested="false": newer than the '
+            "releases outrate is tested on, run by opt-in (OUTRATE_UNTESTED_VLLM).",
+            labels=["version", "tested"],
+        )
+        tested = "true" if vllm.get("tested") else "false"
+        runs_on.add_metric([str(vllm.get("version", "")), tested], 1)
+        yield runs_on
     trace = data.get("trace")
     if trace is not None:
         dropped = CounterMetricFamily(

@@ -5,7 +5,7 @@ model and its calibration from a trace (`stepmodel`), the engine flags
 (`engine`), what a run records (`record`) and reports (`report`), the
 figures (`plot`), one question asked once, side by side or as a sweep
 (`study`), and the commands (`commands`). The run itself is vLLM's own
-scheduler with outrate's, on a virtual clock: vllm_integration/simulator.py."""
+scheduler with outrate's, on a virtual clock: vllm_integration/offline/simulator.py."""
 
 from outrate.simulate.engine import EngineSpec, engine_from_flags
 from outrate.simulate.report import RunResult, UserStats

@@ -61,7 +61,7 @@ def _fail(e: OutrateError) -> typer.Exit:
 
 
 def _runner() -> Runner:
-    from vllm_integration.simulator import simulate  # vLLM only when a run starts
+    from vllm_integration.offline.simulator import simulate  # vLLM only when a run starts
 
     return simulate
 

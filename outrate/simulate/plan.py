@@ -1,6 +1,6 @@
 """From a workload to requests, drawn the same way wherever they are sent.
 
-The simulator (vllm_integration/simulator.py) and the player that sends the
+The simulator (vllm_integration/offline/simulator.py) and the player that sends the
 same workload to a real server (examples/workload_player.py) both draw from
 here, so one file and one seed give the same prompts, lengths, think times
 and arrivals on both sides; only what the engine does with them differs.

@@ -1,6 +1,6 @@
 """What a simulated run records, and the figures made from it.
 
-The simulator's loop (vllm_integration/simulator.py) reports events here as
+The simulator's loop (vllm_integration/offline/simulator.py) reports events here as
 they happen on the virtual clock: a request arrives, tokens are sampled, a
 request finishes, a step ran (its length, batch, KV use, who is held). Each
 call is O(1) or O(users), so recording costs little beside the scheduler.

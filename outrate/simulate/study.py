@@ -5,7 +5,7 @@ the compiler the engine uses, so a bad policy fails here, in a blink, before
 vLLM is imported), the engine flags and the step model; the configurations
 to run (one; two with `--compare` or `--compare-flags`; one per value with
 `--sweep`); and rendering the answer. The run is a `Runner` handed in by
-the command (vllm_integration.simulator.simulate): this package never
+the command (vllm_integration.offline.simulator.simulate): this package never
 imports vLLM.
 """
 

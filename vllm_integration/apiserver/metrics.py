@@ -89,7 +89,7 @@ def install_metrics(directory: str | None = None) -> str:
         yield from collector.collect()
 
     multiprocess.MultiProcessCollector.collect = collect  # type: ignore[method-assign]
-    from vllm_integration.compat import owner_of
+    from vllm_integration.common.compat import owner_of
 
     instrumentator = owner_of("get_prometheus_registry")
     stock = getattr(instrumentator, "get_prometheus_registry")  # noqa: B009 - not re-exported

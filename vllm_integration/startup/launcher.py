@@ -52,8 +52,8 @@ def default_spin_sleep(environ: MutableMapping[str, str]) -> bool:
     Set in the environment, not patched: the engine core and the workers are
     spawned with it and apply it where they load the plugin. Plain `vllm serve`
     is not touched: it never runs this."""
-    from vllm_integration.cpu_amx import on_cpu_platform
-    from vllm_integration.cpu_spin import ENV
+    from vllm_integration.startup.cpu_amx import on_cpu_platform
+    from vllm_integration.startup.cpu_spin import ENV
 
     if ENV in environ or not on_cpu_platform():
         return False
@@ -64,7 +64,7 @@ def default_spin_sleep(environ: MutableMapping[str, str]) -> bool:
 def main(argv: list[str]) -> int:
     _answer_vllm_version()
     default_spin_sleep(os.environ)
-    from vllm_integration.plugin import register
+    from vllm_integration.startup.plugin import register
 
     register()
     from vllm.entrypoints.cli.main import main as vllm_main

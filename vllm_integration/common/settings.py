@@ -9,6 +9,7 @@ password and the identity secret go through the environment (outrate.env).
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -61,3 +62,29 @@ class EngineSettings:
 
     def replace(self, **changes: Any) -> EngineSettings:
         return dataclasses.replace(self, **changes)
+
+
+def dp_suffix(vllm_config: Any, settings: EngineSettings | None = None) -> str:
+    """`.dp<rank>` for a data-parallel engine, "" otherwise: each engine core
+    of a data-parallel deployment writes its own trace and metrics file.
+
+    vLLM 0.32 reconfigures each non-MoE data-parallel engine core as an
+    independent engine (`data_parallel_size = 1`) and keeps its rank only in
+    `data_parallel_index`; the size the user asked for comes from the
+    settings (the plugin records it)."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    size = settings.data_parallel_size if settings else getattr(pc, "data_parallel_size", 1)
+    if pc is None or (size or 1) <= 1:
+        return ""
+    rank = getattr(pc, "data_parallel_index", None)
+    if rank is None:
+        rank = getattr(pc, "data_parallel_rank", 0)
+    return f".dp{rank}"
+
+
+def rank_path(path: str, suffix: str) -> str:
+    """`trace.jsonl` -> `trace.dp1.jsonl`."""
+    if not suffix:
+        return path
+    root, ext = os.path.splitext(path)
+    return f"{root}{suffix}{ext}"

@@ -11,7 +11,7 @@ and a wedged engine cannot delay it. The price: an edit is parsed twice (once
 per process). The engine needs the identity section only to know whether to
 trust a body field; the API server's signature (`Stamper`) carries the rest.
 
-How the settings reach the process: `apply_outrate_args` (plugin.py) runs in
+How the settings reach the process: `apply_outrate_args` (startup/plugin.py) runs in
 the process that parses `vllm serve`'s flags; it hands over the policy it
 validated (`configure_gate`) and writes the same settings to `SETTINGS_ENV`,
 so API server processes vLLM spawns (`--api-server-count > 1`) build their
@@ -31,7 +31,7 @@ from outrate.errors import OutrateError
 from outrate.identity.core import BODY, SECRET_ENV, IdentityConfig, Stamper
 from outrate.policy.compiler import CompiledPolicy
 from outrate.policy.reload import Reloader
-from vllm_integration.settings import EngineSettings
+from vllm_integration.common.settings import EngineSettings
 
 SETTINGS_ENV = API_SETTINGS
 """JSON: {"policy": path or null, "reload": mode, "vllm_api_key": bool}."""
@@ -98,7 +98,7 @@ def gate() -> Gate:
 
 
 def _build() -> Gate:
-    from vllm_integration.config import load_checked
+    from vllm_integration.common.config import load_checked
 
     stamper = Stamper.from_env()
     if _handed_over is not None:

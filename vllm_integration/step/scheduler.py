@@ -1,6 +1,6 @@
-"""The rate-limited vLLM V1 scheduler: a thin adapter over vLLM 0.32's
+"""The rate-limited vLLM V1 scheduler: a thin adapter over vLLM's
 `Scheduler` / `AsyncScheduler` (the overridden methods and why are indexed in
-vllm_integration/__init__.py).
+vllm_integration/common/patches.py).
 
 One step, top to bottom (`schedule`): swap in a reloaded policy; release held
 requests whose user's budget returned; displace one held request if every
@@ -14,8 +14,9 @@ running requests outside `running` and wakes them; `Admission`
 (admission.py) defers, displaces and answers a refused charge; `Ledger`
 (ledger.py) counts each token and settles refunds and unspent tokens;
 `StepRecorder` (recorder.py) collects a step's trace line; `StepScratch`
-(state.py) is what one step carries to its end; `wire_engine` (engine.py)
-sets it all up in the engine core, and `swap_policy` applies a reload.
+(state.py) is what one step carries to its end; `wire_engine`
+(vllm_integration/enginecore/wiring.py) sets it all up in the engine core
+once the scheduler is built, and `swap_policy` applies a reload.
 Policy decisions are the core's (`outrate.budget` behind the `BudgetStore`
 protocol).
 
@@ -44,15 +45,13 @@ from outrate.budget.store import BudgetStore
 from outrate.identity.core import Stamper, resolve_identity
 from outrate.observe.metrics import Metrics
 from outrate.policy.compiler import CompiledPolicy
-from vllm_integration.admission import Admission
-from vllm_integration.compat import check_overrides
-from vllm_integration.engine import wire_engine
-from vllm_integration.holdback import Holdback
-from vllm_integration.kv import HeldFirstAllocation
-from vllm_integration.ledger import Ledger
-from vllm_integration.recorder import StepRecorder
-from vllm_integration.roster import Roster
-from vllm_integration.state import ATTR, PolicyBox, RequestState, StepScratch
+from vllm_integration.step.admission import Admission
+from vllm_integration.step.holdback import Holdback
+from vllm_integration.step.kv import HeldFirstAllocation
+from vllm_integration.step.ledger import Ledger
+from vllm_integration.step.recorder import StepRecorder
+from vllm_integration.step.roster import Roster
+from vllm_integration.step.state import ATTR, PolicyBox, RequestState, StepScratch
 
 logger = logging.getLogger("vllm.outrate")  # under vLLM's logger: same format and level
 
@@ -73,14 +72,13 @@ class OutrateMixin:
     waiting: Any
     kv_cache_manager: Any
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._threads = wire_engine(self)  # policy, store, threads: calls outrate_configure
+    outrate_threads: Any = None
+    """The engine threads (reload, metrics, trace, leases) `wire_engine` started:
+    the scheduler stops them with itself."""
 
     def shutdown(self) -> None:
-        threads = getattr(self, "_threads", None)
-        if threads is not None:
-            threads.stop()
+        if self.outrate_threads is not None:
+            self.outrate_threads.stop()
         super().shutdown()  # type: ignore[misc]
 
     def outrate_configure(
@@ -322,15 +320,3 @@ class OutrateScheduler(OutrateMixin, Scheduler):
 
 class OutrateAsyncScheduler(OutrateMixin, AsyncScheduler):
     """Rate-limited async scheduler (used when vLLM enables async scheduling)."""
-
-
-def outrate_scheduler(*args: Any, **kwargs: Any) -> Scheduler:
-    """`--scheduler-cls` target: picks the variant vLLM itself would pick, once
-    this vLLM's scheduler is checked to have every method outrate overrides,
-    with the same parameters (compat.check_overrides)."""
-    check_overrides(OutrateMixin, Scheduler)
-    vllm_config: Any = kwargs.get("vllm_config", args[0] if args else None)
-    cls = (
-        OutrateAsyncScheduler if vllm_config.scheduler_config.async_scheduling else OutrateScheduler
-    )
-    return cls(*args, **kwargs)

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 
 from outrate.budget.store import BudgetStore
 from outrate.observe.metrics import Metrics
-from vllm_integration.recorder import StepRecorder
-from vllm_integration.state import ATTR, RequestState, UserState, is_held
+from vllm_integration.step.recorder import StepRecorder
+from vllm_integration.step.state import ATTR, RequestState, UserState, is_held
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

@@ -6,7 +6,7 @@ From the `EngineSettings` the API server sent:
 - the metrics `Publisher` (`metrics_dir`, set by the plugin in the API
   server, which serves the snapshots on /metrics);
 - the `TraceWriter` (`--outrate-trace`);
-- the store's lease thread (`--outrate-store`, vllm_integration/store.py),
+- the store's lease thread (`--outrate-store`, vllm_integration/enginecore/store.py),
   whose counts go into the metrics snapshot.
 Each writes from its own daemon thread; the scheduler thread only counts.
 """
@@ -14,7 +14,6 @@ Each writes from its own daemon thread; the scheduler thread only counts.
 from __future__ import annotations
 
 import logging
-import os
 from functools import partial
 from typing import Any
 
@@ -22,8 +21,9 @@ from outrate.observe.publish import Publisher, snapshot
 from outrate.observe.trace import DEFAULT_MAX_BYTES, TraceWriter
 from outrate.policy.compiler import CompiledPolicy
 from outrate.policy.reload import Reloader
-from vllm_integration.settings import EngineSettings
-from vllm_integration.store import Store
+from vllm_integration.common.settings import EngineSettings, dp_suffix, rank_path
+from vllm_integration.common.versions import is_supported, vllm_version
+from vllm_integration.enginecore.store import Store
 
 logger = logging.getLogger("vllm.outrate")
 
@@ -41,32 +41,6 @@ class EngineThreads:
                 thread.stop()
 
 
-def dp_suffix(vllm_config: Any, settings: EngineSettings | None = None) -> str:
-    """`.dp<rank>` for a data-parallel engine, "" otherwise: each engine core
-    of a data-parallel deployment writes its own trace and metrics file.
-
-    vLLM 0.32 reconfigures each non-MoE data-parallel engine core as an
-    independent engine (`data_parallel_size = 1`) and keeps its rank only in
-    `data_parallel_index`; the size the user asked for comes from the
-    settings (the plugin records it)."""
-    pc = getattr(vllm_config, "parallel_config", None)
-    size = settings.data_parallel_size if settings else getattr(pc, "data_parallel_size", 1)
-    if pc is None or (size or 1) <= 1:
-        return ""
-    rank = getattr(pc, "data_parallel_index", None)
-    if rank is None:
-        rank = getattr(pc, "data_parallel_rank", 0)
-    return f".dp{rank}"
-
-
-def rank_path(path: str, suffix: str) -> str:
-    """`trace.jsonl` -> `trace.dp1.jsonl`."""
-    if not suffix:
-        return path
-    root, ext = os.path.splitext(path)
-    return f"{root}{suffix}{ext}"
-
-
 def start_engine_threads(
     scheduler: Any, settings: EngineSettings, store: Store | None = None
 ) -> EngineThreads:
@@ -77,7 +51,7 @@ def start_engine_threads(
         threads.store = store
         store.start(lambda: box.current.sha256)  # heartbeats the policy in force
     if settings.reload != "off" and settings.policy is not None:
-        from vllm_integration.config import load_checked
+        from vllm_integration.common.config import load_checked
 
         def publish(new: CompiledPolicy) -> None:
             box.current = new  # read by schedule() at the next step boundary
@@ -104,6 +78,8 @@ def start_engine_threads(
         threads.trace.start()
         logger.info("outrate: writing the token trace to %s", path)
     if settings.metrics_dir:
+        version = vllm_version()
+        vllm = {"version": version, "tested": is_supported(version)}
 
         def take() -> dict[str, Any]:
             reloader = threads.reloader
@@ -113,7 +89,12 @@ def start_engine_threads(
             lease = None if store is None else store.runner.metrics.snapshot()
             dropped = None if threads.trace is None else threads.trace.dropped_total
             return snapshot(
-                scheduler.metrics, box.current, reloads=reloads, store=lease, trace_dropped=dropped
+                scheduler.metrics,
+                box.current,
+                reloads=reloads,
+                store=lease,
+                trace_dropped=dropped,
+                vllm=vllm,
             )
 
         threads.publisher = Publisher(settings.metrics_dir, take, logger=logger, suffix=suffix)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_integration.state import ATTR
+from vllm_integration.step.state import ATTR
 
 
 class StepRecorder:

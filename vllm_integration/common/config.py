@@ -21,9 +21,9 @@ from outrate.identity.core import IdentityConfig
 from outrate.observe.trace import check_trace_path
 from outrate.policy.compiler import CompiledPolicy
 from outrate.policy.pipeline import load_compiled, policy_from_flags
-from vllm_integration.settings import CONFIG_KEY, EngineSettings
+from vllm_integration.common.settings import CONFIG_KEY, EngineSettings, rank_path
 
-SCHEDULER_CLS = "vllm_integration.scheduler.outrate_scheduler"
+SCHEDULER_CLS = "vllm_integration.enginecore.outrate_scheduler"
 
 
 class DeploymentRejected(OutrateError):
@@ -72,8 +72,6 @@ def checked_trace_path(path: str, data_parallel_size: int | None = 1) -> str:
     server before the model loads (`check_trace_path`, which `outrate lint`
     runs on PATH too). With data parallel each rank's file is checked as well
     (`trace.dp0.jsonl`, ...): those are the files the engines write."""
-    from vllm_integration.threads import rank_path
-
     abspath = os.path.abspath(path)
     files = [abspath]
     if data_parallel_size and data_parallel_size > 1:

@@ -105,8 +105,9 @@ def build_scheduler(
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from vllm_integration.scheduler import OutrateAsyncScheduler, OutrateScheduler
-    from vllm_integration.settings import CONFIG_KEY, EngineSettings
+    from vllm_integration.common.settings import CONFIG_KEY, EngineSettings
+    from vllm_integration.enginecore import build
+    from vllm_integration.step import OutrateAsyncScheduler, OutrateScheduler
 
     logging.getLogger("vllm").setLevel(logging.WARNING)
     mc = ModelConfig(
@@ -146,17 +147,16 @@ def build_scheduler(
         kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
     )
-    if policy:
-        cls: Any = OutrateAsyncScheduler if engine.async_scheduling else OutrateScheduler
-    else:
-        cls = AsyncScheduler if engine.async_scheduling else Scheduler
-    return cls(
-        vllm_config=vc,
-        kv_cache_config=kv,
-        block_size=engine.block_size,
-        structured_output_manager=StructuredOutputManager(vc),
-        log_stats=False,
-    )
+    args: dict[str, Any] = {
+        "vllm_config": vc,
+        "kv_cache_config": kv,
+        "block_size": engine.block_size,
+        "structured_output_manager": StructuredOutputManager(vc),
+        "log_stats": False,
+    }
+    if policy:  # built and wired as the engine does (`--scheduler-cls`)
+        return build(OutrateAsyncScheduler if engine.async_scheduling else OutrateScheduler, **args)
+    return (AsyncScheduler if engine.async_scheduling else Scheduler)(**args)
 
 
 class Simulation:
@@ -294,15 +294,11 @@ class Simulation:
 
     def _apply(self, out: Any, samplers: list[str], t: int) -> None:
         """The fabricated model output of `out`, at `t` (its step's end)."""
-        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm_integration.offline.outputs import model_runner_output
 
         ids = list(out.num_scheduled_tokens)
         sampled = set(samplers)
-        mro = ModelRunnerOutput(
-            req_ids=ids,
-            req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=[[TOKEN] if r in sampled else [] for r in ids],
-        )
+        mro = model_runner_output(ids, [[TOKEN] if r in sampled else [] for r in ids])
         outputs = self.sched.update_from_output(out, mro)
         rec = self.rec
         for eco in outputs.values():

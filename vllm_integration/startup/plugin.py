@@ -11,8 +11,8 @@ nothing else. It patches two static/class methods of vLLM's `EngineArgs`:
   (fail fast, with the file:line message), selects the outrate scheduler via
   `scheduler_cls`, and carries the settings to the engine-core process in
   `additional_config["outrate"]`, and adds outrate's identity guard to
-  `--middleware` (vllm_integration/api.py), handing it the policy's
-  `identity:` section (vllm_integration/identity.py).
+  `--middleware` (vllm_integration/apiserver/guards.py), handing it the policy's
+  `identity:` section (vllm_integration/apiserver/identity.py).
 
 And one module global, `_SENSITIVE_ARG_FIELDS` (whose module moved in vLLM
 0.33; `compat.locate` finds it), gains `outrate_store`, so the startup log line of
@@ -44,10 +44,11 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    from vllm_integration.compat import PatchError, is_supported, vllm_version
+    from vllm_integration.common.compat import PatchError
+    from vllm_integration.common.versions import is_supported, vllm_version
 
     version = vllm_version()
-    if not is_supported(version):
+    if not is_supported(version) and not _untested_ok(version):
         _stay_out(version)
         return
     try:
@@ -56,11 +57,31 @@ def register() -> None:
         raise SystemExit(f"outrate: {exc}") from exc
 
 
+def _untested_ok(version: str) -> bool:
+    """A vLLM newer than the tested range runs outrate only when the operator
+    opted in to exactly this version and `outrate doctor` finds every target
+    of the index (the newest tested column) and every scheduler override.
+    Logged at every start, and shown on /metrics (`outrate_vllm_info`)."""
+    from vllm_integration.common.versions import opted_in, untested_message
+
+    if not opted_in(version):
+        return False
+    from vllm_integration.startup.doctor import diagnose, targets_ok
+
+    findings = diagnose()
+    if not targets_ok(findings):
+        bad = "; ".join(f"{f.what}: {f.status}: {f.detail}" for f in findings[1:] if f.fails)
+        logger.warning("outrate: vLLM %s was opted in, but %s", version, bad)
+        return False
+    logger.warning("outrate: %s", untested_message(version))
+    return True
+
+
 def _stay_out(version: str) -> None:
     """An unsupported vLLM runs as shipped: one warning, nothing patched. A
     command line that asks for outrate exits 1 with the reason instead of
     argparse's usage error, since the flags are not there."""
-    from vllm_integration.compat import unsupported_message
+    from vllm_integration.common.versions import unsupported_message
 
     global _warned
     message = unsupported_message(version)
@@ -73,10 +94,10 @@ def _stay_out(version: str) -> None:
 
 
 def _register() -> None:
-    from vllm_integration.compat import owner_of
+    from vllm_integration.common.compat import owner_of
 
     _apply_cpu_fixes()  # the version was checked by register()
-    from vllm_integration.metrics import install_in_spawned_api_server
+    from vllm_integration.apiserver.metrics import install_in_spawned_api_server
 
     install_in_spawned_api_server()  # --api-server-count > 1: /metrics in each of them
     EngineArgs = owner_of("EngineArgs.add_cli_args")  # the class that owns both
@@ -107,18 +128,18 @@ def register_cpu_fixes() -> None:
     vLLM calls this outside any `try`: a failure here is logged, never raised,
     so it cannot take `vllm serve` down.
     """
-    from vllm_integration.compat import is_supported, vllm_version
+    from vllm_integration.common.versions import is_supported, opted_in, vllm_version
 
     version = vllm_version()
-    if not is_supported(version):
+    if not is_supported(version) and not opted_in(version):
         _stay_out(version)
         return
     _apply_cpu_fixes()
 
 
 def _apply_cpu_fixes() -> None:
-    from vllm_integration.cpu_amx import enable_amx
-    from vllm_integration.cpu_spin import install_spin_sleep
+    from vllm_integration.startup.cpu_amx import enable_amx
+    from vllm_integration.startup.cpu_spin import install_spin_sleep
 
     try:
         install_spin_sleep()  # only with OUTRATE_SHM_SPIN_SLEEP_US set (see cpu_spin.py)
@@ -132,7 +153,7 @@ def _redact_store_url() -> None:
     `_SENSITIVE_ARG_FIELDS`: add `outrate_store` there, so the
     store URL (which may carry a password) is printed as `***`. Can go when
     vLLM lets plugins mark their arguments sensitive."""
-    from vllm_integration.compat import locate
+    from vllm_integration.common.compat import locate
 
     [(module, name)] = locate("_SENSITIVE_ARG_FIELDS")  # moved in vLLM 0.33
     fields = getattr(module, name)
@@ -237,7 +258,7 @@ def apply_outrate_args(engine_args: Any, args: argparse.Namespace) -> Any:
     """Turn the outrate flags into engine settings, or exit with the reason."""
     from outrate.errors import OutrateError
     from outrate.identity.core import SECRET_ENV
-    from vllm_integration.config import (
+    from vllm_integration.common.config import (
         SCHEDULER_CLS,
         check_deployment,
         check_exposure,
@@ -246,7 +267,7 @@ def apply_outrate_args(engine_args: Any, args: argparse.Namespace) -> Any:
         exposure_from_args,
         outrate_settings,
     )
-    from vllm_integration.settings import CONFIG_KEY
+    from vllm_integration.common.settings import CONFIG_KEY
 
     try:
         settings = outrate_settings(args)
@@ -264,9 +285,9 @@ def apply_outrate_args(engine_args: Any, args: argparse.Namespace) -> Any:
     except OutrateError as exc:
         raise SystemExit(f"outrate: {exc}") from exc
     engine_args.scheduler_cls = SCHEDULER_CLS
-    from vllm_integration.api import GUARD_MIDDLEWARE, install_request_guards
-    from vllm_integration.identity import configure_gate
-    from vllm_integration.metrics import install_metrics
+    from vllm_integration.apiserver.guards import GUARD_MIDDLEWARE, install_request_guards
+    from vllm_integration.apiserver.identity import configure_gate
+    from vllm_integration.apiserver.metrics import install_metrics
 
     # The API server signs the identity it resolved; the engine core (started
     # after this, inheriting the environment) verifies it. Per start, never logged.

@@ -1,0 +1,2 @@
+"""Away from a served engine: `outrate simulate`'s engine on a virtual clock
+(`simulator`)."""
