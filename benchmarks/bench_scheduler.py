@@ -543,7 +543,7 @@ def isolated(cell: Cell, sizes: Sizes, reps: int = 200) -> tuple[float, float, f
         for q, c in zip(reqs, computed, strict=True):
             hook(q, c, 1)
         if after:
-            sched._after_schedule(scheduled, sched._now)
+            sched._after_schedule(scheduled, sched._now, len(sched.running))
         return clock() - t0
 
     mine, theirs, diff = [], [], []
@@ -597,7 +597,7 @@ def _ablated(sched: Any, name: str) -> None:
     elif name == "bare":
         stock = type(sched).__mro__[2]  # Scheduler / AsyncScheduler, after OutrateMixin
         sched._reserve_prefill_lookahead = types.MethodType(stock._reserve_prefill_lookahead, sched)
-        sched._after_schedule = lambda scheduled, now: None
+        sched._after_schedule = lambda scheduled, now, visited: None
     elif name != "shipped":
         raise ValueError(f"unknown ablation {name!r}")
 

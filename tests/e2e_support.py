@@ -119,9 +119,10 @@ def step_rate(lines: list[dict], user: str | None) -> float:
 def step_intervals(server, user: str, since_ns: int, beside: str | None = None, margin: int = 2):
     """`user`'s steps from the engine's trace: (intervals in ms between its
     consecutive steps, how many scheduler steps between its first and last
-    token did not serve it). With `beside`, only the intervals while `beside`
-    had a request held and did nothing (no charge, hold or release) within
-    `margin` steps: what held requests cost a step."""
+    token did not serve it, the requests stock's loop visited in each of those
+    steps). With `beside`, only the steps while `beside` had a request held
+    and did nothing (no charge, hold or release) within `margin` steps: what
+    held requests cost a step."""
     lines = trace_steps(server, since_ns)
     mine = [r for r in lines if user in r.get("charged", {})]
     skipped = mine[-1]["step"] - mine[0]["step"] + 1 - len(mine) if mine else 0
@@ -138,6 +139,7 @@ def step_intervals(server, user: str, since_ns: int, beside: str | None = None, 
         ):
             busy.update(range(r["step"] - margin, r["step"] + margin + 1))
     intervals = []
+    visited = []
     for a, b in zip(mine, mine[1:], strict=False):
         if b["step"] != a["step"] + 1:
             continue
@@ -145,7 +147,8 @@ def step_intervals(server, user: str, since_ns: int, beside: str | None = None, 
         if beside is not None and not quiet:
             continue
         intervals.append((b["t"] - a["t"]) / 1e6)
-    return intervals, skipped
+        visited.append(b["running"])
+    return intervals, skipped, visited
 
 
 def check_pacing(server, streams, user, limit, since_ns, report):

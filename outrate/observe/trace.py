@@ -48,8 +48,8 @@ FLUSH_INTERVAL_S = 0.1
 MAX_PENDING = 200_000
 
 Counts = dict[str, int]
-Step = tuple[int, int, Counts, Counts, Counts, Counts, Counts]
-"""(t, step, charged, refunded, held, released, over)."""
+Step = tuple[int, int, int, Counts, Counts, Counts, Counts, Counts]
+"""(t, step, running, charged, refunded, held, released, over)."""
 
 _KEYS = ("charged", "refunded", "held", "released", "over")
 
@@ -291,8 +291,8 @@ class TraceWriter:
 def _format(entry: Step | dict[str, Any]) -> str:
     if isinstance(entry, dict):
         return json.dumps(entry, separators=(",", ":"))
-    t, step, *maps = entry
-    out: dict[str, Any] = {"t": t, "step": step}
+    t, step, running, *maps = entry
+    out: dict[str, Any] = {"t": t, "step": step, "running": running}
     for key, value in zip(_KEYS, maps, strict=True):
         if value:
             out[key] = value

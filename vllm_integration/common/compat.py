@@ -82,8 +82,9 @@ def check_overrides(mixin: type, base: type) -> None:
             continue  # a method of outrate's own
         if _parameters(ours) != _parameters(stock):
             raise PatchError(
-                f"patch {patch_name!r} (step/scheduler.py): vLLM {version}'s {base.__name__}.{name} "
-                f"takes {_parameters(stock)}, outrate's override {_parameters(ours)}"
+                f"patch {patch_name!r} (step/scheduler.py): vLLM {version}'s "
+                f"{base.__name__}.{name} takes {_parameters(stock)}, "
+                f"outrate's override {_parameters(ours)}"
             )
 
 

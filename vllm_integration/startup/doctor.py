@@ -24,9 +24,9 @@ import sys
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from vllm_integration.common import versions
 from vllm_integration.common.compat import PatchError, check_overrides, resolve
 from vllm_integration.common.patches import PATCHES, Patch
-from vllm_integration.common import versions
 from vllm_integration.common.versions import UNTESTED_ENV
 
 
@@ -48,14 +48,14 @@ def version_finding(version: str, environ: Mapping[str, str]) -> Finding:
             return Finding(
                 f"vLLM {version}",
                 "untested",
-                f"newer than vllm{versions.SUPPORTED}; {UNTESTED_ENV}={version} is set: outrate runs "
-                "on it if every row below is ok",
+                f"newer than vllm{versions.SUPPORTED}; {UNTESTED_ENV}={version} is set: "
+                "outrate runs on it if every row below is ok",
             )
         return Finding(
             f"vLLM {version}",
             "unsupported",
-            f"newer than vllm{versions.SUPPORTED}: outrate stays out (vLLM runs as shipped); if every "
-            f"row below is ok, {UNTESTED_ENV}={version} runs outrate on it untested",
+            f"newer than vllm{versions.SUPPORTED}: outrate stays out (vLLM runs as shipped); "
+            f"if every row below is ok, {UNTESTED_ENV}={version} runs outrate on it untested",
         )
     return Finding(f"vLLM {version}", "unsupported", f"outrate supports vllm{versions.SUPPORTED}")
 

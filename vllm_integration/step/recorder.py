@@ -36,10 +36,16 @@ class StepRecorder:
         self.trace.event(now, **fields)
 
     def write(
-        self, scheduled: dict[str, int], requests: dict[str, Any], step: int, now: int
+        self,
+        scheduled: dict[str, int],
+        requests: dict[str, Any],
+        step: int,
+        now: int,
+        running: int,
     ) -> None:
-        """The step's line: per user id, tokens charged this step (gross),
-        refunded and shadow over-limit; held and released. O(requests
+        """The step's line: the requests stock's loop visited (`running`: held
+        ones are not among them); per user id, tokens charged this step
+        (gross), refunded and shadow over-limit; held and released. O(requests
         scheduled). Steps where nothing happened write nothing."""
         charged: dict[str, int] = {}
         over: dict[str, int] = {}
@@ -56,5 +62,5 @@ class StepRecorder:
             charged[key] = charged.get(key, 0) + n
         held, released = self.held_by, self.released_by
         if charged or held or released:  # (the writer keeps the dicts: new ones after)
-            self.trace.step((now, step, charged, refunded, held, released, over))
+            self.trace.step((now, step, running, charged, refunded, held, released, over))
             self.held_by, self.released_by, self.refunded_by = {}, {}, {}

@@ -266,14 +266,15 @@ class OutrateMixin:
         # Held requests keep resident slots: admission needs
         # running + held < max_num_seqs and running < max_num_active_seqs.
         self.max_num_active_reqs = min(self._cfg_active, self.max_num_running_reqs - len(holdback))
+        visited = len(self.running)  # what stock's running loop walks: no held request
         try:
             out = super().schedule(throttle_prefills)  # type: ignore[misc]
         finally:
             self.max_num_active_reqs = self._cfg_active
-        self._after_schedule(out.num_scheduled_tokens, now)
+        self._after_schedule(out.num_scheduled_tokens, now, visited)
         return out
 
-    def _after_schedule(self, scheduled: dict[str, int], now: int) -> None:
+    def _after_schedule(self, scheduled: dict[str, int], now: int, visited: int) -> None:
         st = self._st
         self.ledger.refund_missed(st, scheduled, self._step, now)  # charged, not scheduled
         if st.stash:  # held victims of a KV allocation (kv.py): back at the front
@@ -290,7 +291,7 @@ class OutrateMixin:
             self.holdback.arm_touched(st.touched, now)
         self.ledger.fold(st, now)
         if self.recorder is not None:
-            self.recorder.write(scheduled, self.requests, self._step, now)
+            self.recorder.write(scheduled, self.requests, self._step, now, visited)
         self.limiter.cleanup(now, 4)
 
     def _displace(self, now: int) -> None:
