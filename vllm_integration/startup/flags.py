@@ -15,7 +15,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-OUTRATE = Path(__file__).resolve().parent.parent / "outrate" / "check"
+OUTRATE = Path(__file__).resolve().parents[2] / "outrate" / "check"
 
 
 def target() -> Path:
