@@ -43,8 +43,9 @@ import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from outrate.budget.shared.nodes import Part, open_nodes, sha1
+from outrate.budget.shared.nodes import Part, sha1
 from outrate.budget.shared.scripts import HEARTBEAT_SCRIPT, LEASE_SCRIPT
+from outrate.budget.shared.topology import open_nodes
 from outrate.budget.shared.url import PASSWORD_ENV as PASSWORD_ENV  # (re-exported)
 from outrate.budget.shared.url import check_url as check_url
 from outrate.budget.shared.url import redact_url as redact_url

@@ -1,5 +1,6 @@
-"""Where the lease thread's commands go (`open_nodes`): one Redis server, the
-primary its Sentinels name, or the shards of a Redis Cluster.
+"""Where the lease thread's commands go: one Redis server, the primary its
+Sentinels name, or the shards of a Redis Cluster (which of the three a URL
+names: outrate.budget.shared.topology.open_nodes).
 
 - `Server` (redis://, rediss://, unix://): redis-py's client, one connection.
 - `Sentinels` (redis+sentinel://): redis-py's Sentinel client. It asks the
@@ -32,7 +33,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from outrate.budget.shared.url import parse_nodes, split_password
+from outrate.budget.shared.url import split_password
 
 MAX_FOLLOWS = 3
 """Redirects and script loads followed in one send before a part fails."""
@@ -271,35 +272,3 @@ class Server(Nodes):
 
     def close(self) -> None:
         self.client.close()
-
-
-def open_nodes(
-    url: str,
-    password: str | None,
-    timeout_s: float,
-    scripts: Sequence[str],
-    slots: Sequence[int],
-) -> Nodes:
-    """The nodes behind a store URL (`url`'s own password first). Timeouts
-    are short and no client retries on its own: a failed round trip is
-    retried by the next lease round."""
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-
-    kw: dict[str, Any] = {
-        "socket_timeout": timeout_s,
-        "socket_connect_timeout": timeout_s,
-        "retry": Retry(NoBackoff(), 0),
-        "health_check_interval": 0,
-    }
-    spec = parse_nodes(url)
-    if spec is None:
-        return Server(url, password, kw, scripts)
-    password = spec.password or password
-    if spec.kind == "sentinel":
-        from outrate.budget.shared.sentinel import Sentinels
-
-        return Sentinels(spec, password, kw, scripts)
-    from outrate.budget.shared.cluster import Shards
-
-    return Shards(spec, password, kw, scripts, slots)
