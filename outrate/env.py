@@ -19,6 +19,9 @@ IDENTITY_SECRET = "OUTRATE_IDENTITY_SECRET"
 """Per start, made by the API server: the key it signs resolved identities with."""
 STORE_PASSWORD = "OUTRATE_STORE_PASSWORD"
 """The budget store's password (from the URL, moved out of vLLM's config, or set by hand)."""
+STORE_SSL_PASSWORD = "OUTRATE_STORE_SSL_PASSWORD"
+"""The password of the store's TLS private key (`?ssl_password=` in a `rediss://` URL,
+moved out of vLLM's config like the store's password, or set by hand)."""
 API_SETTINGS = "OUTRATE_API_SETTINGS"
 """The identity settings for API servers started after the flags were parsed (JSON)."""
 METRICS_DIR = "OUTRATE_METRICS_DIR"
@@ -37,6 +40,7 @@ class Env:
     metrics_dir: str = ""
     max_policy_bytes: str = ""
     shm_spin_sleep_us: str | None = None
+    store_ssl_password: str = ""
 
     @classmethod
     def read(cls, environ: Mapping[str, str] | None = None) -> Env:
@@ -45,6 +49,7 @@ class Env:
         return cls(
             identity_secret=e.get(IDENTITY_SECRET, ""),
             store_password=e.get(STORE_PASSWORD, ""),
+            store_ssl_password=e.get(STORE_SSL_PASSWORD, ""),
             api_settings=e.get(API_SETTINGS),
             metrics_dir=e.get(METRICS_DIR, ""),
             max_policy_bytes=e.get(MAX_POLICY_BYTES, ""),

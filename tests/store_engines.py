@@ -41,7 +41,7 @@ class Recorder:
 
     def tokens(self, user: str, since: int = 0, until: int | None = None) -> list[tuple[int, int]]:
         out = []
-        for t, _, charged, refunded, *_ in self.steps:
+        for t, _, _, charged, refunded, *_ in self.steps:  # (time, step, running, ...)
             n = charged.get(user, 0) - refunded.get(user, 0)
             if n and t >= since and (until is None or t < until):
                 out.append((t, n))
@@ -54,7 +54,7 @@ class Engine:
     def __init__(self, kind: str, url: str, name: str, **runner_kw: Any) -> None:
         pol = compile_policy(parse_policy(POLICY, "t.yaml"), "t.yaml", "sha-t")
         self.sched = make_scheduler(kind)
-        fallback = runner_kw.pop("fallback", "share")
+        fallback = runner_kw.pop("fallback", "local")
         self.budget = SharedBudget(fallback=fallback)
         self.limiter = Limiter(pol, lender=self.budget)
         self.sched.outrate_configure(pol, limiter=self.limiter)  # CLOCK_MONOTONIC

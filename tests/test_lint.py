@@ -127,6 +127,23 @@ def test_data_parallel_is_fine_with_a_store() -> None:
     (or115,) = [f for f in lint_deployment(full) if f.code == "OR115"]
     assert or115.severity == "warning" and or115.location == "--outrate-store-fallback"
     assert "up to N times its rate" in or115.message
+    # The default fallback (local) at a cold start: N = 1 unless told.
+    store = ["--outrate-store", "redis://h/0"]
+    (or116,) = [f for f in lint_deployment(deployment_from_args(store)) if f.code == "OR116"]
+    assert or116.location == "--outrate-store"
+    assert "Pass --outrate-store-engines K" in or116.message
+    for told in (
+        ["--outrate-store-engines", "3"],
+        ["-dp", "2"],
+        ["--outrate-store-fallback", "pause"],
+    ):
+        assert "OR116" not in {f.code for f in lint_deployment(deployment_from_args(store + told))}
+    old = deployment_from_args([*store, "--outrate-store-fallback", "share"])
+    (or117,) = [f for f in lint_deployment(old) if f.code == "OR117"]
+    assert "old name of 'pause'" in or117.message and "OR116" not in str(lint_deployment(old))
+    with pytest.raises(DeploymentError, match="must be one of local, pause, full, got 'nope'"):
+        deployment_from_args([*store, "--outrate-store-fallback", "nope"])
+    assert deployment_from_args([*store, "--outrate-store-hold-s", "7.5"]).store_hold_s == 7.5
     # The store URL (and its password) never appears in a finding.
     assert all("pw" not in str(f) for f in lint_deployment(dep))
     with pytest.raises(DeploymentError, match="--outrate-store: .*must be a redis://") as exc:

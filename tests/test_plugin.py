@@ -41,9 +41,22 @@ def test_flags_are_listed_in_vllm_help(parser):
         "--user-output-tokens-per-second",
         "--outrate-store",
         "--outrate-store-fallback",
+        "--outrate-store-hold-s",
+        "--outrate-store-engines",
         "--outrate-store-lease-ms",
     ):
         assert flag in text
+    # The three fallback modes side by side, each with its bound and what users see.
+    action = parser._option_string_actions["--outrate-store-fallback"]
+    assert action.metavar == "{local,pause,full}"  # (share still parses: the old name)
+    help_ = action.help
+    for said in (
+        "local (default): rate/N on each engine",
+        "(1 + 1/N) x rate while one is cut off past the hold",
+        "pause: the same for the hold, then limited users get no tokens",
+        "full: the full rate on each engine; up to N x rate in total",
+    ):
+        assert said in help_, said
 
 
 def test_without_outrate_flags_vllm_is_untouched(parser):
@@ -101,6 +114,44 @@ def test_store_flags_travel_without_the_password(parser, monkeypatch, caplog, ur
     }
 
 
+def test_store_fallback_hold_and_engines_travel_and_share_is_pause(parser, monkeypatch, caplog):
+    """The default is local; the hold and the engines expected travel; the
+    TLS key's password leaves the URL like the password; `share`, the old
+    name of pause, still works and says so."""
+    import os
+
+    from outrate.budget.shared.url import SSL_PASSWORD_ENV
+
+    monkeypatch.delenv(SSL_PASSWORD_ENV, raising=False)
+    store = ["--outrate-policy", "policies/demo.yaml", "--outrate-store"]
+    ea = engine_args(parser, *store, "rediss://h:6379/0?ssl_password=k%33y&ssl_cert_reqs=none")
+    settings = ea.additional_config[CONFIG_KEY]
+    assert settings["store_fallback"] == "local"
+    assert settings["store"] == "rediss://h:6379/0?ssl_cert_reqs=none"
+    assert os.environ[SSL_PASSWORD_ENV] == "k3y" and "k3y" not in repr(ea.additional_config)
+    ea = engine_args(
+        parser,
+        *store,
+        "redis://h:6379/0",
+        "--outrate-store-hold-s",
+        "12.5",
+        "--outrate-store-engines",
+        "4",
+        "--outrate-store-fallback",
+        "share",
+    )
+    settings = ea.additional_config[CONFIG_KEY]
+    assert settings["store_fallback"] == "pause"
+    assert settings["store_hold_s"] == 12.5 and settings["store_engines"] == 4
+    assert "--outrate-store-fallback share is deprecated: it is now called 'pause'" in caplog.text
+    for bad, said in (
+        (["--outrate-store-hold-s", "0"], "--outrate-store-hold-s must be in 1..3600, got 0"),
+        (["--outrate-store-engines", "0"], "--outrate-store-engines must be in 1..4096, got 0"),
+    ):
+        with pytest.raises(SystemExit, match=said):
+            engine_args(parser, *store, "redis://h:6379/0", *bad)
+
+
 def test_seed_flags_make_an_in_memory_policy(parser):
     ea = engine_args(
         parser,
@@ -143,6 +194,10 @@ def test_seed_flags_make_an_in_memory_policy(parser):
         ),
         (
             ["--outrate-policy", "policies/demo.yaml", "--outrate-store-fallback", "full"],
+            "need --outrate-store",
+        ),
+        (
+            ["--outrate-policy", "policies/demo.yaml", "--outrate-store-hold-s", "5"],
             "need --outrate-store",
         ),
         (

@@ -46,10 +46,11 @@ def test_env_reads_each_variable_by_its_one_name():
         env.METRICS_DIR: "12:/tmp/x",
         env.MAX_POLICY_BYTES: "100",
         env.SHM_SPIN_SLEEP_US: "0",
+        env.STORE_SSL_PASSWORD: "kpw",
         "OUTRATE_SOMETHING_ELSE": "ignored",
     }
     e = Env.read(environ)
-    assert e == Env("ab" * 16, "pw", "{}", "12:/tmp/x", "100", "0")
+    assert e == Env("ab" * 16, "pw", "{}", "12:/tmp/x", "100", "0", "kpw")
     assert Env.read({}) == Env()  # unset: the readers' defaults apply
     names = [v for k, v in vars(env).items() if k.isupper()]
-    assert all(n.startswith("OUTRATE_") for n in names) and len(set(names)) == len(names) == 6
+    assert all(n.startswith("OUTRATE_") for n in names) and len(set(names)) == len(names) == 7

@@ -63,7 +63,12 @@ class Deployment:
     store: bool = False
     """`--outrate-store` given: budgets are shared between engines."""
     store_fallback: str | None = None
-    """`--outrate-store-fallback` (`share` when unset)."""
+    """`--outrate-store-fallback` as given (`local` when unset; `share` is
+    the deprecated name of `pause`)."""
+    store_engines: int | None = None
+    """`--outrate-store-engines`: engines expected to share the store."""
+    store_hold_s: float | None = None
+    """`--outrate-store-hold-s` (30 when unset)."""
     trace: str | None = None
     """`--outrate-trace`, absolute, checked like the server checks it."""
     model_kind: str | None = None

@@ -29,6 +29,9 @@ Codes are stable (tools and CI filter on them); never renumber, only add:
 - OR114 error    identity source api_key together with vLLM's own --api-key
 - OR115 warning  --outrate-store-fallback full: N engines may give N x the rate while
                  the store is down
+- OR116 warning  --outrate-store without --outrate-store-engines (and no data parallel):
+                 an engine started while the store is unreachable enforces the full rate
+- OR117 warning  --outrate-store-fallback share: the deprecated name of pause
 """
 
 from __future__ import annotations

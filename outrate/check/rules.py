@@ -183,7 +183,39 @@ DEPLOYMENT_RULES: tuple[DeploymentRule, ...] = (
         lambda d: (
             "--outrate-store-fallback full: while the budget store is unreachable every "
             "engine enforces each user's full rate, so with N engines a user may get up "
-            "to N times its rate; the default 'share' enforces rate/N on each"
+            "to N times its rate; the default 'local' enforces rate/N on each"
+        ),
+    ),
+    DeploymentRule(
+        "OR116",
+        "warning",
+        "store",
+        lambda d: (
+            bool(d.store)
+            and d.store_fallback != "full"
+            and d.store_fallback not in ("pause", "share")
+            and d.store_engines is None
+            and d.data_parallel_size <= 1
+        ),
+        lambda d: (
+            "--outrate-store without --outrate-store-engines: an engine that starts while "
+            "the store is unreachable does not know how many engines share it, so it "
+            "enforces each user's full rate (N = 1) until the store answers; K replicas "
+            "started during an outage may give a user up to K times its rate. Pass "
+            "--outrate-store-engines K (the engines expected to share the store)"
+        ),
+    ),
+    DeploymentRule(
+        "OR117",
+        "warning",
+        "store_fallback",
+        lambda d: bool(d.store) and d.store_fallback == "share",
+        lambda d: (
+            "--outrate-store-fallback share is the old name of 'pause': limited users get "
+            "no tokens once an outage outlasts the hold (--outrate-store-hold-s, 30 s by "
+            "default), and none on an engine that starts while the store is unreachable. "
+            "Write 'pause' to keep that; the default, 'local', keeps serving them at rate/N "
+            "for the whole outage"
         ),
     ),
 )

@@ -83,6 +83,24 @@ def _aux(value: Any) -> bool:
     return isinstance(data, dict) and bool(data.get("enable_return_routed_experts"))
 
 
+def _fallback(value: Any) -> str:
+    """`--outrate-store-fallback MODE`: refused where the server refuses it;
+    kept as given (an old name is reported: OR117)."""
+    from outrate.budget.shared.credit import fallback_named
+
+    fallback_named(str(value))
+    return str(value)
+
+
+def _float(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number (got {value!r})")
+    try:
+        return float(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"expected a number (got {value!r})") from e
+
+
 def _str(value: Any) -> str | None:
     return None if value is None else str(value)
 
@@ -166,7 +184,9 @@ _FLAGS: dict[str, _Flag] = {
     "uds": _Flag("uds", _str),
     "api-key": _Flag("api_key", _api_key),
     "outrate-store": _Flag("store", _store_url),
-    "outrate-store-fallback": _Flag("store_fallback", _str),
+    "outrate-store-fallback": _Flag("store_fallback", _fallback),
+    "outrate-store-engines": _Flag("store_engines", _int),
+    "outrate-store-hold-s": _Flag("store_hold_s", _float),
     "outrate-trace": _Flag("trace", _trace_path),
 }
 _SHORT = {

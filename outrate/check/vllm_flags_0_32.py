@@ -118,15 +118,15 @@ ONE_VALUE = frozenset(
     --moe-backend --nnodes --node-rank --num-gpu-blocks-override --offload-backend
     --offload-group-size --offload-num-in-group --offload-prefetch-step --optimization-level
     --otlp-traces-endpoint --outrate-policy --outrate-reload --outrate-store
-    --outrate-store-fallback --outrate-store-lease-ms --outrate-trace
-    --outrate-trace-max-bytes --override-generation-config --per-request-spec-decode-metrics
-    --performance-mode --pipeline-parallel-size --pooler-config --port
-    --prefill-context-parallel-size --prefill-schedule-interval
-    --prefix-cache-retention-interval --prefix-caching-hash-algo --prefix-match-unit
-    --profiler-config --pt-load-map-location --quantization --quantization-config
-    --reasoning-config --reasoning-parser --reasoning-parser-plugin --renderer-num-workers
-    --replayssm-buffer-len --response-role --revision --root-path --runner
-    --safetensors-load-strategy --safetensors-prefetch-block-size
+    --outrate-store-engines --outrate-store-fallback --outrate-store-hold-s
+    --outrate-store-lease-ms --outrate-trace --outrate-trace-max-bytes
+    --override-generation-config --per-request-spec-decode-metrics --performance-mode
+    --pipeline-parallel-size --pooler-config --port --prefill-context-parallel-size
+    --prefill-schedule-interval --prefix-cache-retention-interval --prefix-caching-hash-algo
+    --prefix-match-unit --profiler-config --pt-load-map-location --quantization
+    --quantization-config --reasoning-config --reasoning-parser --reasoning-parser-plugin
+    --renderer-num-workers --replayssm-buffer-len --response-role --revision --root-path
+    --runner --safetensors-load-strategy --safetensors-prefetch-block-size
     --safetensors-prefetch-num-threads --scheduler-cls --scheduling-policy --seed
     --show-hidden-metrics-for-version --shutdown-timeout --sparse-indexer-topk-backend
     --spec-method --spec-model --spec-tokens --speculative-config --sse-keep-alive-interval

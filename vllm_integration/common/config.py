@@ -8,12 +8,14 @@ fail fast with a readable message, the engine on the final config.
 
 from __future__ import annotations
 
+import logging
 import os
 from types import MappingProxyType
 from typing import Any
 
-from outrate.budget.shared.credit import FALLBACKS
+from outrate.budget.shared.credit import fallback_named
 from outrate.budget.shared.lease import PASSWORD_ENV, check_url, split_password
+from outrate.budget.shared.url import SSL_PASSWORD_ENV, split_ssl_password
 from outrate.check.deployment import Deployment
 from outrate.check.rules import API_KEY_CONFLICT, Finding, lint_deployment, lint_exposure
 from outrate.errors import OutrateError, PolicyError, Problem
@@ -22,6 +24,8 @@ from outrate.observe.trace import check_trace_path
 from outrate.policy.compiler import CompiledPolicy
 from outrate.policy.pipeline import load_compiled, policy_from_flags
 from vllm_integration.common.settings import CONFIG_KEY, EngineSettings, rank_path
+
+logger = logging.getLogger("vllm.outrate")
 
 SCHEDULER_CLS = "vllm_integration.enginecore.outrate_scheduler"
 
@@ -85,32 +89,48 @@ def checked_trace_path(path: str, data_parallel_size: int | None = 1) -> str:
 
 
 def store_settings(args: Any) -> dict[str, Any]:
-    """`--outrate-store` and friends. The URL's password never goes into the
-    settings (they travel inside vLLM's config, which vLLM hashes and may
-    print): it moves to the environment variable the engine core inherits."""
+    """`--outrate-store` and friends. The URL's password (and its TLS key's
+    `ssl_password`) never goes into the settings (they travel inside vLLM's
+    config, which vLLM hashes and may print): each moves to the environment
+    variable the engine core inherits."""
     url = getattr(args, "outrate_store", None)
-    fallback = getattr(args, "outrate_store_fallback", None) or "share"
+    given = getattr(args, "outrate_store_fallback", None)
     lease_ms = getattr(args, "outrate_store_lease_ms", None)
+    hold_s = getattr(args, "outrate_store_hold_s", None)
+    engines = getattr(args, "outrate_store_engines", None)
     if not url:
-        if getattr(args, "outrate_store_fallback", None) or lease_ms is not None:
+        if given or lease_ms is not None or hold_s is not None or engines is not None:
             raise OutrateError(
-                "--outrate-store-fallback and --outrate-store-lease-ms need --outrate-store"
+                "--outrate-store-fallback, --outrate-store-lease-ms, --outrate-store-hold-s "
+                "and --outrate-store-engines need --outrate-store"
             )
         return {}
     try:
         check_url(url)
+        fallback, deprecated = fallback_named(given)
     except ValueError as e:
-        raise OutrateError(str(e)) from e
-    if fallback not in FALLBACKS:
-        raise OutrateError(f"--outrate-store-fallback must be one of {', '.join(FALLBACKS)}")
+        raise OutrateError(f"--outrate-store{'-fallback' if given else ''} {e}") from e
+    if deprecated:
+        logger.warning("outrate: %s", deprecated)
     bare, password = split_password(url)
     if password is not None:
         os.environ[PASSWORD_ENV] = password  # inherited by the engine-core process
+    bare, ssl_password = split_ssl_password(bare)
+    if ssl_password is not None:
+        os.environ[SSL_PASSWORD_ENV] = ssl_password  # (the same way)
     out: dict[str, Any] = {"store": bare, "store_fallback": fallback}
     if lease_ms is not None:
         if not 1 <= lease_ms <= 1000:
             raise OutrateError(f"--outrate-store-lease-ms must be in 1..1000, got {lease_ms}")
         out["store_lease_ms"] = lease_ms
+    if hold_s is not None:
+        if not 1 <= hold_s <= 3600:
+            raise OutrateError(f"--outrate-store-hold-s must be in 1..3600, got {hold_s:g}")
+        out["store_hold_s"] = float(hold_s)
+    if engines is not None:
+        if not 1 <= engines <= 4096:
+            raise OutrateError(f"--outrate-store-engines must be in 1..4096, got {engines}")
+        out["store_engines"] = engines
     return out
 
 
@@ -233,6 +253,8 @@ def deployment_from_engine_args(ea: Any, settings: EngineSettings | None = None)
     return Deployment(
         store=store,
         store_fallback=settings.store_fallback if settings is not None and store else None,
+        store_engines=settings.store_engines if settings is not None else None,
+        store_hold_s=settings.store_hold_s if settings is not None else None,
         speculative=bool(ea.speculative_config),
         data_parallel_size=ea.data_parallel_size or 1,
         pipeline_parallel_size=ea.pipeline_parallel_size or 1,
@@ -274,6 +296,8 @@ def deployment_from_vllm_config(vc: Any, settings: EngineSettings | None = None)
     return Deployment(
         store=bool(settings.store),
         store_fallback=settings.store_fallback if settings.store else None,
+        store_engines=settings.store_engines,
+        store_hold_s=settings.store_hold_s,
         speculative=vc.speculative_config is not None,
         # vLLM resets it to 1 in each non-MoE data-parallel engine core; the
         # plugin recorded the size asked for.

@@ -35,8 +35,13 @@ class EngineSettings:
     trace_max_bytes: int | None = None
     store: str | None = None
     """`--outrate-store` without its password."""
-    store_fallback: str = "share"
+    store_fallback: str = "local"
+    """`--outrate-store-fallback`, its current name (outrate.budget.shared.credit.FALLBACKS)."""
     store_lease_ms: int | None = None
+    store_hold_s: float | None = None
+    """`--outrate-store-hold-s` (None: outrate.budget.shared.peers.HOLD_S)."""
+    store_engines: int | None = None
+    """`--outrate-store-engines`: what an engine that never reached its store divides by."""
     data_parallel_size: int = 1
     """As asked for: vLLM resets it to 1 in each non-MoE data-parallel engine core."""
     metrics_dir: str | None = None

@@ -168,6 +168,8 @@ OUTRATE_FLAGS = (
     "--outrate-trace-max-bytes",
     "--outrate-store",
     "--outrate-store-fallback",
+    "--outrate-store-hold-s",
+    "--outrate-store-engines",
     "--outrate-store-lease-ms",
     "--default-user-output-tokens-per-second",
     "--user-output-tokens-per-second",
@@ -224,13 +226,39 @@ def add_outrate_args(parser: Any) -> None:
     )
     group.add_argument(
         "--outrate-store-fallback",
-        choices=["share", "full"],
+        choices=["local", "pause", "full", "share"],
         default=None,
-        help="While the store is lost each engine enforces rate/N (share, the default; "
-        "N = engines when it was last seen) for up to 30 s, then its limited users wait "
-        "for the store, as they do when it was never reached; or the full rate (full). "
-        "A store that refuses the engine at start (a wrong password) stops the start, "
-        "unless full.",
+        metavar="{local,pause,full}",
+        help="What each engine enforces while the store is unreachable (N: the engines it "
+        "last counted, or --outrate-store-engines if it never reached the store; B: the "
+        "bound (W + burst) x rate + 1 of one engine). "
+        "local (default): rate/N on each engine, at most each user's last share, for as "
+        "long as the outage lasts; users see tokens at rate/N on each engine; across "
+        "engines at most B + N while every engine is cut off, at most (1 + 1/N) x rate "
+        "while one is cut off past the hold. "
+        "pause: the same for the hold, then limited users get no tokens (held, never cut) "
+        "until the store answers, and at once on an engine that never reached it; at most "
+        "B + N in every fault. "
+        "full: the full rate on each engine; up to N x rate in total. "
+        "('share' is the old name of pause.) A store that refuses the engine at start (a "
+        "wrong password) stops the start, unless full.",
+    )
+    group.add_argument(
+        "--outrate-store-hold-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="How long the other engines keep the part of an engine that stopped "
+        "heartbeating (and, with pause, how long it serves before its limited users wait): "
+        "default 30. Use the same value on every engine (a mismatch is logged and reported).",
+    )
+    group.add_argument(
+        "--outrate-store-engines",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Engines expected to share the store: what an engine that starts while the "
+        "store is unreachable divides each rate by (default: --data-parallel-size, else 1).",
     )
     group.add_argument(
         "--outrate-store-lease-ms",

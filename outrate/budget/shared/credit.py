@@ -30,8 +30,10 @@ The local limit is the policy's rate times this engine's share of the
 user's demand (its live requests over every engine's, as Redis last
 reported), so engines pace a user fairly. Without the store the scheduler
 keeps going on local GCRA alone, at `rate / N` per engine (N: engines
-when the store went away), at most its last share, or at the full rate
-(`fallback="full"`); just back from the fallback it stays within `rate / N`
+when the store went away, or the engines expected when it was never
+reached), at most its last share (`FALLBACKS`: `local` for as long as the
+outage lasts, `pause` for the hold and then limited users wait), or at the
+full rate (`full`); just back from the fallback it stays within `rate / N`
 a while (`Mode.grace`); while engines gone without leaving may still be in
 their fallback, the live ones leave them their part (`Mode.scale`).
 
@@ -57,8 +59,39 @@ engines' slices (rate * 20 ms in all) stay well inside one burst, and ~50
 round trips/s per engine cost Redis nothing. A user's first token waits at
 most half an interval (new users wake the lease thread early, at most twice
 per interval) plus one round trip."""
-FALLBACKS = ("share", "full")
+FALLBACKS = ("local", "pause", "full")
+"""What an engine does while its store is unreachable (`--outrate-store-fallback`):
+
+- `local` (the default): `rate/N` on each engine, at most each user's last
+  share, for as long as the outage lasts; an engine that never reached the
+  store uses the engines expected (`--outrate-store-engines`, else the
+  data-parallel size, else 1). Nobody is paused.
+- `pause`: the same for the hold (`--outrate-store-hold-s`), then limited
+  users wait for the store; an engine that never reached it makes them wait
+  at once. The tightest bound, at the cost of availability.
+- `full`: each engine enforces the full rate: up to N x in total.
+"""
+DEFAULT_FALLBACK = "local"
+DEPRECATED_FALLBACKS = {"share": "pause"}
+"""Old names still accepted, with a warning: `share` was today's `pause`."""
 FULL = Fraction(1)
+
+
+def fallback_named(name: str | None) -> tuple[str, str | None]:
+    """(the fallback mode `name` means, a deprecation note or None). Raises
+    ValueError for a name that is none of `FALLBACKS` (or an old name of one)."""
+    if name is None:
+        return DEFAULT_FALLBACK, None
+    if name in DEPRECATED_FALLBACKS:
+        new = DEPRECATED_FALLBACKS[name]
+        return new, (
+            f"--outrate-store-fallback {name} is deprecated: it is now called {new!r} "
+            f"(limited users wait for the store once the hold is over); the default, "
+            f"{DEFAULT_FALLBACK!r}, keeps serving them at rate/N for the whole outage"
+        )
+    if name not in FALLBACKS:
+        raise ValueError(f"must be one of {', '.join(FALLBACKS)}, got {name!r}")
+    return name, None
 
 
 class Mode(NamedTuple):
@@ -68,7 +101,7 @@ class Mode(NamedTuple):
     """Takes spend leased credit; False: the fallback, local GCRA alone. An
     engine that waits for its store (it never reached it, or its fallback
     ran out: outrate.budget.shared.runner) is shared with no credit coming:
-    its limited users wait, they are not cut."""
+    its limited users wait, they are not cut (fallback `pause` only)."""
     grace: bool = False
     """Just back from the fallback: stay within rate/n until the other engines are."""
     n: int = 1
@@ -136,13 +169,11 @@ class SharedBudget:
 
     def __init__(
         self,
-        fallback: str = "share",
+        fallback: str = DEFAULT_FALLBACK,
         engines_hint: int = 1,
         interval_s: float = LEASE_INTERVAL_S,
     ) -> None:
-        if fallback not in FALLBACKS:
-            raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
-        self.fallback = fallback
+        self.fallback = fallback_named(fallback)[0]
         self.mode = Mode(n=max(1, engines_hint))
         """Published by the lease thread (one assignment of a new record)."""
         self.applied = self.mode
@@ -164,7 +195,8 @@ class SharedBudget:
 
     def local(self, b: Bucket, lim: Limit) -> Limit:
         """The policy's limit times this engine's share of the user's demand
-        (shared), or times 1/N (fallback `share`, and the grace after it).
+        (shared), or times 1/N (fallbacks `local` and `pause`, and the grace
+        after them).
         Pacing each engine at its share is what makes engines share fairly:
         without it, the engine whose lease calls happen to land first after
         each token conforms in Redis would take them all."""
@@ -172,7 +204,7 @@ class SharedBudget:
             return lim
         mode = self.applied
         share = credit_of(b).share
-        if self.fallback == "share":
+        if self.fallback != "full":
             if not mode.shared:
                 # Alone: at most 1/N, and at most the last share Redis gave
                 # (another engine may be spending the rest of it).

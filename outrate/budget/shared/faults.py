@@ -2,15 +2,19 @@
 switch publishes to the scheduler (a `Mode`, outrate.budget.shared.credit),
 logs (once) and counts (`StoreMetrics`): `Faults`.
 
-- Unreachable at start: with the fallback `share`, limited users wait for
-  the store (an engine that never joined knows neither N nor its share);
-  with `full`, the full rate. A store that answers but refuses the engine
-  (`refused`: a wrong password, a cluster behind a plain URL) stops the
-  start, unless the fallback is `full`.
+- Unreachable at start: with the fallback `local` (the default), rate/N
+  locally, N the engines expected (`expected_from` says where N came from:
+  `--outrate-store-engines`, the data-parallel size, or neither: 1); with
+  `pause`, limited users wait for the store (an engine that never joined
+  does not know its share); with `full`, the full rate. A store that answers
+  but refuses the engine (`refused`: a wrong password, a cluster behind a
+  plain URL) stops the start, unless the fallback is `full`: that is a
+  configuration error, not an outage.
 - Lost (`DOWN_AFTER` failed round trips in a row): rate/N locally, at most
-  each user's last share, for `hold_ns` after the last answer (the others
-  leave this engine its part that long: outrate.budget.shared.peers); then
-  limited users wait for the store.
+  each user's last share, for as long as the outage lasts (`local`), or for
+  `hold_ns` after the last answer and then limited users wait for the store
+  (`pause`); the others leave this engine its part for the hold
+  (outrate.budget.shared.peers).
 - Back: shared again, within rate/N until every engine is (`Mode.grace`),
   while engines gone without leaving keep their part (`Mode.scale`).
 
@@ -54,6 +58,7 @@ class Faults:
         url: str,
         hold_ns: int,
         grace_ns: int,
+        expected_from: str = "",
     ) -> None:
         self.budget = budget
         self.metrics = metrics
@@ -63,6 +68,8 @@ class Faults:
         self.url = url
         self.hold_ns = hold_ns
         self.grace_ns = grace_ns
+        self.expected_from = expected_from
+        """Where the N of an engine that never reached its store came from (logged)."""
         self.up: bool | None = None  # None: not tried yet
         self.fails = 0  # consecutive failed round trips
         self.last_ok = 0
@@ -85,10 +92,11 @@ class Faults:
         first = self.up is None
         self.up = False
         self.metrics.up = 0
-        if first and self.budget.fallback == "share":
+        if first and self.budget.fallback == "pause":
             self._wait()
         else:
             self.budget.mode = Mode(shared=False, grace=False, n=self.peers.n)
+            self.metrics.fallback_since = time.monotonic_ns()
         for c in self.turns.active:
             c.reg = False  # Redis forgets demand by itself (TTL)
         if not first:
@@ -103,28 +111,44 @@ class Faults:
         )
 
     def _describe(self, first: bool) -> str:
-        if self.budget.fallback == "full":
+        fallback = self.budget.fallback
+        if fallback == "full":
             return "enforcing the full rate on each engine until it answers"
-        if first:
+        hold = f"{self.hold_ns / NS_PER_S:g} s"
+        if first and fallback == "pause":
             return (
-                "limited users wait for it (an engine that never joined knows neither how "
-                "many engines share a budget nor its share; --outrate-store-fallback full "
-                "serves them at the full rate meanwhile)"
+                "limited users wait for it (--outrate-store-fallback pause: an engine that "
+                "never joined does not know its share; the default, local, serves them at "
+                "rate/N meanwhile)"
             )
         n = self.peers.n
+        if first:
+            return (
+                f"enforcing rate/{n} on this engine until it answers ({self.expected_from}); "
+                "engines that did join do not know of this one, so while it is away a user "
+                f"may get up to (1 + 1/{n}) x its rate in total"
+            )
+        if fallback == "pause":
+            return (
+                f"enforcing rate/{n} on each engine, at most each user's last share (engines: "
+                f"{n}), for up to {hold}; then limited users wait for it"
+            )
         return (
             f"enforcing rate/{n} on each engine, at most each user's last share (engines: "
-            f"{n}), for up to {self.hold_ns / NS_PER_S:.0f} s; then limited users wait for it"
+            f"{n}), until it answers; engines that still reach it leave this one its part "
+            f"for {hold}"
         )
 
     def _wait(self) -> None:
-        """Shared with no credit coming: limited users wait, they are not cut."""
+        """Shared with no credit coming: limited users wait, they are not cut
+        (fallback `pause` only)."""
         self.budget.mode = Mode(shared=True, n=self.peers.n)
         self.metrics.waiting = 1
+        self.metrics.fallback_since = 0
 
     def hold_left_s(self) -> float | None:
         """Seconds until the fallback runs out (None: it does not)."""
-        if self.budget.fallback != "share" or self.metrics.waiting or not self.last_ok:
+        if self.budget.fallback != "pause" or self.metrics.waiting or not self.last_ok:
             return None
         return max(0.0, (self.last_ok + self.hold_ns - time.monotonic_ns()) / NS_PER_S)
 
@@ -135,7 +159,7 @@ class Faults:
             return False
         self._wait()
         self.log.warning(
-            "outrate: budget store %s still lost after %.0f s: limited users wait for it "
+            "outrate: budget store %s still lost after %g s: limited users wait for it "
             "now (the other engines stop keeping this engine's part)",
             self.url,
             self.hold_ns / NS_PER_S,
@@ -149,9 +173,11 @@ class Faults:
             return
         msg = (
             f"outrate: budget store {self.url} refused this engine at start "
-            f"({type(e).__name__}: {e}): not starting, since an engine that never joined "
-            "knows neither how many engines share a budget nor its share. Fix the URL or "
-            "the password, or pass --outrate-store-fallback full to start at the full rate"
+            f"({type(e).__name__}: {e}): not starting, since this is a configuration "
+            "error, not an outage: waiting would not mend it, and an engine that never "
+            "joined would enforce its limits apart from the others for as long as it runs. "
+            "Fix the URL or the password, or pass --outrate-store-fallback full to start at "
+            "the full rate"
         )
         self.log.error(msg)
         raise StoreRefused(msg) from e
@@ -161,6 +187,7 @@ class Faults:
         self.up = True
         self.metrics.up = 1
         self.metrics.waiting = 0
+        self.metrics.fallback_since = 0
         if was_down:
             self.grace_end = time.monotonic_ns() + self.grace_ns
             self.metrics.transitions["up"] += 1

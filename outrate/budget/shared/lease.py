@@ -30,7 +30,8 @@ without persistence), and the script then assumes the worst of every TAT
 it lost (outrate.budget.shared.scripts).
 
 And one hash per deployment, `outrate:{engines}`: each engine's heartbeat
-(its expiry and its policy's sha256), plus `outrate:{engines}:<id>`, a key
+(its expiry, its policy's sha256, how long the others keep its part when
+it goes missing, and its N), plus `outrate:{engines}:<id>`, a key
 with a TTL per engine for people looking with redis-cli.
 
 Nothing here runs on the scheduler's thread; redis is imported lazily.
@@ -50,6 +51,7 @@ from outrate.budget.shared.url import PASSWORD_ENV as PASSWORD_ENV  # (re-export
 from outrate.budget.shared.url import check_url as check_url
 from outrate.budget.shared.url import redact_url as redact_url
 from outrate.budget.shared.url import split_password as split_password
+from outrate.budget.shared.url import split_ssl_password
 from outrate.env import Env
 
 if TYPE_CHECKING:
@@ -184,7 +186,8 @@ class Round:
 
     def __init__(self) -> None:
         self.grants: list[Grant | None] = []
-        self.engines: list[tuple[str, str]] | None = None
+        self.engines: list[tuple[str, str, int]] | None = None
+        """Live engines: (id, policy sha256, how long the others keep its part, us)."""
         self.missing: list[tuple[str, int]] = []
         """Engines whose heartbeat stopped without leaving: (id, their n)."""
         self.resets: set[int] = set()
@@ -204,9 +207,14 @@ class RedisLink:
     def __init__(self, url: str, password: str | None = None, timeout_s: float = 0.5) -> None:
         check_url(url)
         bare, in_url = split_password(url)  # the URL's password first, as redis-py would
-        password = in_url or password or Env.read().store_password or None
+        bare, ssl_in_url = split_ssl_password(bare)
+        env = Env.read()
+        password = in_url or password or env.store_password or None
+        ssl_password = ssl_in_url or env.store_ssl_password or None
         self.url = redact_url(url)
-        self.nodes = open_nodes(bare, password, timeout_s, (LEASE_SCRIPT, HEARTBEAT_SCRIPT), SLOTS)
+        self.nodes = open_nodes(
+            bare, password, timeout_s, (LEASE_SCRIPT, HEARTBEAT_SCRIPT), SLOTS, ssl_password
+        )
         self._users: dict[tuple[str, Units], tuple[bytes, bytes]] = {}
         """Per user and limit: its two keys and its limit, packed."""
         self.epochs: dict[int, bytes] = {}
@@ -231,14 +239,16 @@ class RedisLink:
         beat: tuple[str, int] | None = None,
         into: Round | None = None,
         hold: tuple[int, int] = (0, 1),
-    ) -> tuple[list[Grant], list[tuple[str, str]] | None]:
+    ) -> tuple[list[Grant], list[tuple[str, str, int]] | None]:
         """All lease calls (and a heartbeat) in one pipelined round trip per
         node: one script call per group of users (`batches`).
 
-        `beat` is (policy sha256, ttl_us; 0 leaves); `hold` (hold_us, n) how
-        long engines gone without leaving are reported as missing, and the
-        live engines this one counts. Returns the grants in call order and,
-        with `beat`, the live engines as (id, policy sha256). Raises the first
+        `beat` is (policy sha256, ttl_us; 0 leaves); `hold` (keep_us, n): how
+        long the others keep this engine's part once its heartbeat stops (and
+        how long an engine that does not say its own is reported missing), and
+        the live engines this one counts. Returns the grants in call order
+        and, with `beat`, the live engines as (id, policy sha256, keep_us).
+        Raises the first
         error (the caller counts it), after filling `into` with what did
         answer: on a cluster one shard may fail while the others grant.
         """
@@ -293,7 +303,9 @@ class RedisLink:
                 error = error or raw
             else:
                 live, missing = raw
-                got.engines = [(_s(live[i]), _s(live[i + 1])) for i in range(0, len(live), 2)]
+                got.engines = [
+                    (_s(live[i]), _s(live[i + 1]), int(live[i + 2])) for i in range(0, len(live), 3)
+                ]
                 got.missing = [
                     (_s(missing[i]), int(missing[i + 1])) for i in range(0, len(missing), 2)
                 ]

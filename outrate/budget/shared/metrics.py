@@ -6,15 +6,17 @@ and rendered beside the scheduler's families on /metrics.
 Names are a contract (README "Metrics"): `outrate_store_up`,
 `outrate_store_errors_total`, `outrate_store_transitions_total{to}`,
 `outrate_lease_seconds`, `outrate_lease_calls_total`, `outrate_store_engines`,
-`outrate_store_policy_mismatch`; and for the store's own faults
+`outrate_store_policy_mismatch`, `outrate_store_hold_mismatch`; and for the store's own faults
 (docs/several-engines.md, "Faults"): `outrate_store_waiting`,
 `outrate_store_engines_missing`, `outrate_store_primary{node}`,
 `outrate_store_failovers_total`, `outrate_store_redirects_total{kind}`,
-`outrate_store_resets_total`.
+`outrate_store_resets_total`, `outrate_store_fallback_seconds`,
+`outrate_store_hold_seconds`.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,9 +46,16 @@ class StoreMetrics:
         """Live engines by the last heartbeat (this one included)."""
         self.policy_mismatch = 0
         """Live engines whose policy sha256 differs from this engine's."""
+        self.hold_mismatch = 0
+        """Live engines whose hold (`--outrate-store-hold-s`) differs from this engine's."""
         self.waiting = 0
-        """1 while limited users wait for the store: it was never reached
-        (fallback share), or the fallback ran out (outrate.budget.shared.peers.HOLD_S)."""
+        """1 while limited users wait for the store (fallback `pause`): it was
+        never reached, or the hold ran out (outrate.budget.shared.peers.HOLD_S)."""
+        self.fallback_since = 0
+        """Since when (monotonic ns) this engine has served limited users on its
+        local fallback (rate/N, or the full rate); 0 while shared or waiting."""
+        self.hold_s = 0.0
+        """This engine's hold (`--outrate-store-hold-s`)."""
         self.engines_missing = 0
         """Engines whose heartbeat stopped without leaving, whose part is kept for them."""
         self.primaries: list[str] = []
@@ -58,6 +67,14 @@ class StoreMetrics:
         self.resets = 0
         """Groups of users whose state was found lost under this engine (their epoch changed)."""
 
+    def fallback_s(self, now_ns: int | None = None) -> float:
+        """How long this engine has been on its local fallback (0: it is not)."""
+        since = self.fallback_since
+        if not since:
+            return 0.0
+        now = time.monotonic_ns() if now_ns is None else now_ns
+        return max(0, now - since) / NS_PER_S
+
     def snapshot(self) -> dict[str, Any]:
         return {
             "up": self.up,
@@ -68,7 +85,10 @@ class StoreMetrics:
             "calls": self.calls,
             "engines": self.engines,
             "policy_mismatch": self.policy_mismatch,
+            "hold_mismatch": self.hold_mismatch,
             "waiting": self.waiting,
+            "fallback_s": self.fallback_s(),
+            "hold_s": self.hold_s,
             "engines_missing": self.engines_missing,
             "primaries": list(self.primaries),
             "failovers": self.failovers,
@@ -83,7 +103,15 @@ def merge_store(store: dict[str, Any], other: dict[str, Any]) -> None:
     store["up"] = min(store["up"], other["up"])
     for k in ("errors", "round_trips", "calls", "failovers", "resets"):
         store[k] = store.get(k, 0) + other.get(k, 0)
-    for k in ("engines", "policy_mismatch", "waiting", "engines_missing"):
+    for k in (
+        "engines",
+        "policy_mismatch",
+        "hold_mismatch",
+        "waiting",
+        "engines_missing",
+        "fallback_s",
+        "hold_s",
+    ):
         store[k] = max(store.get(k, 0), other.get(k, 0))
     for name in ("transitions", "redirects"):
         mine = store.setdefault(name, {})
@@ -132,6 +160,22 @@ def store_families(store: dict[str, Any]) -> Iterator[Any]:
         "Live engines whose policy sha256 differs from this engine's.",
     )
     mismatch.add_metric([], store["policy_mismatch"])
+    hold_mismatch = GaugeMetricFamily(
+        "outrate_store_hold_mismatch",
+        "Live engines whose --outrate-store-hold-s differs from this engine's.",
+    )
+    hold_mismatch.add_metric([], store.get("hold_mismatch", 0))
+    fallback = GaugeMetricFamily(
+        "outrate_store_fallback_seconds",
+        "How long this engine has served limited users on its local fallback without the "
+        "budget store (rate/N, or the full rate); 0 while budgets are shared.",
+    )
+    fallback.add_metric([], store.get("fallback_s", 0))
+    hold = GaugeMetricFamily(
+        "outrate_store_hold_seconds",
+        "--outrate-store-hold-s: how long the other engines keep a missing engine's part.",
+    )
+    hold.add_metric([], store.get("hold_s", 0))
     waiting = GaugeMetricFamily(
         "outrate_store_waiting",
         "1 while limited users wait for the budget store (never reached, or the fallback ran out).",
@@ -168,3 +212,4 @@ def store_families(store: dict[str, Any]) -> Iterator[Any]:
     resets.add_metric([], store.get("resets", 0))
     yield from (up, errors, transitions, lease, calls, engines, mismatch)
     yield from (waiting, missing, primary, failovers, redirects, resets)
+    yield from (hold_mismatch, fallback, hold)

@@ -1,14 +1,21 @@
 """What the heartbeats tell one engine about the others: `Peers`.
 
-Each engine heartbeats its id, its policy's sha256 and the number of engines
-it counts (its fallback's N) into the store every second (the heartbeat
-script, outrate.budget.shared.scripts). An engine that leaves deletes its
-entry; one whose entry expires without leaving is *missing* for `HOLD_S`
-more: dead, or cut off from the store and spending its fallback (rate/N,
-for at most `HOLD_S`: outrate.budget.shared.runner). Nobody can tell the two
-apart, so the live engines leave every missing engine its 1/N of each rate
-until it is back or its fallback has run out (`scale`): the total stays
-within the rate through a partial partition. Runs on the lease thread.
+Each engine heartbeats its id, its policy's sha256, how long the others
+must keep its part once its heartbeat stops (its hold, plus a retry and a
+connect) and the number of engines it counts (its fallback's N) into the
+store every second (the heartbeat script, outrate.budget.shared.scripts).
+An engine that leaves deletes its entry; one whose entry expires without
+leaving is *missing* for its own hold more: dead, or cut off from the store
+and spending its fallback (rate/N: outrate.budget.shared.runner). Nobody can
+tell the two apart, so the live engines leave every missing engine its 1/N
+of each rate until it is back or its hold is over (`scale`): the total stays
+within the rate through a partial partition as long as the hold. Past it,
+an engine cut off in the fallback `local` keeps spending rate/N while the
+others take its part back: at most (1 + M/N) x the rate in total with M of
+N engines cut off (`pause` stops it at the hold instead). Engines that
+heartbeat another hold or policy are reported (each keeps a missing engine's
+part for that engine's own hold, so the bound holds anyway). Runs on the
+lease thread.
 """
 
 from __future__ import annotations
@@ -19,10 +26,11 @@ from fractions import Fraction
 from outrate.budget.shared.metrics import StoreMetrics
 
 HOLD_S = 30.0
-"""How long an engine that lost its store keeps spending its fallback
-(rate/N, at most its last share), and so how long the others leave it its
-part after its heartbeat stopped. Then its limited users wait for the store.
-Every engine sharing a store must use the same value."""
+"""How long the others leave an engine that lost its store its part after its
+heartbeat stopped (`--outrate-store-hold-s`); with the fallback `pause`, also
+how long that engine keeps spending rate/N before its limited users wait.
+Every engine sharing a store should use the same value: each heartbeats its
+own, and a mismatch is reported."""
 
 
 class Peers:
@@ -40,6 +48,7 @@ class Peers:
         self.missing: dict[str, int] = {}
         """Engines gone without leaving, each with the N its fallback divides by."""
         self._mismatch: frozenset[str] = frozenset()
+        self._hold_mismatch: frozenset[str] = frozenset()
 
     @property
     def n(self) -> int:
@@ -56,10 +65,16 @@ class Peers:
         return max(left, Fraction(1, self.n))
 
     def heard(
-        self, engines: list[tuple[str, str]], missing: list[tuple[str, int]], mine: str
+        self,
+        engines: list[tuple[str, str, int]],
+        missing: list[tuple[str, int]],
+        mine: str,
+        keep_us: int = 0,
     ) -> None:
-        """A heartbeat's answer: the live engines (id, policy sha256) and
-        the missing ones (id, N). Changes are logged once."""
+        """A heartbeat's answer: the live engines (id, policy sha256, how long
+        the others keep its part, in us; 0: an engine that does not say) and
+        the missing ones (id, N). `keep_us` is this engine's. Changes are
+        logged once."""
         self.live = max(1, len(engines))
         self.metrics.engines = self.live
         gone = dict(missing)
@@ -71,7 +86,7 @@ class Peers:
                 self.log.warning(
                     "outrate: %d engine(s) stopped heartbeating without leaving (%s): dead, "
                     "or cut off from the store and in their fallback; this engine leaves them "
-                    "their part, keeping %s of each rate, for up to %.0f s",
+                    "their part, keeping %s of each rate, for up to %g s",
                     len(new),
                     ", ".join(new),
                     self.scale(),
@@ -85,7 +100,8 @@ class Peers:
                 )
         self.missing = gone
         self.metrics.engines_missing = len(gone)
-        other = frozenset(f"{e} ({sha[:12]})" for e, sha in engines if sha != mine)
+        self._holds(engines, keep_us)
+        other = frozenset(f"{e} ({sha[:12]})" for e, sha, _ in engines if sha != mine)
         self.metrics.policy_mismatch = len(other)
         if other != self._mismatch:
             if other:
@@ -99,3 +115,31 @@ class Peers:
             elif self._mismatch:
                 self.log.info("outrate: every engine sharing the store runs policy %s", mine[:12])
             self._mismatch = other
+
+    def _holds(self, engines: list[tuple[str, str, int]], keep_us: int) -> None:
+        """Report live engines whose hold differs from this one's: the others
+        keep a missing engine's part for its own hold, so the bound holds, but
+        a shorter hold on one engine changes what its users get in an outage."""
+        other = frozenset(
+            f"{e} ({(k - self._margin_us(keep_us)) / 1e6:g} s)"
+            for e, _, k in engines
+            if k and keep_us and k != keep_us
+        )
+        self.metrics.hold_mismatch = len(other)
+        if other != self._hold_mismatch:
+            if other:
+                self.log.warning(
+                    "outrate: %d engine(s) sharing the budget store run another "
+                    "--outrate-store-hold-s than this one (%g s): %s; each engine's part is "
+                    "kept for its own hold when it goes missing, but the engines should agree",
+                    len(other),
+                    self.hold_s,
+                    ", ".join(sorted(other)),
+                )
+            elif self._hold_mismatch:
+                self.log.info("outrate: every engine sharing the store holds %g s", self.hold_s)
+            self._hold_mismatch = other
+
+    def _margin_us(self, keep_us: int) -> int:
+        """What `keep_us` adds to the hold (a retry and a connect)."""
+        return keep_us - int(self.hold_s * 1_000_000)

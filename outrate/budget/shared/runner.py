@@ -11,13 +11,15 @@ round trip.
 It meets the faults; `Faults` (outrate.budget.shared.faults) decides and
 says so by publishing one `Mode` record (outrate.budget.shared.credit),
 which the scheduler applies at its next step:
-two failed round trips in a row switch to the fallback, for `HOLD_S` at most
-(outrate.budget.shared.peers: the others leave this engine its part that
-long), then limited users wait for the store; the first answer after that
-reports each user's local debt so nobody gets a burst, and starts a grace at
-rate/N until the other engines are back. A store never reached is waited
-for (it cannot say N); one that refuses this engine at start (a wrong
-password) stops the start. State lost under the engine (an epoch changed:
+two failed round trips in a row switch to the fallback (rate/N locally; the
+others leave this engine its part for the hold, `hold_s`:
+outrate.budget.shared.peers), for as long as the outage lasts (`local`) or
+for the hold, then limited users wait for the store (`pause`); the first
+answer after that reports each user's local debt so nobody gets a burst,
+and starts a grace at rate/N until the other engines are back. A store
+never reached is a fallback too, at rate/N with N the engines expected
+(`pause`: limited users wait); one that refuses this engine at start (a
+wrong password) stops the start. State lost under the engine (an epoch changed:
 FLUSHALL, a restart) is answered in the script, and the users of that group
 not in the call are marked for it. Each switch is logged once and counted
 in `StoreMetrics`.
@@ -91,6 +93,7 @@ class LeaseRunner:
         heartbeat_s: float = HEARTBEAT_S,
         cap: int = ROUND_CALLS,
         hold_s: float = HOLD_S,
+        expected_from: str = "the engines expected: 1",
     ) -> None:
         if table.lender is not budget:
             raise ValueError("the table must be lent by this budget (Limiter(lender=budget))")
@@ -115,7 +118,9 @@ class LeaseRunner:
             link.url,
             int(hold_s * NS_PER_S),
             GRACE_NS,
+            expected_from,
         )
+        self.metrics.hold_s = hold_s
         # What the others keep for this engine once its heartbeat is gone:
         # its fallback, plus a retry and a connect it may be late by.
         self._hold_us = int((hold_s + retry_s + 2 * TIMEOUT_S) * 1_000_000)
@@ -325,8 +330,8 @@ class LeaseRunner:
             self._reset_logged = now
             self._resets_unlogged = 0
 
-    def _engines(self, engines: list[tuple[str, str]], missing: list[tuple[str, int]]) -> None:
-        self.peers.heard(engines, missing, self.policy_sha())
+    def _engines(self, engines: list[tuple[str, str, int]], missing: list[tuple[str, int]]) -> None:
+        self.peers.heard(engines, missing, self.policy_sha(), self._hold_us)
         self.faults.heard()
 
     # -- faults (outrate.budget.shared.faults) ---------------------------------------

@@ -171,18 +171,23 @@ return table.concat(out, ' ')
 
 HEARTBEAT_SCRIPT = """
 -- KEYS[1] the engines hash, KEYS[2] this engine's key (one hash tag: one slot).
--- ARGV: engine, policy sha256, ttl_us (0: leave), hold_us, n (the live
+-- ARGV: engine, policy sha256, ttl_us (0: leave), keep_us, n (the live
 -- engines this one counts, itself included: what its fallback divides by).
--- An entry reads `expiry:sha256:n`. One that expired without leaving (an
--- engine dead, or cut off from this store and in its fallback) is kept
--- hold_us longer and reported as missing; one that left is gone at once.
--- Returns {live: id, sha256, ...}, {missing: id, n, ...}.
+-- An entry reads `expiry:sha256,keep_us:n`: keep_us is how long the others
+-- keep this engine's part once its heartbeat stopped (its hold, a retry and
+-- a connect). One that expired without leaving (an engine dead, or cut off
+-- from this store and in its fallback) is kept for its own keep_us (an
+-- entry without one: the caller's) and reported as missing; one that left
+-- is gone at once. The keep rides in the sha's field so that engines of the
+-- version before read the entry (as a policy mismatch) rather than drop it.
+-- Returns {live: id, sha256, keep_us, ...}, {missing: id, n, ...}.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local ttl = tonumber(ARGV[3])
-local hold = tonumber(ARGV[4])
+local keep = tonumber(ARGV[4])
 if ttl > 0 then
-  local entry = string.format('%.0f', now + ttl) .. ':' .. ARGV[2] .. ':' .. ARGV[5]
+  local entry = string.format('%.0f', now + ttl) .. ':' .. ARGV[2] .. ',' ..
+    string.format('%.0f', keep) .. ':' .. ARGV[5]
   redis.call('HSET', KEYS[1], ARGV[1], entry)
   redis.call('SET', KEYS[2], ARGV[2], 'PX', math.ceil(ttl / 1000))
 else
@@ -192,12 +197,15 @@ end
 local live, missing = {}, {}
 local fields = redis.call('HGETALL', KEYS[1])
 for i = 1, #fields, 2 do
-  local x, sha, n = string.match(fields[i + 1], '^(%d+):([^:]*):?(%d*)$')
+  local x, sha, k, n = string.match(fields[i + 1], '^(%d+):([^:,]*),?(%d*):?(%d*)$')
   x = tonumber(x or '0')
+  local held = keep
+  if k ~= nil and k ~= '' then held = tonumber(k) end
   if x > now then
     live[#live + 1] = fields[i]
     live[#live + 1] = sha
-  elseif x + hold > now then
+    live[#live + 1] = k ~= '' and k or '0'
+  elseif x + held > now then
     missing[#missing + 1] = fields[i]
     missing[#missing + 1] = n ~= '' and n or '1'
   else

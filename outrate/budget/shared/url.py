@@ -6,7 +6,8 @@ nodes (`redis+cluster://`), a primary named by its Sentinels
 
 The password never travels with the URL (vLLM hashes and may print its
 config): `split_password` takes it out, and the engine reads it from
-`PASSWORD_ENV` (outrate.budget.shared.lease.RedisLink).
+`PASSWORD_ENV` (outrate.budget.shared.lease.RedisLink); so does the TLS key's
+password (`?ssl_password=`: `split_ssl_password`, `SSL_PASSWORD_ENV`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from __future__ import annotations
 from typing import NamedTuple
 from urllib.parse import parse_qs, parse_qsl, unquote, unquote_plus, urlsplit
 
-from outrate.env import STORE_PASSWORD
+from outrate.env import STORE_PASSWORD, STORE_SSL_PASSWORD
 
 PASSWORD_ENV = STORE_PASSWORD
 """Where the engine reads the store's password when the URL carries none."""
+SSL_PASSWORD_ENV = STORE_SSL_PASSWORD
+"""Where the engine reads the TLS private key's password (`rediss://`)."""
 
 SECRET_PARAMS = ("password", "username")
 """Query parameters redis-py reads as credentials (`parse_url`), beside the
@@ -78,6 +81,18 @@ def split_password(url: str) -> tuple[str, str | None]:
     query = "&".join(piece for piece, name in params if name != "password")
     netloc = f"{user}@{host}" if user else host
     return f"{parts.scheme}://{netloc}{parts.path}{f'?{query}' if query else ''}", password
+
+
+def split_ssl_password(url: str) -> tuple[str, str | None]:
+    """(URL without `ssl_password`, its value or None): the TLS private key's
+    password, which redis-py reads from the query of a `rediss://` URL. It
+    leaves the URL like the password does (`split_password`), the first
+    non-empty one kept, as redis-py keeps it."""
+    parts = urlsplit(url)
+    given = [v for v in parse_qs(parts.query).get("ssl_password", []) if v]
+    query = "&".join(piece for piece, name in _params(parts.query) if name != "ssl_password")
+    bare = f"{parts.scheme}://{parts.netloc}{parts.path}{f'?{query}' if query else ''}"
+    return bare, given[0] if given else None
 
 
 SCHEMES = ("redis", "rediss", "unix")
