@@ -66,7 +66,9 @@ def test_a_renamed_or_changed_override_target_is_an_error() -> None:
     class Renamed:  # vLLM without one method outrate overrides
         def schedule(self, throttle_prefills: bool = False) -> None: ...
 
-    with pytest.raises(PatchError, match=r"patch 'Scheduler\.\w+' \(step/scheduler\.py\): .* has no"):
+    with pytest.raises(
+        PatchError, match=r"patch 'Scheduler\.\w+' \(step/scheduler\.py\): .* has no"
+    ):
         check_overrides(OutrateMixin, Renamed)
 
     class Mixin:
