@@ -1,7 +1,7 @@
 """A budget shared by several engines (`--outrate-store`): the scheduler's
 side, a `SharedBudget` lending credit to the `Limiter` (`credit`); the global
 GCRA in Redis (`lease`, `scripts`, `url`), reached on one server, a Redis
-Cluster or behind Sentinels (`nodes`, `cluster`, `sentinel`); the lease
+Cluster or behind Sentinels (`topology` picks among `nodes`, `cluster`, `sentinel`); the lease
 thread (`runner`), whom it calls in a round (`turns`), the store's faults
 (`faults`), what the other engines' heartbeats say (`peers`) and what it
 counts (`metrics`)."""
