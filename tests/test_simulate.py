@@ -153,3 +153,23 @@ def test_a_turnaround_delays_each_streams_next_request(tmp_path):
     cycle = 10 * MODEL.step_ns(1, 0) + 100_000_000
     assert slow.users["a"].completed == pytest.approx(2e9 / cycle, abs=1)
     assert quick.users["a"].completed > 2 * slow.users["a"].completed
+
+
+def test_a_long_run_reports_progress_and_ctrl_c_keeps_what_was_simulated(tmp_path):
+    w = workload("  a: {streams: 4, prompt: 20, output: 50}\n", duration="3600s")
+    seen: list[tuple[int, int]] = []
+
+    def progress(now_ns: int, done: int) -> None:
+        seen.append((now_ns, done))
+        if len(seen) == 2:
+            raise KeyboardInterrupt  # what Ctrl-C raises in the loop
+
+    result = simulate(w, engine(), None, MODEL, progress=progress)
+    assert seen[0][0] < seen[1][0] < 3600e9 and seen[1][1] >= seen[0][1]
+    assert result.partial.startswith("stopped at ") and result.partial.endswith(
+        "of 3600s simulated"
+    )
+    assert result.users["a"].rate > 0 and result.engine.seconds < 3600
+    from outrate.simulate.report import format_run
+
+    assert "== PARTIAL: stopped at" in format_run(result)

@@ -15,6 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from outrate.cli import app
+from outrate.errors import OutrateError
 from outrate.simulate.stepmodel import StepModel, calibrate, load_step_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -258,3 +259,73 @@ def test_the_benchmark_smoke_runs():
     import bench_simulate
 
     assert bench_simulate.main(["--seconds", "2"]) == 0
+
+
+# -- the simulator states its size and its error (issue 36) ----------------------
+
+
+def test_calibrate_prints_its_residuals_and_the_model_file_says_how_it_was_fitted(tmp_path):
+    truth = StepModel(fixed_us=5000, per_decode_us=120, per_prefill_us=30)
+    trace = tmp_path / "trace.jsonl"
+    _synthetic_trace(trace, truth)
+    out = tmp_path / "model.json"
+    result = cli("calibrate", "--trace", str(trace), "-o", str(out))
+    assert result.exit_code == 0, result.output
+    assert re.search(r"residuals: rms \d+us, \|error\| p50 \d+us, p90 \d+us", result.stdout)
+    model = load_step_model(out)
+    assert model.fit.startswith("fitted on ") and f"of {trace}" in model.fit
+    assert model.provenance() == f"step model {model.fit}"
+    assert "not fitted to any engine" in StepModel().provenance()
+
+
+def test_a_plan_that_would_not_fit_in_memory_is_refused_before_it_runs(tmp_path, files):
+    _, policy = files
+    huge = tmp_path / "week.yaml"
+    huge.write_text(
+        "version: 1\nduration: 168h\nusers:\n  a: {rate: 100000, prompt: 100, output: 50}\n"
+    )
+    result = cli(str(policy), "-w", str(huge))
+    assert result.exit_code == 1
+    assert "this plan would not fit in memory: about 60,480,000,000 requests" in result.stderr
+
+
+def test_the_size_estimate_is_near_what_the_docs_example_simulates():
+    from outrate.simulate.engine import engine_from_flags
+    from outrate.simulate.size import check_fits, size_of
+    from outrate.simulate.workload import load_workload
+
+    flags = ["--max-num-seqs", "16", "--max-num-active-seqs", "12"]
+    size = size_of(
+        load_workload(WORKLOADS / "alice-48.yaml").workload, engine_from_flags(flags), StepModel()
+    )
+    assert 7000 < size.steps < 8800  # the docs' runs: 7914 and 6736 steps
+    assert size.memory_bytes < 100 * 2**20 and size.wall_s < 60
+    check_fits(size, available=2**30)
+    with pytest.raises(OutrateError, match="would not fit in memory"):
+        check_fits(size, available=size.memory_bytes)
+
+
+@pytest.mark.vllm
+def test_calibrate_with_the_policy_simulates_the_run_it_fitted(tmp_path):
+    pytest.importorskip("vllm")
+    from outrate.simulate.engine import engine_from_flags
+    from outrate.simulate.workload import load_workload
+    from vllm_integration.offline.simulator import simulate
+
+    workload = tmp_path / "load.yaml"
+    workload.write_text(SMALL)
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("version: 1\ndefault: unlimited\nusers:\n  a: 50\n")
+    trace = tmp_path / "trace.jsonl"
+    truth = StepModel(fixed_us=3000, per_decode_us=200, per_prefill_us=15)
+    flags = ["--max-num-seqs", "8"]
+    simulate(
+        load_workload(workload).workload, engine_from_flags(flags), str(policy), truth, trace=trace
+    )
+    args = ["--trace", str(trace), "-w", str(workload), "--policy", str(policy), "--", *flags]
+    result = cli("calibrate", *args)
+    assert result.exit_code == 0, result.output
+    assert "in sample: tok/s per user, the trace's and simulated" in result.stdout
+    rows = dict(re.findall(r"^  (\w+): .*\(([-+][\d.]+)%\)$", result.stdout, re.M))
+    assert set(rows) == {"a", "b"} and all(abs(float(v)) < 5 for v in rows.values()), result.stdout
+    assert "plan: about" not in result.stdout  # the table is stdout's alone

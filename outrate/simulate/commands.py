@@ -12,6 +12,9 @@ vLLM is imported only by a run (`_runner`), so a bad file fails in a blink.
 from __future__ import annotations
 
 import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -22,8 +25,11 @@ from typer.core import TyperGroup
 from outrate.argv import VLLM_ARGS, SplitAtDoubleDash
 from outrate.errors import OutrateError, Problem
 from outrate.observe.trace import read_trace
+from outrate.simulate.agreement import format_agreement, rate_agreement
+from outrate.simulate.engine import engine_from_flags
+from outrate.simulate.size import Size
 from outrate.simulate.stepmodel import StepModel, calibrate, load_step_model
-from outrate.simulate.study import Runner, plan_configs, run_study
+from outrate.simulate.study import ProgressFor, Runner, plan_configs, run_study
 from outrate.simulate.workload import load_workload, workload_json_schema
 
 
@@ -58,6 +64,35 @@ def _fail(e: OutrateError) -> typer.Exit:
     for line in [str(p) for p in problems] or [str(e)]:
         _err(line)
     return typer.Exit(1)
+
+
+@contextmanager
+def _progress_bar(shown: bool) -> Iterator[ProgressFor | None]:
+    """A progress bar per run on stderr (simulated time, requests finished,
+    ETA), only where stderr is a terminal; None elsewhere."""
+    if not shown:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.fields[simulated]} simulated, {task.fields[done]} requests done"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+
+        def for_run(label: str, total_ns: int) -> Callable[[int, int], None]:
+            task = bar.add_task(label or "simulating", total=total_ns, simulated="0s", done=0)
+
+            def update(now_ns: int, done: int) -> None:
+                bar.update(task, completed=now_ns, simulated=f"{now_ns / 1e9:.0f}s", done=done)
+
+            return update
+
+        yield for_run
 
 
 def _runner() -> Runner:
@@ -104,17 +139,29 @@ def run(
     vLLM serve flags go after `--`:  outrate simulate p.yaml -w load.yaml -- --max-num-seqs 64
     """
     flags = ctx.meta.get(VLLM_ARGS, [])
+    text = output is Format.text
+
+    def said(size: Size) -> None:
+        if text:  # stderr: stdout is the table alone
+            _err(size.describe())
+
     try:
         loaded = load_workload(workload)
         model = load_step_model(step_model) if step_model is not None else StepModel()
         kind, configs = plan_configs(policy, flags, compare, compare_flags, sweep)
-        study = run_study(loaded, configs, kind, _runner(), model, kv_cache_tokens)
+        with _progress_bar(text and sys.stderr.isatty()) as progress:
+            study = run_study(
+                loaded, configs, kind, _runner(), model, kv_cache_tokens, progress, said
+            )
     except OutrateError as e:
         raise _fail(e) from e
     if output is Format.json:
         typer.echo(json.dumps(study.to_json(), indent=2))
     else:
         typer.echo(study.text())
+    if study.partial:
+        _err("interrupted: the table is what was simulated until then")
+        raise typer.Exit(130)
     if plot is not None:
         from outrate.simulate.plot import plot_runs  # matplotlib only for --plot
 
@@ -123,8 +170,9 @@ def run(
             _err(f"wrote {path}")
 
 
-@simulate_app.command("calibrate")
+@simulate_app.command("calibrate", cls=SplitAtDoubleDash)
 def calibrate_cmd(
+    ctx: typer.Context,
     trace: Annotated[Path, typer.Option("--trace", help="A trace (--outrate-trace) to fit.")],
     workload: Annotated[
         Path | None,
@@ -136,9 +184,23 @@ def calibrate_cmd(
     out: Annotated[
         Path | None, typer.Option("--output", "-o", help="Write the model (JSON) here.")
     ] = None,
+    policy: Annotated[
+        str | None,
+        typer.Option(
+            "--policy",
+            help="The engine's policy: with --workload, simulate the run and compare it.",
+        ),
+    ] = None,
+    kv_cache_tokens: Annotated[
+        int | None,
+        typer.Option("--kv-cache-tokens", min=1, help="KV cache size in tokens."),
+    ] = None,
     output: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.text,
 ) -> None:
-    """Fit the step-time model to a real engine's trace."""
+    """Fit the step-time model to a real engine's trace; with the workload that
+    ran and the engine's policy (and its flags after `--`), also simulate that
+    run with the fitted model and print how far it is (in sample)."""
+    agreement = None
     try:
         ran = load_workload(workload).workload if workload is not None else None
         try:
@@ -146,15 +208,29 @@ def calibrate_cmd(
         except OSError as e:
             raise OutrateError(f"{trace}: cannot read: {e.strerror or e}") from e
         result = calibrate(lines, ran, source=str(trace))
+        if policy is not None and ran is not None:
+            flags = ctx.meta.get(VLLM_ARGS, [])
+            _, (config,) = plan_configs(policy, flags)
+            engine = engine_from_flags(flags, kv_cache_tokens)
+            run = _runner()(ran, engine, config.policy, result.model, "in sample")
+            agreement = rate_agreement([r for r in lines if "step" in r], run)
     except OutrateError as e:
         raise _fail(e) from e
     if out is not None:
         out.write_text(json.dumps(result.model.to_json(), indent=2) + "\n")
         _err(f"wrote {out}")
     if output is Format.json:
-        typer.echo(json.dumps(result.to_json(), indent=2))
+        data = result.to_json()
+        if agreement is not None:
+            data["in_sample"] = {
+                r.user: {"engine": round(r.engine, 3), "simulated": round(r.simulated, 3)}
+                for r in agreement
+            }
+        typer.echo(json.dumps(data, indent=2))
     else:
         typer.echo(result.describe())
+        if agreement is not None:
+            typer.echo(format_agreement(agreement, "in sample"))
 
 
 @simulate_app.command("schema")

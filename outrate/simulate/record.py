@@ -52,6 +52,7 @@ class Recorder:
         self.tokens = 0
         self.preemptions = 0
         self.displaced = 0
+        self.finished_count = 0
 
     def arrived(self, rid: str, user: str, t: int) -> None:
         self.requests[rid] = _Request(user, t)
@@ -75,6 +76,7 @@ class Recorder:
         r = self.requests.pop(rid)
         u = self.users[r.user]
         u.completed += 1
+        self.finished_count += 1
         u.live_ns += t - r.arrival
         self.preemptions += preemptions
 
@@ -124,6 +126,7 @@ class Recorder:
                 deferred=u.deferred,
                 arrived=u.arrived,
                 completed=u.completed,
+                started=len(u.ttft),
                 token_times=[t - self.start for t in times],
                 gaps=u.gaps,
             )

@@ -60,6 +60,9 @@ class UserStats:
     """Admissions deferred (budget or max_streams), once per deferral."""
     arrived: int
     completed: int
+    started: int = 0
+    """Requests that got a first token (cut at the end included): the
+    population of the time to first token."""
     token_times: list[int] = field(repr=False, default_factory=list)
     gaps: list[int] = field(repr=False, default_factory=list)
 
@@ -75,6 +78,7 @@ class UserStats:
             "deferred": self.deferred,
             "requests": self.arrived,
             "completed": self.completed,
+            "started": self.started,
         }
 
 
@@ -119,10 +123,13 @@ class RunResult:
     engine: EngineStats
     wall_s: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
+    partial: str = ""
+    """Why the run stopped before the workload's end (Ctrl-C); "" if it did not."""
 
     def to_json(self) -> dict[str, Any]:
         return {
             "label": self.label,
+            **({"partial": self.partial} if self.partial else {}),
             **self.meta,
             "wall_s": round(self.wall_s, 3),
             "users": {name: u.to_json() for name, u in self.users.items()},
@@ -189,6 +196,8 @@ def engine_line(e: EngineStats) -> str:
 def format_run(result: RunResult) -> str:
     """The table per user, then the engine's line."""
     lines = [f"== {result.label}"] if result.label else []
+    if result.partial:
+        lines.append(f"== PARTIAL: {result.partial}")
     lines += _table(_HEAD, [_row(u) for u in result.users.values()])
     lines.append(engine_line(result.engine))
     return "\n".join(lines)
@@ -225,6 +234,7 @@ def format_compare(a: RunResult, b: RunResult) -> str:
     order = list(a.users)
     rows.sort(key=lambda r: order.index(r[0]) if r[0] in order else len(order))
     lines = [f"== A: {a.label}", f"== B: {b.label}"]
+    lines += [f"== PARTIAL: {r.partial}" for r in (a, b) if r.partial]
     lines += _table(head, rows)
     lines += ["A " + engine_line(a.engine), "B " + engine_line(b.engine)]
     return "\n".join(lines)

@@ -27,7 +27,7 @@ import json
 import os
 import statistics
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from outrate.errors import OutrateError
@@ -47,6 +47,8 @@ class StepModel:
     its last token, beyond its think time: the API server and the client, both
     ways (`calibrate` measures it; 0 by default)."""
     source: str = "defaults"
+    fit: str = ""
+    """How it was fitted, one line (`calibrate` writes it into the model file)."""
 
     def step_ns(self, decode: int, prefill: int) -> int:
         us = self.fixed_us + self.per_decode_us * decode + self.per_prefill_us * prefill
@@ -58,6 +60,17 @@ class StepModel:
             f"+ {self.per_prefill_us:g}us/prompt token; turnaround "
             f"{self.turnaround_us:g}us ({self.source})"
         )
+
+    def provenance(self) -> str:
+        """What the figures rest on: printed with every table."""
+        if self.fit:
+            return f"step model {self.fit}"
+        if self.source == "defaults":
+            return (
+                "step model not fitted to any engine: rough figures for an 8B model on one "
+                "H100-class GPU (fit yours: outrate simulate calibrate)"
+            )
+        return "step model given as is (no fit recorded with it)"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,7 +90,10 @@ def load_step_model(path: str | os.PathLike[str]) -> StepModel:
     if not isinstance(data, dict):
         raise OutrateError(f"{source}: expected a JSON object with fixed_us, per_decode_us, ...")
     known = {"fixed_us", "per_decode_us", "per_prefill_us", "turnaround_us"}
-    unknown = set(data) - known - {"source"}
+    fit = data.get("fit", "")
+    if not isinstance(fit, str):
+        raise OutrateError(f"{source}: fit: must be a string (got {fit!r})")
+    unknown = set(data) - known - {"source", "fit"}
     if unknown:
         raise OutrateError(f"{source}: unknown key {sorted(unknown)[0]!r}")
     values: dict[str, float] = {}
@@ -86,7 +102,7 @@ def load_step_model(path: str | os.PathLike[str]) -> StepModel:
         if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
             raise OutrateError(f"{source}: {key}: must be a number >= 0 (got {v!r})")
         values[key] = float(v)
-    return StepModel(**values, source=source)
+    return StepModel(**values, source=source, fit=fit)
 
 
 @dataclass(frozen=True)
@@ -100,6 +116,14 @@ class Calibration:
     r2: float
     prefill_fitted: bool
     notes: list[str] = field(default_factory=list)
+    residual_rms_us: float = 0.0
+    residual_p50_us: float = 0.0
+    """Median |measured - modelled| step length."""
+    residual_p90_us: float = 0.0
+    mean_error: float = 0.0
+    """(modelled - measured) total time over the kept steps, as a share: what
+    throughput is off by on the calibration run itself (0 by construction of
+    least squares with a free fixed cost; not 0 when a coefficient was pinned)."""
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -111,9 +135,19 @@ class Calibration:
             self.model.describe(),
             f"fitted on {self.steps} steps (mean {self.mean_step_us:.0f}us, R^2 {self.r2:.2f});"
             f" {self.skipped} idle gaps left out",
+            f"residuals: rms {self.residual_rms_us:.0f}us, |error| p50 "
+            f"{self.residual_p50_us:.0f}us, p90 {self.residual_p90_us:.0f}us a step; total time "
+            f"{self.mean_error:+.1%}",
             *self.notes,
         ]
         return "\n".join(lines)
+
+    def fit_line(self, source: str) -> str:
+        """One line for the model file: what the model was fitted on, how well."""
+        return (
+            f"fitted on {self.steps} steps of {source}: mean {self.mean_step_us:.0f}us, "
+            f"residual rms {self.residual_rms_us:.0f}us, R^2 {self.r2:.2f}"
+        )
 
 
 def _solve(rows: list[list[float]], ys: list[float], free: list[int]) -> list[float]:
@@ -140,10 +174,10 @@ def _fit(rows: list[list[float]], ys: list[float], fixed: dict[int, float]) -> l
     0 and the rest refitted (columns in `fixed` are given, not fitted)."""
     pinned = dict(fixed)
     while True:
-        free = [i for i in range(3) if i not in pinned]
+        free = [i for i in range(len(rows[0])) if i not in pinned]
         adj = [y - sum(r[i] * v for i, v in pinned.items()) for r, y in zip(rows, ys, strict=True)]
         coef = _solve(rows, adj, free)
-        out = [0.0] * 3
+        out = [0.0] * len(rows[0])
         for i, v in pinned.items():
             out[i] = v
         worst = min(range(len(free)), key=lambda j: coef[j])
@@ -167,25 +201,7 @@ def calibrate(
     if len(steps) < 10:
         raise OutrateError(f"{source}: fewer than 10 steps in the trace: nothing to fit")
     prompt_means = prompt_means_of(workload) if workload is not None else None
-    default_prompt = statistics.fmean(prompt_means.values()) if prompt_means else 0.0
-    samples: list[tuple[float, float, float]] = []  # (decode, prefill, duration us)
-    for number, rec in steps.items():
-        nxt = steps.get(number + 1)
-        charged: dict[str, int] = rec.get("charged", {})
-        if nxt is None or not charged:
-            continue
-        refunded: dict[str, int] = rec.get("refunded", {})
-        released: dict[str, int] = rec.get("released", {})
-        before: dict[str, int] = steps.get(number - 1, {}).get("charged", {})
-        n = sum(charged.values()) - sum(refunded.values())
-        new = {
-            u: max(0, k - refunded.get(u, 0) - before.get(u, 0) - released.get(u, 0))
-            for u, k in charged.items()
-        }
-        prefill = 0.0
-        if prompt_means is not None:
-            prefill = sum(k * prompt_means.get(u, default_prompt) for u, k in new.items())
-        samples.append((n - sum(new.values()), prefill, (nxt["t"] - rec["t"]) / 1000))
+    samples = _samples(steps, prompt_means)
     if len(samples) < 10:
         raise OutrateError(f"{source}: fewer than 10 consecutive steps with tokens: nothing to fit")
     median = statistics.median(s[2] for s in samples)
@@ -207,7 +223,8 @@ def calibrate(
     coef = _fit(rows, ys, fixed)
     mean = statistics.fmean(ys)
     predicted = [sum(c * x for c, x in zip(coef, r, strict=True)) for r in rows]
-    ss_res = sum((y - p) ** 2 for y, p in zip(ys, predicted, strict=True))
+    errors = sorted(abs(y - p) for y, p in zip(ys, predicted, strict=True))
+    ss_res = sum(e * e for e in errors)
     ss_tot = sum((y - mean) ** 2 for y in ys)
     turnaround = base.turnaround_us
     if workload is not None:
@@ -223,7 +240,7 @@ def calibrate(
         turnaround_us=round(turnaround, 1),
         source=f"calibrated from {source}",
     )
-    return Calibration(
+    result = Calibration(
         model=model,
         steps=len(kept),
         skipped=len(samples) - len(kept),
@@ -231,7 +248,60 @@ def calibrate(
         r2=1 - ss_res / ss_tot if ss_tot > 0 else 1.0,
         prefill_fitted=2 not in fixed,
         notes=notes,
+        residual_rms_us=(ss_res / len(ys)) ** 0.5,
+        residual_p50_us=errors[len(errors) // 2],
+        residual_p90_us=errors[min(len(errors) - 1, len(errors) * 9 // 10)],
+        mean_error=(sum(predicted) - sum(ys)) / sum(ys) if sum(ys) > 0 else 0.0,
     )
+    return replace(result, model=replace(model, fit=result.fit_line(source)))
+
+
+Sample = tuple[float, float, float]
+"""(requests decoding, prompt tokens, step length in us)."""
+
+
+def _samples(
+    steps: dict[int, dict[str, Any]], prompt_means: dict[str, float] | None
+) -> list[Sample]:
+    """A sample per traced step followed by the next one (its length)."""
+    default_prompt = statistics.fmean(prompt_means.values()) if prompt_means else 0.0
+    samples: list[Sample] = []
+    for number, rec in steps.items():
+        nxt = steps.get(number + 1)
+        charged: dict[str, int] = rec.get("charged", {})
+        if nxt is None or not charged:
+            continue
+        refunded: dict[str, int] = rec.get("refunded", {})
+        released: dict[str, int] = rec.get("released", {})
+        before: dict[str, int] = steps.get(number - 1, {}).get("charged", {})
+        n = sum(charged.values()) - sum(refunded.values())
+        new = {
+            u: max(0, k - refunded.get(u, 0) - before.get(u, 0) - released.get(u, 0))
+            for u, k in charged.items()
+        }
+        prefill = 0.0
+        if prompt_means is not None:
+            prefill = sum(k * prompt_means.get(u, default_prompt) for u, k in new.items())
+        samples.append((n - sum(new.values()), prefill, (nxt["t"] - rec["t"]) / 1000))
+    return samples
+
+
+def time_error(model: StepModel, lines: Iterable[dict[str, Any]], workload: Workload) -> float:
+    """How far the model's step lengths are from a trace's, as a share of the
+    measured total: (modelled - measured) / measured over its busy steps (the
+    idle gaps left out as `calibrate` does). On a run the model was not
+    fitted on, it says how much of a rate error is the step length (the
+    machine's load moved, or the batch left the fitted range) rather than
+    the scheduling."""
+    steps = {r["step"]: r for r in lines if "step" in r and "t" in r}
+    samples = _samples(steps, prompt_means_of(workload))
+    if not samples:
+        return 0.0
+    median = statistics.median(s[2] for s in samples)
+    kept = [s for s in samples if s[2] <= IDLE_FACTOR * median]
+    measured = sum(s[2] for s in kept)
+    modelled = sum(model.step_ns(int(d), int(p)) / 1000 for d, p, _ in kept)
+    return (modelled - measured) / measured if measured > 0 else 0.0
 
 
 def _turnaround_us(

@@ -14,20 +14,24 @@ from __future__ import annotations
 import os
 import shlex
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from outrate.errors import OutrateError
 from outrate.policy.pipeline import load_compiled
-from outrate.simulate.engine import EngineSpec, engine_from_flags, with_flag
+from outrate.simulate.engine import engine_from_flags, with_flag
 from outrate.simulate.report import RunResult, format_compare, format_run
+from outrate.simulate.size import Size, check_fits, size_of
 from outrate.simulate.stepmodel import StepModel
-from outrate.simulate.workload import LoadedWorkload, Workload
+from outrate.simulate.workload import LoadedWorkload
 
 STOCK = "stock"
 """As a policy: no outrate, vLLM's own scheduler (unless a file has that name)."""
 
-Runner = Callable[[Workload, EngineSpec, "str | None", StepModel, str], RunResult]
+Runner = Callable[..., RunResult]
+"""(workload, engine, policy or None, step model, label, progress=callback)."""
+ProgressFor = Callable[[str, int], "Callable[[int, int], None] | None"]
+"""(label, simulated ns in all) -> the run's progress callback, or None."""
 
 
 @dataclass(frozen=True)
@@ -46,14 +50,21 @@ class Study:
     kind: str  # "run" | "compare" | "sweep"
     configs: list[Config]
     runs: list[RunResult] = field(default_factory=list)
+    size: Size | None = None
+
+    @property
+    def partial(self) -> bool:
+        """A run was stopped (Ctrl-C): the runs after it never started."""
+        return any(r.partial for r in self.runs) or len(self.runs) < len(self.configs)
 
     def text(self) -> str:
         head = [
             f"workload {self.workload.source}: {len(self.workload.workload.expanded())} users, "
             f"{self.workload.workload.duration / 1e9:g}s simulated",
             self.step_model.describe(),
+            self.step_model.provenance(),
         ]
-        if self.kind == "compare":
+        if self.kind == "compare" and len(self.runs) == 2:
             body = [format_compare(self.runs[0], self.runs[1])]
         else:
             body = [format_run(r) for r in self.runs]
@@ -64,6 +75,7 @@ class Study:
             "workload": self.workload.source,
             "kind": self.kind,
             "step_model": self.step_model.to_json(),
+            "partial": self.partial,
             "runs": [r.to_json() for r in self.runs],
         }
 
@@ -129,11 +141,29 @@ def run_study(
     runner: Runner,
     step_model: StepModel,
     kv_cache_tokens: int | None = None,
+    progress: ProgressFor | None = None,
+    on_size: Callable[[Size], None] | None = None,
 ) -> Study:
     """Every configuration's engine is read first (a bad flag fails before
-    any run), then each runs the same workload."""
+    any run), and the plan's size checked (one too big for memory fails
+    before anything is drawn); then each runs the same workload. A run
+    stopped by Ctrl-C ends the study: what was simulated is returned."""
     engines = [engine_from_flags(list(c.flags), kv_cache_tokens) for c in configs]
-    study = Study(loaded, step_model, kind, configs)
+    size = max(
+        (size_of(loaded.workload, e, step_model) for e in engines), key=lambda z: z.memory_bytes
+    )
+    size = replace(size, runs=len(configs))
+    check_fits(size)
+    if on_size is not None:
+        on_size(size)
+    study = Study(loaded, step_model, kind, configs, size=size)
+    duration = loaded.workload.duration
     for config, engine in zip(configs, engines, strict=True):
-        study.runs.append(runner(loaded.workload, engine, config.policy, step_model, config.label))
+        callback = progress(config.label, duration) if progress is not None else None
+        result = runner(
+            loaded.workload, engine, config.policy, step_model, config.label, progress=callback
+        )
+        study.runs.append(result)
+        if result.partial:
+            break
     return study

@@ -34,6 +34,7 @@ import shutil
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,11 @@ BUSY_LOOP_NS = 1_000_000
 """vLLM's engine loop sleeps 1 ms when requests exist and none can run."""
 TOKEN = 7
 """The token every fabricated step samples (requests ignore EOS anyway)."""
+PROGRESS_EVERY_S = 0.25
+"""How often (wall time) a long run reports its progress."""
+
+Progress = Callable[[int, int], None]
+"""Called with (simulated ns so far, requests finished) during a run."""
 
 _MODEL_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -205,6 +211,7 @@ class Simulation:
         self._seq = 0
         self._deferred_seen: dict[str, str] = {}
         self._deferred_total = 0
+        self.partial = ""
 
     # -- arrivals ----------------------------------------------------------------
 
@@ -244,8 +251,20 @@ class Simulation:
 
     # -- the loop ----------------------------------------------------------------
 
-    def run(self) -> RunResult:
+    def run(self, progress: Progress | None = None) -> RunResult:
+        """The whole workload, or up to Ctrl-C: then the figures of what was
+        simulated so far, marked partial."""
         started = time.perf_counter()
+        try:
+            end = self._loop(progress, started)
+        except KeyboardInterrupt:
+            end = self.clock.now
+            done = (end - START_NS) / 1e9
+            self.partial = f"stopped at {done:.3g}s of {self.plan.duration_ns / 1e9:g}s simulated"
+        return self._result(max(end, START_NS + 1), time.perf_counter() - started)
+
+    def _loop(self, progress: Progress | None, started: float) -> int:
+        """The engine core's loop until the workload's end; returns the end."""
         for s in self.plan.streams:
             if s.first_ns < s.stop_ns:
                 self._push(START_NS + s.first_ns, s.next_request(), s)
@@ -256,7 +275,13 @@ class Simulation:
         kvm = sched.kv_cache_manager
         pending: deque[tuple[Any, list[str]]] = deque()
         behind = 1 if self.engine.async_scheduling else 0
+        report_at = started + PROGRESS_EVERY_S
+        n = 0
         while clock.now < end:
+            n += 1
+            if progress is not None and n % 256 == 0 and time.perf_counter() >= report_at:
+                progress(clock.now - START_NS, self.rec.finished_count)
+                report_at = time.perf_counter() + PROGRESS_EVERY_S
             self._admit_arrived()
             now = clock.now
             out = sched.schedule()
@@ -280,7 +305,7 @@ class Simulation:
             if len(pending) > behind:
                 self._apply(*pending.popleft(), clock.now)
             self.rec.step(now, dt, len(scheduled), kvm.usage, held, len(sched.waiting), True)
-        return self._result(end, time.perf_counter() - started)
+        return end
 
     def _idle_until(self, now: int, end: int) -> int:
         """When a step that ran nothing is followed by the next one."""
@@ -344,6 +369,7 @@ class Simulation:
             self.rec.displaced = self.sched.metrics.displaced
         result = self.rec.result(end, self.label, still_preempted=still)
         result.wall_s = wall_s
+        result.partial = self.partial
         result.meta = {
             "engine_config": self.engine.describe(),
             "step_model": self.step_model.to_json(),
@@ -363,8 +389,10 @@ def simulate(
     step_model: StepModel,
     label: str = "",
     trace: str | os.PathLike[str] | None = None,
+    progress: Progress | None = None,
 ) -> RunResult:
     """Run `workload` through the scheduler `engine` and `policy` make (None:
     stock vLLM) and return what each user and the engine saw. `trace`: also
-    write the scheduler's `--outrate-trace` of the run there."""
-    return Simulation(workload, engine, policy, step_model, label, trace).run()
+    write the scheduler's `--outrate-trace` of the run there; `progress`:
+    called now and then with (simulated ns, requests finished)."""
+    return Simulation(workload, engine, policy, step_model, label, trace).run(progress)
