@@ -71,6 +71,25 @@ EXPECTED: dict[str, list[str]] = {
     "shadow_not_bool": [
         "FILE:4:29: users.alice.shadow: must be true or false (got 'yes')",
     ],
+    "peak_below_rate": [
+        "FILE:4:27: users.alice.peak: must be at least the rate (20 tok/s): the peak is the "
+        "ceiling above the rate that borrowing may reach",
+    ],
+    "peak_below_tier_rate": [
+        "FILE:6:27: users.bob.peak: must be at least the rate of tier 'free' (20 tok/s): the "
+        "peak is the ceiling above the rate that borrowing may reach",
+    ],
+    "peak_not_rate": [
+        "FILE:4:9: default.peak: must be a number of tokens per second or 'unlimited' (got 'fast')",
+    ],
+    "peak_on_unlimited": [
+        "FILE:6:11: tiers.internal.peak: cannot be set on an unlimited rule: there is no rate "
+        "to borrow above",
+    ],
+    "peak_on_unlimited_tier": [
+        "FILE:6:45: match[0].peak: cannot be set here: tier 'internal' is unlimited, there is "
+        "no rate to borrow above",
+    ],
     "alias_bomb": [
         (
             "FILE:8:5: <root>: aliases expand to more than 10000 values beyond the file's own "
@@ -515,6 +534,71 @@ def test_anonymous_and_match_and_tiers_load() -> None:
     assert policy.source == "p.yaml"
     assert policy.position("users", "carol") == (5, 16)
     assert policy.position("match", 1, "pattern") == (8, 15)
+
+
+def test_peaks_load_on_every_kind_of_rule() -> None:
+    policy = parse_policy(
+        "version: 1\n"
+        "default: {rate: 100, peak: 300}\n"
+        "anonymous: {rate: 5, peak: 5}\n"
+        "tiers: {free: {rate: 20, peak: 200}, pro: 500}\n"
+        "users:\n"
+        "  alice: {rate: 20, peak: unlimited}\n"
+        "  bob: {tier: free}\n"
+        "  carol: {tier: free, peak: '100/3'}\n"
+        "  dave: {tier: pro, peak: 500.5}\n"
+        "match:\n"
+        "  - {pattern: 'trial-*', rate: 10, peak: 10.25, max_streams: 2}\n",
+        "p.yaml",
+    )
+    assert policy.default.peak == 300
+    assert policy.anonymous is not None and policy.anonymous.peak == 5  # = rate: allowed
+    assert policy.tiers["free"].peak == 200 and policy.tiers["pro"].peak is None
+    assert policy.users["alice"].peak == UNLIMITED
+    assert policy.users["bob"].peak is None  # the tier's, resolved by the compiler
+    assert policy.users["carol"].peak == Fraction(100, 3)
+    assert policy.users["dave"].peak == Fraction(1001, 2)
+    assert policy.match[0].peak == Fraction(41, 4)
+    assert policy.position("match", 0, "peak") == (11, 42)
+
+
+@pytest.mark.parametrize(
+    ("written", "message"),
+    [
+        ("0", "must be > 0"),
+        ("true", "must be a number of tokens per second or 'unlimited' (got true)"),
+        ("[200]", "must be a number of tokens per second or 'unlimited' (got a list)"),
+        ("1e7", "must be at most 1000000 tokens per second (use 'unlimited' for no limit)"),
+        ("19.99", "must be at least the rate (20 tok/s): the peak is the ceiling above the "
+         "rate that borrowing may reach"),
+    ],
+)  # fmt: skip
+def test_bad_peaks(written: str, message: str) -> None:
+    problem = _one(f"version: 1\ndefault: 100\nusers:\n  alice: {{rate: 20, peak: {written}}}\n")
+    assert problem == Problem("p.yaml", 4, 27, "users.alice.peak", message)
+
+
+def test_a_peak_below_its_tier_is_reported_with_every_other_problem() -> None:
+    with pytest.raises(PolicyError) as info:
+        parse_policy(
+            "version: 1\ndefault: 100\ntiers: {free: {rate: 20, peak: 40}}\n"
+            "users:\n  bob: {tier: free, peak: 10}\n  carol: 0\n",
+            "p.yaml",
+        )
+    assert [(p.line, p.field) for p in info.value.problems] == [
+        (5, "users.bob.peak"),
+        (6, "users.carol"),
+    ]
+
+
+def test_a_bad_tier_rate_is_reported_once_not_again_at_each_peak_above_it() -> None:
+    with pytest.raises(PolicyError) as info:
+        parse_policy(
+            "version: 1\ndefault: 100\ntiers: {free: fast}\n"
+            "users:\n  bob: {tier: free, peak: 10}\n  dan: {tier: gold, peak: 10}\n",
+            "p.yaml",
+        )
+    assert [p.field for p in info.value.problems] == ["tiers.free", "users.dan.tier"]
 
 
 def test_merge_keys_and_anchors_work() -> None:

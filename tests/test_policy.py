@@ -55,6 +55,59 @@ def test_direct_construction_checks_tier_references() -> None:
         Policy.model_validate({"version": 1, "default": 1, "users": {"bob": {"tier": "gold"}}})
 
 
+def test_direct_construction_checks_peaks_above_a_tier() -> None:
+    """A rule's own peak is checked by its model; one beside a tier needs the
+    tier's rate, so the policy checks it (the loader first, with positions)."""
+    data = {"version": 1, "default": 1, "tiers": {"free": {"rate": 20, "peak": 40}}}
+    with pytest.raises(
+        ValidationError, match=r"users\.bob\.peak: must be at least the rate of tier 'free'"
+    ):
+        Policy.model_validate({**data, "users": {"bob": {"tier": "free", "peak": 10}}})
+    with pytest.raises(ValidationError, match=r"match\.0\.peak: cannot be set here: tier 'x'"):
+        Policy.model_validate(
+            {
+                **data,
+                "tiers": {"x": "unlimited"},
+                "match": [{"pattern": "a*", "tier": "x", "peak": 5}],
+            }
+        )
+    ok = Policy.model_validate({**data, "users": {"bob": {"tier": "free", "peak": 20}}})
+    assert ok.users["bob"].peak == 20  # equal to the tier's rate: no borrowing, allowed
+
+
+@pytest.mark.parametrize(
+    ("rule", "message"),
+    [
+        ({"rate": 20, "peak": 10}, r"must be at least the rate \(20 tok/s\)"),
+        ({"rate": "unlimited", "peak": "unlimited"}, "cannot be set on an unlimited rule"),
+        ({"rate": 20, "peak": "fast"}, "must be a number of tokens per second"),
+    ],
+)
+def test_peak_rules_hold_for_every_kind_of_rule(rule: dict[str, object], message: str) -> None:
+    for model in (TierRule, LimitRule):
+        with pytest.raises(ValidationError, match=message):
+            model.model_validate(rule)
+    with pytest.raises(ValidationError, match=message):
+        MatchRule.model_validate({"pattern": "a*", **rule})
+    for key in ("default", "anonymous"):
+        with pytest.raises(ValidationError, match=message):
+            Policy.model_validate({"version": 1, "default": 1, key: rule})
+
+
+def test_a_peak_dumps_and_reloads() -> None:
+    policy = Policy.model_validate(
+        {
+            "version": 1,
+            "default": {"rate": "1/3", "peak": "2/3"},
+            "tiers": {"t": {"rate": 20, "peak": "unlimited"}},
+            "users": {"u": {"tier": "t", "peak": 20.5}},
+        }
+    )
+    text = yaml.safe_dump(policy.model_dump(mode="json", exclude_none=True))
+    assert "peak: 2/3" in text and "peak: unlimited" in text
+    assert parse_policy(text, "dumped.yaml") == policy
+
+
 @pytest.mark.parametrize(
     ("value", "rate"),
     [
@@ -194,6 +247,9 @@ def test_schema_describes_the_format() -> None:
     kinds = json.dumps(schema["properties"]["default"])
     assert '"const": "unlimited"' in kinds and "#/$defs/LimitRule" in kinds
     assert "tier" not in schema["$defs"]["TierRule"]["properties"]
+    for rule in ("TierRule", "LimitRule", "MatchRule"):
+        peak = schema["$defs"][rule]["properties"]["peak"]
+        assert "borrow" in peak["description"] and '"const": "unlimited"' in json.dumps(peak)
     identity = schema["$defs"]["IdentitySection"]["properties"]
     assert identity["source"]["enum"] == ["body", "header", "api_key"]
     assert identity["on_claim_mismatch"]["enum"] == ["reject", "ignore"]

@@ -23,7 +23,8 @@ from outrate.errors import PolicyError, Problem
 from outrate.policy.compose import Doc, Path, Pos, compose
 from outrate.policy.file import decode_policy_bytes, read_policy_file
 from outrate.policy.model import Policy, unknown_tier
-from outrate.policy.values import MAX_NAME_LEN, must_be_string, shown
+from outrate.policy.specs import peak_problem
+from outrate.policy.values import MAX_NAME_LEN, must_be_string, parse_rate, shown
 
 __all__ = ["field_path", "load_policy", "parse_policy", "parse_policy_bytes", "read_policy_file"]
 
@@ -175,8 +176,9 @@ def _translate(err: ValidationError, doc: Doc) -> list[tuple[Path, Pos, str, str
 
 
 def _tier_references(data: dict[Any, Any], doc: Doc) -> list[tuple[Path, Pos, str, str]]:
-    """Undefined tiers, found on the raw data so they are reported together with
-    every other problem (a pydantic model validator runs only on valid fields)."""
+    """Undefined tiers, and a `peak` below the rate of the tier beside it, found
+    on the raw data so they are reported together with every other problem (a
+    pydantic model validator runs only on valid fields)."""
     tiers = data.get("tiers", {})
     if not isinstance(tiers, dict):
         return []
@@ -197,7 +199,22 @@ def _tier_references(data: dict[Any, Any], doc: Doc) -> list[tuple[Path, Pos, st
             where = (*path, "tier")
             pos = doc.pos.get(where, (1, 1))
             out.append((where, pos, field_path(where), unknown_tier(name, tiers)))
+        elif isinstance(name, str) and "peak" in spec:
+            bad = _tier_peak(spec["peak"], tiers.get(name), name)
+            if bad is not None:
+                where = (*path, "peak")
+                out.append((where, doc.pos.get(where, (1, 1)), field_path(where), bad))
     return out
+
+
+def _tier_peak(peak: Any, tier: Any, name: str) -> str | None:
+    """What is wrong with `peak` above the rate of tier `name` (raw data), if
+    both are valid values; a bad one is reported where it was written."""
+    rate = tier.get("rate") if isinstance(tier, dict) else tier
+    try:
+        return peak_problem(parse_rate(rate), parse_rate(peak), name)
+    except ValueError:
+        return None
 
 
 def validate(

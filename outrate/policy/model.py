@@ -42,6 +42,7 @@ from outrate.policy.specs import (
     Strict,
     TierRule,
     TierSpec,
+    peak_problem,
 )
 from outrate.policy.values import (
     DEFAULT_BURST_NS,
@@ -136,14 +137,19 @@ class Policy(Strict):
 
     @model_validator(mode="after")
     def _tiers_exist(self, info: ValidationInfo) -> Policy:
-        """The loader reports these with positions first; this guards direct use."""
+        """Tier references exist, and a `peak` beside one is not below the tier's
+        rate. The loader reports these with positions first; this guards direct use."""
         if info.context and info.context.get("tiers_checked"):
             return self
         for path, rule in self.rules():
             if isinstance(rule, LimitRule) and rule.tier is not None:
+                where = ".".join(str(p) for p in path)
                 if rule.tier not in self.tiers:
-                    where = ".".join(str(p) for p in path)
                     raise problem(f"{where}.tier: {unknown_tier(rule.tier, self.tiers)}")
+                if rule.peak is not None:
+                    bad = peak_problem(self.tiers[rule.tier].rate, rule.peak, rule.tier)
+                    if bad is not None:
+                        raise problem(f"{where}.peak: {bad}")
         return self
 
     def __eq__(self, other: object) -> bool:

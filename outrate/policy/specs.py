@@ -6,11 +6,14 @@ user, tier and match entry) in one of these forms::
     100                      # tokens per second; fractions too: 0.5, 1/3
     unlimited
     {rate: 100, burst: 250ms, max_streams: 4}
+    {rate: 20, peak: 200}    # or peak: unlimited: borrow idle capacity up to it
     {tier: pro}              # users, match entries, default, anonymous only
-    {tier: pro, burst: 1s, max_streams: 2}   # a tier with overrides
+    {tier: pro, burst: 1s, max_streams: 2, peak: unlimited}   # a tier with overrides
 
-With `tier`, only `burst` and `max_streams` may be overridden: a `rate` beside
-`tier` would make the tier name a lie, so it is an error.
+With `tier`, only `burst`, `max_streams`, `shadow` and `peak` may be
+overridden: a `rate` beside `tier` would make the tier name a lie, so it is an
+error. A `peak` is checked against the rate it rises above: here when the rule
+has its own rate (`peak_problem`), by the policy when the rate is its tier's.
 
 Separate from the `Policy` (`outrate.policy.model`) and its sections because
 these rules are the ones the compiler turns into limits: a reader of
@@ -19,6 +22,7 @@ these rules are the ones the compiler turns into limits: a reader of
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Annotated, Any, ClassVar
 
 from pydantic import (
@@ -43,6 +47,7 @@ from outrate.policy.values import (
     problem,
     shown,
 )
+from outrate.units import format_rate
 
 
 class Strict(BaseModel):
@@ -90,6 +95,46 @@ Shadow = Annotated[
 ]
 
 
+Peak = Annotated[
+    Rate | None,
+    Field(
+        description="Work-conserving limit: above its committed 'rate' a user may borrow "
+        "capacity no committed request can use, up to this many tokens per second, or "
+        "'unlimited'. At least 'rate' (equal: no borrowing); not on an unlimited rule. "
+        "Default: no borrowing (a tier's peak passes to the users and patterns that use it)."
+    ),
+]
+
+
+def peak_problem(rate: RateValue, peak: RateValue, tier: str | None = None) -> str | None:
+    """Why `peak` cannot sit above `rate` (the rule's own, or its `tier`'s), or None.
+
+    One message for the rule's own check, the policy's check of a tier's rate,
+    and the loader's located report of that check."""
+    whose = "the rate" if tier is None else f"the rate of tier '{tier}'"
+    if not isinstance(rate, Fraction):  # unlimited
+        if tier is None:
+            return "cannot be set on an unlimited rule: there is no rate to borrow above"
+        return f"cannot be set here: tier '{tier}' is unlimited, there is no rate to borrow above"
+    if isinstance(peak, Fraction) and peak < rate:
+        return (
+            f"must be at least {whose} ({format_rate(rate)} tok/s): the peak is the "
+            "ceiling above the rate that borrowing may reach"
+        )
+    return None
+
+
+def _check_peak(peak: RateValue | None, info: ValidationInfo) -> RateValue | None:
+    """A rule's peak against its own rate (a tier's rate is the policy's to check)."""
+    rate = info.data.get("rate")
+    if peak is None or rate is None:
+        return peak  # no peak; a tier's rate, or a rate already reported as bad
+    message = peak_problem(rate, peak)
+    if message is not None:
+        raise problem(message)
+    return peak
+
+
 class _Spec(Strict):
     """What every limit spec shares: the bare-rate shorthand."""
 
@@ -110,26 +155,39 @@ class TierRule(_Spec):
     """A named limit users and patterns can refer to. Cannot name another tier."""
 
     rate: Rate = Field(description=_RATE_DOC)
+    peak: Peak = None
     burst: Burst = None
     max_streams: Streams = None
     shadow: Shadow = None
+
+    @field_validator("peak", mode="after")
+    @classmethod
+    def _peak_above_rate(cls, peak: RateValue | None, info: ValidationInfo) -> RateValue | None:
+        return _check_peak(peak, info)
 
 
 class LimitRule(_Spec):
     """A limit spec: a rate of its own, or a tier with optional overrides.
 
-    `tier` is declared before `rate` so the rate check below can see it.
+    `tier` is declared before `rate`, and `rate` before `peak`, so the checks
+    below can see them.
     """
 
     tier: Name | None = Field(
         default=None,
-        description="Take rate, burst and max_streams from this tier; burst and "
-        "max_streams may be overridden here, rate may not.",
+        description="Take rate, peak, burst and max_streams from this tier; peak, burst "
+        "and max_streams may be overridden here, rate may not.",
     )
     rate: Rate | None = Field(default=None, description=_RATE_DOC)
+    peak: Peak = None
     burst: Burst = None
     max_streams: Streams = None
     shadow: Shadow = None
+
+    @field_validator("peak", mode="after")
+    @classmethod
+    def _peak_above_rate(cls, peak: RateValue | None, info: ValidationInfo) -> RateValue | None:
+        return _check_peak(peak, info)
 
     @field_validator("rate", mode="after")
     @classmethod
