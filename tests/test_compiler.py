@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from outrate.budget.gcra import PEAK_UNLIMITED
 from outrate.budget.limiter import Limit, Limiter
 from outrate.errors import PolicyError
 from outrate.identity.core import ANONYMOUS
@@ -79,6 +80,95 @@ def test_rules_and_inheritance() -> None:
     assert c.users["frank"].rate is None
     assert c.default is c.tiers["free"] and c.default.burst_ns == 200 * ms
     assert c.patterns[0] == ("team-x/*", c.tiers["pro"])
+
+
+PEAKS = """\
+version: 1
+default: {rate: 100, peak: 300}
+tiers:
+  free: {rate: 20, peak: 200, max_streams: 4}
+  pro: 500
+users:
+  alice: {rate: 20, peak: unlimited}
+  bob: {tier: free}
+  carol: {tier: free, peak: 20}
+  dave: {tier: free, max_streams: 2}
+  erin: {tier: pro, peak: 1000}
+  frank: {rate: 20, peak: 20}
+  gina: {rate: 20}
+match:
+  - {pattern: "trial-*", rate: 10, peak: 25}
+"""
+
+
+def test_peaks_pass_through_and_inherit_like_burst_and_max_streams() -> None:
+    c = compiled(PEAKS)
+    assert c.default.peak == 300 and c.default.excess == Limit(200, c.burst_ns)
+    assert c.users["alice"].peak == PEAK_UNLIMITED
+    assert c.users["alice"].excess is not None and c.users["alice"].excess.rate is None
+    free = c.tiers["free"]
+    assert (free.peak, free.max_streams) == (200, 4)
+    assert c.users["bob"] is free  # no override: the tier's own Limit, peak included
+    # a peak of its own overrides the tier's; equal to the rate: no borrowing
+    carol = c.users["carol"]
+    assert (carol.rule, carol.peak, carol.excess, carol.max_streams) == (
+        "users.carol (tiers.free)",
+        None,
+        None,
+        4,
+    )
+    assert c.users["dave"].peak == 200  # another override keeps the tier's peak
+    assert (c.users["erin"].rate, c.users["erin"].peak) == (500, 1000)
+    assert c.users["frank"] == c.users["gina"]  # peak = rate is no peak at all
+    assert c.limit_for("trial-1").peak == 25
+    assert c.limit_for("trial-1").excess == Limit(15, c.burst_ns)
+
+
+def test_anonymous_at_the_default_borrows_like_the_default() -> None:
+    c = compiled("version: 1\ndefault: {rate: 7, peak: unlimited}\n")
+    assert c.anonymous == c.default and c.anonymous.peak == PEAK_UNLIMITED
+    c = compiled("version: 1\ndefault: {rate: 7, peak: unlimited}\nanonymous: 5\n")
+    assert c.anonymous.peak is None
+
+
+def test_no_peak_compiles_exactly_as_before() -> None:
+    c = compiled()  # TIERS has no peak
+    limits = [c.default, c.anonymous, *c.users.values(), *c.tiers.values()]
+    assert all(
+        lim.peak is None and lim.excess is None for lim in limits + [p for _, p in c.patterns]
+    )
+    assert c.peak_rules == []
+
+
+def test_summary_names_the_rules_that_borrow() -> None:
+    c = compiled(PEAKS, "p")
+    assert c.peak_rules == [
+        "default peak 300",
+        "anonymous (default) peak 300",
+        "tiers.free peak 200",
+        "users.alice peak unlimited",
+        "users.dave (tiers.free) peak 200",
+        "users.erin (tiers.pro) peak 1000",
+        "match[0] trial-* peak 25",
+    ]
+    assert c.summary() == (
+        "outrate policy from p: 7 users, 2 tiers, 1 pattern; "
+        "default 100 tok/s burst 100ms peak 300; anonymous 100 tok/s burst 100ms peak 300; "
+        "borrowing: tiers.free peak 200, users.alice peak unlimited, "
+        "users.dave (tiers.free) peak 200, users.erin (tiers.pro) peak 1000, "
+        "match[0] trial-* peak 25"
+    )
+    many = "".join(f"  u{i}: {{rate: 1, peak: {i + 2}}}\n" for i in range(7))
+    c = compiled(f"version: 1\ndefault: 5\nusers:\n{many}", "p")
+    assert c.summary().endswith(
+        "borrowing: users.u0 peak 2, users.u1 peak 3, users.u2 peak 4, users.u3 peak 5, "
+        "users.u4 peak 6, ... and 2 more"
+    )
+
+
+def test_flags_may_carry_a_peak() -> None:
+    c = policy_from_flags(10, '{"u": {"rate": 5, "peak": "unlimited"}}')
+    assert c.users["u"].peak == PEAK_UNLIMITED and c.default.peak is None
 
 
 def test_limits_are_shared_per_rule_not_per_lookup() -> None:
@@ -277,6 +367,32 @@ def test_limit_for_follows_the_documented_order(
             assert got is c.patterns[first][1]
             assert got.rule == f"match[{first}] {patterns[first][0]}"
     assert c.limit_for(probe) is got  # the cache answers the same
+
+
+peaks = st.one_of(st.none(), st.just("unlimited"), st.integers(0, 9 * 10**5))
+"""None: no peak; an int: how far above the rate it sits."""
+
+
+@given(st.integers(1, 10**5), peaks, st.integers(1, 10**5), peaks)
+def test_compile_never_fails_on_a_loaded_peak(
+    rate: int, peak: int | str | None, tier_rate: int, override: int | str | None
+) -> None:
+    def above(base: int, peak: int | str | None) -> dict[str, object]:
+        return {} if peak is None else {"peak": peak if isinstance(peak, str) else base + peak}
+
+    data = {
+        "version": 1,
+        "default": {"rate": rate, **above(rate, peak)},
+        "tiers": {"t": {"rate": tier_rate, **above(tier_rate, peak)}},
+        "users": {"u": {"tier": "t", **above(tier_rate, override)}},
+    }
+    c = compile_policy(Policy.model_validate(data), "p")
+    expected = override if override is not None else peak
+    u = c.users["u"]
+    if expected is None or expected == 0:
+        assert u.peak is None
+    else:
+        assert u.peak == (PEAK_UNLIMITED if expected == "unlimited" else tier_rate + expected)
 
 
 @given(st.dictionaries(ids, st.integers(1, 10**6), max_size=20))

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from outrate.budget.gcra import PEAK_UNLIMITED
 from outrate.errors import PolicyError
 from outrate.policy.changes import describe_changes
 from outrate.policy.compiler import CompiledPolicy, compile_policy
@@ -463,6 +464,27 @@ def test_reload_now(policy: Path) -> None:
     assert r.reload_now() is True and rates(r.current) == {"alice": 72}
 
 
+def test_a_peak_edit_applies_with_its_log_line(
+    policy: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only the peak moves: an effective change, applied and logged; a peak
+    below the rate is refused and the last good peak keeps serving."""
+    caplog.set_level(logging.INFO, logger="outrate.reload")
+    r = Reloader(policy, lambda p: None, mode="off")
+    assert r.reload_now() is True
+    policy.write_text(policy_text(alice="{rate: 20, peak: unlimited}", bob=30))
+    assert r.reload_now() is True and r.applied == 2
+    assert r.current is not None and r.current.users["alice"].peak == PEAK_UNLIMITED
+    policy.write_text(policy_text(alice="{rate: 20, peak: 10}", bob=30))
+    assert r.reload_now() is False and r.rejected == 1
+    assert r.last_error is not None and "users.alice.peak: must be at least the rate" in (
+        r.last_error
+    )
+    assert r.current.users["alice"].peak == PEAK_UNLIMITED
+    reloaded = [m.getMessage() for m in caplog.records if m.levelno == logging.INFO]
+    assert reloaded[1:] == [f"{policy}: policy reloaded: alice 20 tok/s -> 20 tok/s peak unlimited"]
+
+
 # -- modes and lifecycle ---------------------------------------------------
 
 
@@ -558,6 +580,10 @@ match:
 
 TEAM_X = "team-x added (30 tok/s); bob removed (now default 100 tok/s)"
 GOLD_80 = "tier gold 50 -> 80 tok/s max_streams 4; carol 50 -> 80 tok/s max_streams 4"
+GOLD_PEAK = (
+    "tier gold 50 tok/s max_streams 4 -> 50 tok/s peak 80 max_streams 4; "
+    "carol 50 tok/s max_streams 4 -> 50 tok/s peak 80 max_streams 4"
+)
 TWO_PATTERNS = "  - {pattern: 'a*', rate: 10}\n  - {pattern: 'team-*', rate: 10}"
 
 
@@ -584,6 +610,18 @@ TWO_PATTERNS = "  - {pattern: 'a*', rate: 10}\n  - {pattern: 'team-*', rate: 10}
         ("default: 100", "default: 100\nburst: 250ms", "burst 100ms -> 250ms"),
         ("rate: 50, max", "rate: 80, max", GOLD_80),
         ("'team-*', rate: 10", "'team-*', rate: 12", "pattern team-* 10 -> 12 tok/s"),
+        ("alice: 20", "alice: {rate: 20, peak: unlimited}",
+         "alice 20 tok/s -> 20 tok/s peak unlimited"),
+        ("alice: 20", "alice: {rate: 20, peak: 20}", "no effective change"),
+        ("alice: 20", "alice: {rate: 20, peak: 50, burst: 1s}",
+         "alice 20 tok/s -> 20 tok/s burst 1s peak 50"),
+        ("default: 100", "default: {rate: 100, peak: 200}",
+         "default 100 tok/s -> 100 tok/s peak 200"),
+        ("rate: 50, max", "rate: 50, peak: 80, max", GOLD_PEAK),
+        ("carol: {tier: gold}", "carol: {tier: gold, peak: 60}",
+         "carol 50 tok/s max_streams 4 -> 50 tok/s peak 60 max_streams 4"),
+        ("'team-*', rate: 10", "'team-*', rate: 10, peak: unlimited",
+         "pattern team-* 10 tok/s -> 10 tok/s peak unlimited"),
         ("  - {pattern: 'team-*', rate: 10}", TWO_PATTERNS, "pattern a* added (10 tok/s)"),
     ],
 )  # fmt: skip
@@ -596,6 +634,22 @@ def test_describe_removed_user_falls_back_to_pattern() -> None:
     assert describe_changes(old, compiled(BASE)) == (
         "bob added (30 tok/s); team-a removed (now match[0] team-* 10 tok/s)"
     )
+
+
+def test_describe_a_peak_that_moves_or_stays() -> None:
+    head = "version: 1\ndefault: 100\nusers:\n  alice: {rate: 20, peak: 100}\n"
+    old = compiled(head)
+    assert describe_changes(old, compiled(head.replace("peak: 100", "peak: 150"))) == (
+        "alice 20 tok/s peak 100 -> 20 tok/s peak 150"
+    )
+    assert describe_changes(old, compiled(head.replace("rate: 20", "rate: 30"))) == (
+        "alice 20 -> 30 tok/s peak 100"
+    )
+    assert describe_changes(old, compiled(head.replace(", peak: 100", ""))) == (
+        "alice 20 tok/s peak 100 -> 20 tok/s"
+    )
+    # a new policy burst is reported once, not beside every rule with a peak
+    assert describe_changes(old, compiled(head + "burst: 1s\n")) == "burst 100ms -> 1s"
 
 
 def test_describe_reordered_patterns() -> None:

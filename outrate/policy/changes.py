@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 from outrate.budget.limiter import Limit
 from outrate.identity.core import IdentityConfig
-from outrate.policy.compiler import CompiledPolicy
+from outrate.policy.compiler import CompiledPolicy, peak_text
 from outrate.units import format_duration, format_rate
 
 _MAX_ITEMS = 5
@@ -18,7 +18,7 @@ _MAX_ITEMS = 5
 def describe_changes(old: CompiledPolicy | None, new: CompiledPolicy) -> str:
     """One line saying what an operator's edit changed, for the reload log.
 
-    Compares effective limits (rate, burst, stream cap), not spelling: moving a
+    Compares effective limits (rate, burst, peak, stream cap), not spelling: moving a
     user into a tier with the same numbers is "no effective change", and a new
     policy-wide burst is reported once, not once per user that inherits it.
     """
@@ -95,7 +95,7 @@ def _same(a: Limit, b: Limit, old: CompiledPolicy, new: CompiledPolicy) -> bool:
     if a == b:
         return True
     return (
-        (a.rate, a.max_streams) == (b.rate, b.max_streams)
+        (a.rate, a.max_streams, a.peak) == (b.rate, b.max_streams, b.peak)
         and a.burst_ns == old.burst_ns
         and b.burst_ns == new.burst_ns
     )
@@ -108,10 +108,12 @@ def _cap(items: list[str]) -> list[str]:
 
 
 def _tail(limit: Limit, policy: CompiledPolicy) -> str:
-    """Burst (only where it is not the policy's) and stream cap."""
+    """Burst (only where it is not the policy's), peak and stream cap."""
     text = ""
     if limit.rate is not None and limit.burst_ns != policy.burst_ns:
         text += f" burst {format_duration(limit.burst_ns)}"
+    if limit.peak is not None:
+        text += f" peak {peak_text(limit.peak)}"
     if limit.max_streams is not None:
         text += f" max_streams {limit.max_streams}"
     return text

@@ -12,14 +12,16 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fnmatch import translate
+from fractions import Fraction
 from types import MappingProxyType
 from typing import Any
 
+from outrate.budget.gcra import PEAK_UNLIMITED
 from outrate.budget.limiter import Limit
 from outrate.identity.core import ANONYMOUS, BODY, IdentityConfig, KeyTable
 from outrate.policy.model import LimitRule, Policy, TierRule
 from outrate.policy.values import UNLIMITED
-from outrate.units import format_count
+from outrate.units import format_count, format_rate
 
 PATTERN_CACHE_SIZE = 65_536
 """Pattern results remembered per policy; bounded so hostile ids cannot grow it."""
@@ -130,8 +132,21 @@ class CompiledPolicy:
                 seen.setdefault(lim.rule)
         return list(seen)
 
+    @property
+    def peak_rules(self) -> list[str]:
+        """Rules that may borrow above their rate, with their peak
+        (`users.alice peak unlimited`), for lint and logs."""
+        limits = [self.default, self.anonymous, *self.tiers.values(), *self.users.values()]
+        limits += [lim for _, lim in self.patterns]
+        seen: dict[str, None] = {}
+        for lim in limits:
+            if lim.peak is not None:
+                seen.setdefault(f"{lim.rule} peak {peak_text(lim.peak)}")
+        return list(seen)
+
     def summary(self) -> str:
-        """One line for logs and `outrate lint`."""
+        """One line for logs and `outrate lint`; rules with a peak are named
+        (five, then how many more)."""
         counts = ", ".join(
             format_count(n, word)
             for n, word in (
@@ -143,10 +158,25 @@ class CompiledPolicy:
         identity = (
             "" if self.identity.source == "body" else f"; identity {self.identity.describe()}"
         )
+        # default's and anonymous's peaks are in their own descriptions
+        peaks = [p for p in self.peak_rules if not p.startswith(("default ", "anonymous "))]
+        if len(peaks) > _SUMMARY_PEAKS:
+            peaks = [*peaks[:_SUMMARY_PEAKS], f"... and {len(peaks) - _SUMMARY_PEAKS} more"]
+        borrowing = f"; borrowing: {', '.join(peaks)}" if peaks else ""
         return (
             f"outrate policy from {self.source}: {counts}; "
-            f"default {self.default.describe()}; anonymous {self.anonymous.describe()}{identity}"
+            f"default {self.default.describe()}; anonymous {self.anonymous.describe()}"
+            f"{borrowing}{identity}"
         )
+
+
+_SUMMARY_PEAKS = 5
+"""Rules with a peak named in the summary line; the rest are counted."""
+
+
+def peak_text(peak: Fraction | str) -> str:
+    """A Limit's peak as logs and lint show it: `200`, `unlimited`."""
+    return "unlimited" if peak == PEAK_UNLIMITED else format_rate(Fraction(peak))
 
 
 def _limit(
@@ -156,16 +186,18 @@ def _limit(
     policy: Policy,
     tier_limits: Mapping[str, Limit],
 ) -> Limit:
-    """One rule -> one Limit. Inheritance: the rule's own burst/max_streams/shadow,
-    then its tier's, then the policy's burst and mode."""
+    """One rule -> one Limit. Inheritance: the rule's own burst/max_streams/shadow/peak,
+    then its tier's, then the policy's burst and mode (no peak: no borrowing)."""
     shadow = rule.shadow
     if isinstance(rule, LimitRule) and rule.tier is not None:
         base = policy.tiers[rule.tier]
-        if rule.burst is None and rule.max_streams is None and rule.shadow is None:
+        overrides = (rule.burst, rule.max_streams, rule.shadow, rule.peak)
+        if all(value is None for value in overrides):
             return tier_limits[rule.tier]  # shared: same rule as the tier
         rate = base.rate
         burst = rule.burst or base.burst or policy.burst
         streams = rule.max_streams if rule.max_streams is not None else base.max_streams
+        peak = rule.peak if rule.peak is not None else base.peak
         if shadow is None:
             shadow = base.shadow
         name = f"{name} (tiers.{rule.tier})"
@@ -173,10 +205,17 @@ def _limit(
         rate = rule.rate if rule.rate is not None else UNLIMITED
         burst = rule.burst or policy.burst
         streams = rule.max_streams
+        peak = rule.peak
     if shadow is None:
         shadow = policy.mode == "shadow"
     return Limit(
-        None if rate == UNLIMITED else rate, burst, streams, rule=name, shadow=shadow, label=label
+        None if rate == UNLIMITED else rate,
+        burst,
+        streams,
+        rule=name,
+        shadow=shadow,
+        label=label,
+        peak=PEAK_UNLIMITED if peak == UNLIMITED else peak,
     )
 
 
@@ -230,6 +269,7 @@ def compile_policy(
             rule="anonymous (default)",
             shadow=d.shadow,
             label="anonymous",
+            peak=d.peak,
         )
     return CompiledPolicy(
         source=source,
@@ -250,4 +290,4 @@ def compile_policy(
     )
 
 
-__all__ = ["CompiledPolicy", "compile_identity", "compile_policy", "is_rule_label"]
+__all__ = ["CompiledPolicy", "compile_identity", "compile_policy", "is_rule_label", "peak_text"]
