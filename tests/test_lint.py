@@ -558,6 +558,37 @@ def test_anonymous_unlimited() -> None:
     assert codes(lint_policy(policy_from_flags(None, {"a": 5}))) == ["OR005"]
 
 
+def test_anonymous_borrowing_without_a_cap() -> None:
+    """OR005 one level up: no user id, no cap on borrowing, while some
+    identified user's borrowing is capped (a finite peak, or none)."""
+    (finding,) = lint_text(
+        "version: 1\ndefault: {rate: 5, peak: 50}\nanonymous: {rate: 5, peak: unlimited}\n"
+    )
+    assert finding == Finding(
+        "OR010",
+        "warning",
+        "requests without a user id may borrow idle capacity without a cap ('anonymous' has "
+        "peak: unlimited) while identified users' borrowing is capped: a client gets more by "
+        "sending no user id; give 'anonymous' a finite peak",
+        "p.yaml:3:28",
+    )
+    (finding,) = lint_text("version: 1\ndefault: {rate: 5, peak: unlimited}\nusers: {bob: 20}\n")
+    assert finding.code == "OR010" and finding.location == "p.yaml:2:26"
+    assert "('anonymous' is not set and the default has peak: unlimited)" in finding.message
+    (finding,) = lint_text(
+        "version: 1\ndefault: 5\nanonymous: {tier: t}\ntiers: {t: {rate: 1, peak: unlimited}}\n"
+    )
+    assert finding.location == "p.yaml:3:12"  # the peak is the tier's: at anonymous
+    # every identified user may borrow as far, or is unlimited: nothing to escape
+    uncapped = "{rate: 5, peak: unlimited}"
+    assert lint_text(f"version: 1\ndefault: {uncapped}\n") == []
+    both = f"anonymous: {uncapped}\nusers: {{a: {uncapped}}}\n"
+    assert lint_text(f"version: 1\ndefault: unlimited\n{both}") == []
+    assert lint_text("version: 1\ndefault: 5\nanonymous: {rate: 5, peak: 9}\n") == []
+    shadow = "{rate: 5, peak: unlimited, shadow: true}"
+    assert lint_text(f"version: 1\ndefault: 5\nanonymous: {shadow}\n") == []
+
+
 def test_lookalike_user_ids() -> None:
     """Equal after NFKC and case folding: `Alice`, and a fullwidth `ｂｏｂ`."""
     text = (

@@ -14,6 +14,8 @@ Codes are stable (tools and CI filter on them); never renumber, only add:
 - OR007 warning  identity source api_key with a keys file that lists no key
 - OR008 warning  a user id that is also a rule's metrics label (default, tier:NAME, ...)
 - OR009 warning  a user id with whitespace at an end (`alice `): no request can carry it
+- OR010 warning  anonymous requests borrow without a cap (peak unlimited) while an
+                 identified user's borrowing is capped
 - OR101 error    speculative decoding
 - OR102 error    data parallel size > 1 without a budget store (--outrate-store)
 - OR103 error    pipeline parallel size > 1
@@ -43,6 +45,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
 
+from outrate.budget.gcra import PEAK_UNLIMITED
 from outrate.check.deployment import Deployment
 from outrate.check.rules import Finding, lint_deployment, lint_exposure
 from outrate.errors import PolicyError, Problem
@@ -195,6 +198,32 @@ def _anonymous_finding(
     ]
 
 
+def _anonymous_peak_finding(
+    policy: Policy | None, compiled: CompiledPolicy, where: _Where
+) -> list[Finding]:
+    """OR005 one level up: the shared anonymous budget may borrow without a cap
+    while some identified user may not, so a client escapes its peak (or its
+    rate, where it has no peak) by sending no user id."""
+    anonymous = compiled.anonymous
+    if anonymous.peak != PEAK_UNLIMITED or anonymous.shadow:
+        return []
+    others = [compiled.default, *compiled.users.values(), *(lim for _, lim in compiled.patterns)]
+    if all(lim.rate is None or lim.peak == PEAK_UNLIMITED for lim in others):
+        return []
+    written = policy is not None and policy.anonymous is not None
+    how = "'anonymous' has" if written else "'anonymous' is not set and the default has"
+    return [
+        Finding(
+            "OR010",
+            "warning",
+            f"requests without a user id may borrow idle capacity without a cap ({how} "
+            "peak: unlimited) while identified users' borrowing is capped: a client gets "
+            "more by sending no user id; give 'anonymous' a finite peak",
+            where("anonymous", "peak") if written else where("default", "peak"),
+        )
+    ]
+
+
 def _lookalike_findings(policy: Policy, where: _Where) -> list[Finding]:
     """`alice` and `Alice`, or `ｂｏｂ` (fullwidth) and `bob`: a reader (and a
     gateway that folds case) takes them for one user; outrate keeps two budgets."""
@@ -291,6 +320,7 @@ def lint_policy(compiled_or_policy: CompiledPolicy | Policy) -> list[Finding]:
         out += _padding_findings(policy, where)
         out += _label_findings(policy, where)
     out += _anonymous_finding(policy, compiled, where)
+    out += _anonymous_peak_finding(policy, compiled, where)
     out += _keys_finding(compiled, where)
     return out
 
