@@ -70,8 +70,22 @@ def _shared_int(v: int) -> int:
     return _INTS.setdefault(v, v)
 
 
+PEAK_UNLIMITED = "unlimited"
+"""`Limit(peak=PEAK_UNLIMITED)`: borrow without a cap of its own."""
+
+
 class Limit:
-    """One resolved limit: rate (None = unlimited), burst and stream cap.
+    """One resolved limit: rate (None = unlimited), burst and stream cap,
+    and a `peak` above the rate (work-conserving limits).
+
+    `rate` is the committed rate. With a `peak`, tokens between `rate` and
+    `peak` are *borrowed*: the scheduler grants them only from capacity no
+    committed request can use, and charges them to a second bucket alone,
+    `excess`, at `peak - rate` with the same burst (None: no borrowing;
+    unlimited for `peak: unlimited`). Two independent buckets (the committed
+    and excess buckets of MEF 10's bandwidth profile, CIR and EIR) so a
+    borrowed token leaves no debt on the committed one; together they bound a
+    user's tokens in any window by `(W + burst) * peak + 2`.
 
     Immutable and shared by every user that resolves to the same rule, so it
     costs nothing per user. `scale`, `interval` and `tolerance` are the GCRA
@@ -88,6 +102,8 @@ class Limit:
         "rule",
         "shadow",
         "label",
+        "peak",
+        "excess",
     )
 
     def __init__(
@@ -98,11 +114,20 @@ class Limit:
         rule: str = "",
         shadow: bool = False,
         label: str = "",
+        peak: Fraction | int | float | str | None = None,
     ) -> None:
         if rate is not None:
             rate = exact_rate(rate)
             if rate <= 0:
                 raise ValueError(f"rate must be > 0, got {rate}")
+        if peak is not None and peak != PEAK_UNLIMITED:
+            peak = exact_rate(peak)
+            if rate is not None and peak < rate:
+                raise ValueError(f"peak must be >= rate ({rate}), got {peak}")
+        if peak is not None and rate is None:
+            raise ValueError("peak needs a finite rate: an unlimited rule has nothing to borrow")
+        if peak == rate:
+            peak = None  # nothing between the two: no borrowing
         if burst_ns <= 0:
             raise ValueError(f"burst must be > 0 ns, got {burst_ns}")
         if max_streams is not None and max_streams < 1:
@@ -115,6 +140,13 @@ class Limit:
         """Computed and counted, never enforced: nobody is held, no prefill capped."""
         self.label = label
         """The `limit` label of this rule's metrics (`default`, `tier:pro`, ...)."""
+        self.peak: Fraction | str | None = peak
+        """None: no borrowing (peak = rate); `PEAK_UNLIMITED`; or the peak rate."""
+        self.excess: Limit | None = None
+        """The bucket borrowed tokens are charged to (rate `peak - rate`)."""
+        if peak is not None and rate is not None:
+            extra = None if peak == PEAK_UNLIMITED else Fraction(peak) - rate
+            self.excess = Limit(extra, self.burst_ns, rule=rule, label=label)
         if rate is None:
             self.scale = 0
             self.interval = 0
@@ -131,12 +163,16 @@ class Limit:
     def scaled(self, share: Fraction) -> Limit:
         """This limit at `share` of its rate (same burst, stream cap and labels)."""
         assert self.rate is not None
-        return Limit(
+        scaled = Limit(
             self.rate * share, self.burst_ns, self.max_streams, self.rule, self.shadow, self.label
         )
+        # Borrowing is decided per engine (spare capacity is local): each
+        # engine keeps the whole excess rate, not a share of it.
+        scaled.peak, scaled.excess = self.peak, self.excess
+        return scaled
 
-    def _key(self) -> tuple[Fraction | None, int, int | None, bool]:
-        return (self.rate, self.burst_ns, self.max_streams, self.shadow)
+    def _key(self) -> tuple[Fraction | None, int, int | None, bool, Fraction | str | None]:
+        return (self.rate, self.burst_ns, self.max_streams, self.shadow, self.peak)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Limit) and self._key() == other._key()
@@ -150,6 +186,10 @@ class Limit:
             text = "unlimited"
         else:
             text = f"{format_rate(self.rate)} tok/s burst {format_duration(self.burst_ns)}"
+        if self.peak == PEAK_UNLIMITED:
+            text += " peak unlimited"
+        elif self.peak is not None:
+            text += f" peak {format_rate(Fraction(self.peak))}"
         if self.max_streams is not None:
             text += f" max_streams {self.max_streams}"
         if self.shadow:

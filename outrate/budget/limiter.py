@@ -74,11 +74,13 @@ class Bucket:
     `credit` is its account with a shared budget (None in memory alone).
     """
 
-    __slots__ = ("gen", "limit", "tat", "credit", "key", "pins")  # the take's first
+    __slots__ = ("gen", "limit", "tat", "credit", "key", "pins", "etat")  # the take's first
 
     def __init__(self, key: str, limit: Limit, gen: int) -> None:
         self.key = key
         self.tat = 0
+        self.etat = 0
+        """The excess bucket's TAT (borrowed tokens: `limit.excess`), in its units."""
         self.limit = limit
         self.gen = gen
         self.credit: Account | None = None
@@ -124,6 +126,17 @@ class Stats(NamedTuple):
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _carried(tat: int, old: Limit | None, new: Limit | None, at: int) -> int:
+    """A TAT under `old` as one under `new`: the debt at `at`, in tokens."""
+    if old is not None and new is not None:
+        if new.scale == old.scale and new.interval == old.interval:
+            return tat  # same units: the TAT stands as it is
+    if old is None or new is None or not old.scale or not new.scale:
+        return 0
+    debt = tat - at * old.scale
+    return at * new.scale + _ceil_div(debt * new.interval, old.interval) if debt > 0 else 0
 
 
 class Limiter:
@@ -197,16 +210,12 @@ class Limiter:
 
     @staticmethod
     def _convert(b: Bucket, new: Limit, at: int) -> None:
-        """Carry `b`'s debt as it stood at `at` over to `new`, in tokens."""
+        """Carry `b`'s debt as it stood at `at` over to `new`, in tokens (the
+        excess bucket's too)."""
         old = b.limit
-        if new.scale == old.scale and new.interval == old.interval:
-            b.limit = new  # same units: the TAT stands as it is
-            return
-        debt = b.tat - at * old.scale if old.scale else 0
-        if debt > 0 and new.scale:
-            b.tat = at * new.scale + _ceil_div(debt * new.interval, old.interval)
-        else:
-            b.tat = 0
+        b.tat = _carried(b.tat, old, new, at)
+        if old.excess is not None or new.excess is not None:
+            b.etat = _carried(b.etat, old.excess, new.excess, at)
         b.limit = new
 
     # -- the table ---------------------------------------------------------
@@ -330,6 +339,42 @@ class Limiter:
             return k if k < held else max(held, 0)
         return k
 
+    # -- borrowing (work-conserving limits: Limit.peak) ----------------------
+
+    def can_borrow(self, b: Bucket, now: int) -> bool:
+        """Whether `b`'s user may borrow a token at `now`: its limit has a peak
+        and the excess bucket has a token. (The scheduler decides whether there
+        is spare capacity to borrow from; this only says the peak allows it.)"""
+        if b.gen != self._gen:
+            self._refresh(b, now)
+        ex = b.limit.excess
+        if ex is None:
+            return False
+        s = ex.scale
+        return not s or b.etat - now * s <= ex.tolerance
+
+    def borrow(self, b: Bucket, now: int) -> bool:
+        """Take one borrowed token from the excess bucket alone: the committed
+        bucket is not touched, so borrowing leaves it no debt."""
+        if b.gen != self._gen:
+            self._refresh(b, now)
+        ex = b.limit.excess
+        if ex is None:
+            return False
+        s = ex.scale
+        if not s:
+            return True  # peak: unlimited
+        k, b.etat = gcra(b.etat, now * s, ex.interval, ex.tolerance, 1)
+        return k == 1
+
+    def give_back_borrowed(self, b: Bucket, now: int) -> None:
+        """Undo one `borrow` (the refund point)."""
+        if b.gen != self._gen:
+            self._refresh(b, now)
+        ex = b.limit.excess
+        if ex is not None and ex.scale:
+            b.etat -= ex.interval
+
     # -- keyed verbs (API for tools and tests) -----------------------------
 
     def _now(self, now: int | None) -> int:
@@ -379,7 +424,9 @@ class Limiter:
             key = sweep.popleft()
             b = buckets[key]
             a = b.credit
-            if b.pins == 0 and b.tat <= now * b.limit.scale and not (a and a.leased):
+            ex = b.limit.excess
+            idle = b.tat <= now * b.limit.scale and (ex is None or b.etat <= now * ex.scale)
+            if b.pins == 0 and idle and not (a and a.leased):
                 del buckets[key]
                 removed += 1
             else:

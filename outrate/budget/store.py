@@ -54,6 +54,17 @@ class BudgetStore(Protocol):
     def available(self, b: Bucket, now: int) -> int:
         """Tokens `take` would grant back to back at `now`."""
 
+    def can_borrow(self, b: Bucket, now: int) -> bool:
+        """Whether the user's peak lets it borrow a token at `now` (its excess
+        bucket: `Limit.excess`); False without a peak."""
+
+    def borrow(self, b: Bucket, now: int) -> bool:
+        """Take one borrowed token from the excess bucket alone (the committed
+        bucket is untouched: borrowing leaves it no debt)."""
+
+    def give_back_borrowed(self, b: Bucket, now: int) -> None:
+        """Undo one `borrow` (the refund point)."""
+
     def limit_of(self, b: Bucket, now: int) -> Limit:
         """The limit in force for the bucket's user."""
 

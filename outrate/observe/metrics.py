@@ -52,11 +52,13 @@ class LabelMetrics:
         "throttled_ns",
         "wait",
         "interval",
+        "borrowed",
     )
 
     def __init__(self, label: str) -> None:
         self.label = label
-        self.tokens = 0  # charged, net of refunds
+        self.tokens = 0  # charged, net of refunds (borrowed ones included)
+        self.borrowed = 0  # of those, borrowed: between rate and peak, from spare capacity
         self.shadow_over = 0  # tokens a shadow limit would have refused
         self.live = 0  # requests in the engine (running, held or waiting)
         self.held = 0  # requests held for budget now
@@ -99,6 +101,8 @@ class Metrics:
         self.holds = 0  # requests held for budget
         self.releases = 0  # held requests released
         self.refunded = 0  # tokens charged and not scheduled, given back
+        self.reclaimed = 0  # borrowing requests held because a committed one needed the room
+        self.lent = 0  # held requests released to borrow spare capacity
 
     def record(self, label: str) -> LabelMetrics:
         m = self.labels.get(label)

@@ -20,6 +20,8 @@ from vllm_integration.step.state import ATTR, RequestState, StepScratch, UserSta
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
+    from vllm_integration.step.lending import Lending
+
 DISPLACE_SCAN = 32
 """Waiting requests examined per step for fair-admission displacement."""
 
@@ -42,6 +44,7 @@ class Admission:
         self.chunked = chunked  # chunked prefill: a throttled request can prefill ahead
         self.caching = caching  # prefix caching
         self.block_size = block_size
+        self.lending: Lending | None = None  # set by the scheduler: borrowers' new prompts
 
     def admit(
         self,
@@ -70,7 +73,10 @@ class Admission:
             return self._defer(rs, "max_streams")  # waits without blocking anyone else
         elif u.refused_step == step or u.n_held or not (u.left or limiter.available(u.bucket, now)):
             # (u.left: tokens it took for this step and has not spent: budget too)
-            if not self.can_prefill_ahead(request) or running + 1 >= max_active:
+            lending = self.lending
+            if lending is not None and limit.excess is not None and lending.admit(rs, request, now):
+                pass  # on spare capacity no committed request waits for: it borrows
+            elif not self.can_prefill_ahead(request) or running + 1 >= max_active:
                 ready = limiter.ready_at(u.bucket, now)
                 if st.blocked_ready == 0 or ready < st.blocked_ready:
                     st.blocked_ready = ready

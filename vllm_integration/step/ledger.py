@@ -15,13 +15,16 @@ import.
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from outrate.budget.store import BudgetStore
 from outrate.observe.metrics import BUCKETS_NS, Metrics
 from outrate.policy.compiler import CompiledPolicy
 from vllm_integration.step.recorder import StepRecorder
 from vllm_integration.step.state import ATTR, RequestState, StepScratch, UserState, is_held
+
+if TYPE_CHECKING:
+    from vllm_integration.step.lending import Lending
 
 
 class Ledger:
@@ -31,6 +34,7 @@ class Ledger:
         self.limiter = limiter
         self.metrics = metrics
         self.recorder = recorder  # with --outrate-trace
+        self.lending: Lending | None = None  # set by the scheduler: borrowed refunds
         self.now = -1  # this step's time (-1: no step yet)
         self.prev_now = -1  # the step before's
         self.period = 0  # their difference: a consecutive token's interval
@@ -86,6 +90,10 @@ class Ledger:
         m = u.m
         if rs.over_step == step:
             m.shadow_over -= 1  # a shadow over-limit token: nothing was taken
+        elif rs.borrowed_step == step and self.lending is not None:
+            self.limiter.give_back_borrowed(u.bucket, now)  # to the excess bucket alone
+            self.lending.refunded(rs, u)
+            rs.borrowed_step = -1
         elif u.bucket.limit.scale:
             self.limiter.give_back(u.bucket, now)  # at once: a refused user may wait on it
         m.tokens -= 1

@@ -45,10 +45,12 @@ class StepRecorder:
     ) -> None:
         """The step's line: the requests stock's loop visited (`running`: held
         ones are not among them); per user id, tokens charged this step
-        (gross), refunded and shadow over-limit; held and released. O(requests
+        (gross), refunded, shadow over-limit and borrowed (between rate and
+        peak: already among the charged); held and released. O(requests
         scheduled). Steps where nothing happened write nothing."""
         charged: dict[str, int] = {}
         over: dict[str, int] = {}
+        borrowed: dict[str, int] = {}
         for rid in scheduled:
             rs = requests[rid].__dict__.get(ATTR)
             if rs is None or rs.charged_step != step:
@@ -57,10 +59,12 @@ class StepRecorder:
             charged[key] = charged.get(key, 0) + 1
             if rs.over_step == step:
                 over[key] = over.get(key, 0) + 1
+            if rs.borrowed_step == step:
+                borrowed[key] = borrowed.get(key, 0) + 1
         refunded = self.refunded_by
         for key, n in refunded.items():
             charged[key] = charged.get(key, 0) + n
         held, released = self.held_by, self.released_by
         if charged or held or released:  # (the writer keeps the dicts: new ones after)
-            self.trace.step((now, step, running, charged, refunded, held, released, over))
+            self.trace.step((now, step, running, charged, refunded, held, released, over, borrowed))
             self.held_by, self.released_by, self.refunded_by = {}, {}, {}

@@ -40,7 +40,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.sched.utils import remove_all
 from vllm.v1.request import Request, RequestStatus
 
-from outrate.budget.limiter import Limiter
+from outrate.budget.limiter import Limit, Limiter
 from outrate.budget.store import BudgetStore
 from outrate.identity.core import Stamper, resolve_identity
 from outrate.observe.metrics import Metrics
@@ -49,6 +49,7 @@ from vllm_integration.step.admission import Admission
 from vllm_integration.step.holdback import Holdback
 from vllm_integration.step.kv import HeldFirstAllocation
 from vllm_integration.step.ledger import Ledger
+from vllm_integration.step.lending import Lending, lends
 from vllm_integration.step.recorder import StepRecorder
 from vllm_integration.step.roster import Roster
 from vllm_integration.step.state import ATTR, PolicyBox, RequestState, StepScratch
@@ -69,6 +70,7 @@ class OutrateMixin:
     requests: dict[str, Request]
     max_num_running_reqs: int
     max_num_active_reqs: int
+    max_num_scheduled_tokens: int
     waiting: Any
     kv_cache_manager: Any
 
@@ -114,6 +116,9 @@ class OutrateMixin:
             caching=bool(self.cache_config.enable_prefix_caching),  # type: ignore[attr-defined]
             block_size=self.block_size,  # type: ignore[attr-defined]
         )
+        self.lending = Lending(self.limiter, self.metrics, self.holdback, self._st)
+        self.admission.lending = self.ledger.lending = self.lending
+        self._lends = lends(_limits(self._policy))  # any rule with a peak: lending runs
         self.roster = Roster(self.limiter, self.metrics)
         self._users = self.roster.users  # users with live requests, by id
         self._step = 0
@@ -140,6 +145,7 @@ class OutrateMixin:
         trace notes it."""
         self._policy = policy
         self.limiter.set_policy(policy, now)
+        self._lends = lends(_limits(policy))
         logger.debug("outrate: scheduler switched to %s", policy.summary())
         users = self._users.values()
         self.holdback.rearm(users, now)
@@ -169,6 +175,8 @@ class OutrateMixin:
         super().add_request(request)  # type: ignore[misc]
 
     def _leave_slot(self, rs: RequestState, request: Request) -> None:
+        if rs.borrowing:
+            self.lending.stop(request)
         if rs.held:
             self.holdback.leave(rs, request, self._clock())
         if rs.resident:
@@ -233,7 +241,12 @@ class OutrateMixin:
         elif u.refused_step != step:  # more than it had running (admitted this step): one more
             left = self.limiter.take_upto(u.bucket, self._now, 1)
         if not left and not (u.bucket.limit.shadow and self.ledger.shadow_over(rs, u, step)):
-            return self.admission.refuse(request, rs, u, step, num_computed_tokens)
+            # Out of committed budget: a borrower (lending.py) takes a token of
+            # its peak from the capacity this step's plan left it.
+            if not (rs.borrowing and self.limiter.borrow(u.bucket, self._now)):
+                return self.admission.refuse(request, rs, u, step, num_computed_tokens)
+            rs.borrowed_step = step
+            self.lending.charged(rs, u)
         rs.charged_step = step
         self._st.last_charge = request  # a refund candidate (state.py)
         self.ledger.charge(rs, u, self._now)
@@ -257,9 +270,19 @@ class OutrateMixin:
             self.swap_policy(policy, now)  # a reload, at a step's start
         self._st.blocked_ready = 0
         holdback = self.holdback
-        if holdback.wake:
-            room = self._cfg_active - len(self.running)
+        if holdback.wake:  # borrowers' slots count as free: the plan reclaims them
+            room = self._cfg_active - len(self.running) + len(self.lending)
             self._st.touched += holdback.release_ready(now, room, self.running)
+        if self._lends and (holdback or self.lending or len(self.waiting)):
+            self.running = self.lending.plan(
+                now,
+                self.running,
+                self.waiting,
+                self._users.values(),
+                self._cfg_active,  # releasing a held borrower keeps its resident slot
+                self.max_num_running_reqs - len(self.running) - len(holdback),
+                self.max_num_scheduled_tokens,
+            )
         if holdback and len(self.running) + len(holdback) >= self.max_num_running_reqs:
             self._displace(now)
         self._alloc.install(bool(holdback))  # held requests: preempted first (kv.py)
@@ -282,10 +305,17 @@ class OutrateMixin:
                 self.waiting.prepend_request(r)
             st.stash.clear()
         if st.admits:
+            if self.lending:
+                for r in st.admits:
+                    if r.status != _RUNNING:
+                        self.lending.stop(r)  # a borrower stock did not admit after all
             self.admission.undo_unadmitted(st.admits, _RUNNING)
         if st.refused:  # refused and not scheduled after all: held (holdback.py)
             held = self.holdback.hold_refused(st.refused, scheduled, now, _RUNNING)
             if held:
+                if self.lending:
+                    for r in held:
+                        self.lending.stop(r)  # its peak ran out: held like anyone
                 self.running = remove_all(self.running, set(held))
         if st.touched:
             self.holdback.arm_touched(st.touched, now)
@@ -321,3 +351,14 @@ class OutrateScheduler(OutrateMixin, Scheduler):
 
 class OutrateAsyncScheduler(OutrateMixin, AsyncScheduler):
     """Rate-limited async scheduler (used when vLLM enables async scheduling)."""
+
+
+def _limits(policy: CompiledPolicy) -> list[Limit]:
+    """Every limit a policy can resolve to."""
+    return [
+        policy.default,
+        policy.anonymous,
+        *policy.users.values(),
+        *policy.tiers.values(),
+        *(lim for _, lim in policy.patterns),
+    ]

@@ -49,6 +49,8 @@ class UserState:
         "held",
         "ready_at",
         "armed",
+        "n_borrowing",
+        "served",
     )
 
     def __init__(self, key: str, bucket: Bucket, m: LabelMetrics) -> None:
@@ -67,6 +69,11 @@ class UserState:
         # store as many as it has visible running requests (`take_upto`);
         # each charge spends one; what is left goes back at the step's end.
         self.left = 0  # tokens taken for this step and not spent yet
+        # Borrowing (lending.py): its requests running on spare capacity, and
+        # its borrowed service in seconds of its committed rate (tokens/rate),
+        # the counter spare capacity is shared by (VTC's).
+        self.n_borrowing = 0
+        self.served = 0.0
 
     def wakes_at(self, ready: int) -> bool:
         """Whether a wake-heap entry for `ready` is this user's live one."""
@@ -85,6 +92,8 @@ class RequestState:
         "prev_ns",
         "over_step",
         "deferred",
+        "borrowing",
+        "borrowed_step",
     )
 
     def __init__(self, user: UserState) -> None:
@@ -100,6 +109,8 @@ class RequestState:
         self.held_since = 0
         self.over_step = -1  # step of a shadow over-limit charge (refunds)
         self.deferred = ""  # why admission is deferred now ("" when it is not)
+        self.borrowing = False  # running on spare capacity, out of its committed budget
+        self.borrowed_step = -1  # step of a borrowed charge (refunds, the trace)
 
 
 def is_held(request: Request) -> bool:
@@ -122,6 +133,9 @@ class StepScratch:
         "stash",
         "blocked_ready",
         "users",
+        "borrow_slots",
+        "borrow_tokens",
+        "borrow_quota",
     )
 
     def __init__(self) -> None:
@@ -139,3 +153,7 @@ class StepScratch:
         self.stash: list[Request] = []  # held victims preempted mid-loop, requeued after
         self.blocked_ready = 0  # earliest ready time of a user blocking admission
         self.users: list[UserState] = []  # users granted more than one token (fold)
+        # What this step may still lend to borrowers' waiting requests (lending.py).
+        self.borrow_slots = 0
+        self.borrow_tokens = 0
+        self.borrow_quota: dict[UserState, int] = {}  # per user: its share left for new prompts

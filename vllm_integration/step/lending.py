@@ -1,0 +1,281 @@
+"""Lending: spare capacity to users over their committed rate, up to their peak.
+
+The rule (docs/policy-reference.md, "peak"): a borrowed token comes only from
+capacity that no committed request can use in that step. A request is
+*committed* while its user is within its committed rate (`rate`); tokens
+between `rate` and `peak` are *borrowed* and charged to the user's excess
+bucket alone (`Limit.excess`), so borrowing leaves no debt on the committed
+budget.
+
+How a step keeps the rule (`plan`, at the step's start, after held committed
+requests were released and before stock's `schedule()`):
+
+- The committed demand is counted first: running requests that are not
+  borrowing, and the waiting requests stock would admit as committed (their
+  user has committed budget and is under `max_streams`; the first
+  `LEND_SCAN` waiting requests are examined, more are assumed committed).
+  Each takes an active slot and its tokens (a decode one token, a prefill the
+  rest of its prompt: an upper bound, so prefix-cache hits only leave more).
+- What is left of `--max-num-active-seqs` and of the step's token budget is
+  the allowance. Borrowing requests beyond it are held again at once, before
+  stock's loops run (`reclaimed`): a borrower gives its slot back in the
+  first step a committed request needs it. Within the allowance, held
+  requests of users whose peak allows a token are released to borrow
+  (`lent`), one at a time, to the user with the least borrowed service.
+- Borrowers' new prompts are admitted only when no committed request waits
+  (`StepScratch.borrow_slots`), and within the tokens left.
+- Under KV pressure borrowers are the first victims after held requests
+  (kv.py).
+
+Fair sharing (VTC's service counters): each user's borrowed service is kept
+in seconds of its committed rate (`served += 1 / rate` per borrowed token);
+spare capacity goes to the smallest counter, so over time users borrow in
+proportion to their committed rates. A user that starts borrowing is lifted
+to the smallest counter of those borrowing, and no counter stays more than
+`FAIR_WINDOW_S` above it: service is compared over a recent window, not
+forever.
+
+Plain Python over the scheduler's records (state.py): no vLLM import.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from outrate.budget.gcra import Limit
+from outrate.budget.store import BudgetStore
+from outrate.observe.metrics import Metrics
+from vllm_integration.step.holdback import Holdback
+from vllm_integration.step.state import ATTR, RequestState, StepScratch, UserState
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+LEND_SCAN = 32
+"""Waiting requests examined for committed demand per step (more: assumed committed)."""
+FAIR_WINDOW_S = 1.0
+"""How far (seconds of committed rate) one borrower's service may run ahead of
+the least served when capacity is shared: the fairness window."""
+
+
+def _held(r: Any) -> bool:
+    rs = r.__dict__.get(ATTR)
+    return rs is not None and rs.held
+
+
+def lends(limits: Iterable[Limit]) -> bool:
+    """Whether any of these limits has a peak (the scheduler lends only then)."""
+    return any(lim.excess is not None and not lim.shadow for lim in limits)
+
+
+class Lending:
+    def __init__(
+        self, limiter: BudgetStore, metrics: Metrics, holdback: Holdback, st: StepScratch
+    ) -> None:
+        self.limiter = limiter
+        self.metrics = metrics
+        self.holdback = holdback
+        self.st = st
+        self.running: dict[Request, None] = {}  # borrowing requests in `running`, oldest first
+
+    def __len__(self) -> int:
+        return len(self.running)
+
+    # -- a step's plan -------------------------------------------------------
+
+    def plan(
+        self,
+        now: int,
+        running: list[Request],
+        waiting: Iterable[Any],
+        users: Iterable[UserState],
+        active: int,
+        resident: int,
+        budget: int,
+    ) -> list[Request]:
+        """Size this step's lending (see the module docstring). `active`:
+        `--max-num-active-seqs`; `resident`: the resident slots free for new
+        requests (`--max-num-seqs` less running and held); `budget`: the
+        step's token budget. Returns the running list the step should use:
+        reclaimed borrowers out of it, and every borrower after every
+        committed request, so stock's loop serves committed requests first
+        (token budget) and, under FCFS, preempts a borrower first (KV)."""
+        st = self.st
+        borrowing = self.running
+        committed = 0
+        demand = 0
+        for r in running:
+            if r not in borrowing:
+                committed += 1
+                left = r.num_tokens - r.num_computed_tokens
+                demand += left if left > 1 else 1
+        users = list(users)
+        n_wait, wait_tokens = self._committed_waiting(waiting, users, now, active - committed)
+        tokens = budget - demand - wait_tokens
+        allowance = min(active - committed - n_wait, tokens)
+        if allowance < 0:
+            allowance = 0
+        if len(borrowing) > allowance:
+            self.metrics.reclaimed += len(borrowing) - allowance
+        self._share(allowance, now, running, users)
+        spare = min(sum(st.borrow_quota.values()), resident)  # a new prompt needs a resident slot
+        st.borrow_slots = spare if n_wait == 0 and spare > 0 else 0
+        st.borrow_tokens = tokens - len(borrowing)
+        if not borrowing:
+            return [r for r in running if not _held(r)] if committed < len(running) else running
+        return [r for r in running if r not in borrowing and not _held(r)] + list(borrowing)
+
+    def _committed_waiting(
+        self, waiting: Iterable[Any], users: Iterable[UserState], now: int, room: int
+    ) -> tuple[int, int]:
+        """The waiting requests stock would admit as committed this step, up
+        to `room`: (how many, their prompt tokens). How many comes from the
+        users (O(users): requests neither running nor held, of users that
+        admission would let in: no held request, under `max_streams`, one
+        committed token each); their tokens from the first of them in the
+        waiting queue. Past `LEND_SCAN` examined, the whole budget counts as
+        theirs: nothing is lent this step."""
+        if room <= 0:
+            return 0, 0
+        limiter = self.limiter
+        quota: dict[UserState, int] = {}
+        for u in users:
+            queued = u.live - u.resident
+            if queued <= 0:
+                continue
+            lim = limiter.limit_of(u.bucket, now)
+            if lim.max_streams is not None and lim.max_streams - u.resident < queued:
+                queued = lim.max_streams - u.resident
+            if not lim.shadow:
+                if u.n_held:
+                    continue  # its held requests come back first (admission.py)
+                avail = u.left or limiter.available(u.bucket, now)
+                if avail < queued:
+                    queued = avail
+            if queued > 0:
+                quota[u] = queued
+        n = min(sum(quota.values()), room)
+        if n == 0:
+            return 0, 0
+        found = tokens = 0
+        for i, r in enumerate(waiting):
+            if i >= LEND_SCAN:
+                return n, 1 << 30  # not all found: lend nothing this step
+            rs: RequestState | None = r.__dict__.get(ATTR)
+            left = quota.get(rs.user, 0) if rs is not None else 1
+            if left <= 0:
+                continue
+            if rs is not None:
+                quota[rs.user] = left - 1
+            found += 1
+            tokens += r.num_tokens - r.num_computed_tokens
+            if found >= n:
+                break
+        return n, tokens
+
+    def _share(self, k: int, now: int, running: list[Request], users: Iterable[UserState]) -> None:
+        """Give `k` slots to borrowers, one at a time to the user with the least
+        borrowed service: release held requests for users short of their
+        share, hold borrowers of users past it (the most served first)."""
+        limiter = self.limiter
+        pool: list[tuple[float, int, UserState, float]] = []
+        cap: dict[UserState, int] = {}
+        members = [
+            u
+            for u in users
+            if (u.n_borrowing or u.n_held or u.live > u.resident)
+            and u.bucket.limit.excess is not None
+        ]
+        for u in members:  # how many it could borrow with: running, held, new prompts
+            wants = u.n_borrowing + u.n_held + u.live - u.resident
+            cap[u] = wants if limiter.can_borrow(u.bucket, now) else 0
+        active = [u.served for u in members if u.n_borrowing and cap[u]]
+        floor = min(active) if active else min((u.served for u in members), default=0.0)
+        for i, u in enumerate(members):
+            # VTC's lift, bounded: service is compared over a recent window.
+            if u.served < floor and not u.n_borrowing:
+                u.served = floor
+            elif u.served > floor + FAIR_WINDOW_S:
+                u.served = floor + FAIR_WINDOW_S
+            rate = u.bucket.limit.rate
+            pool.append((u.served, i, u, float(1 / rate) if rate else 0.0))
+        heapq.heapify(pool)
+        share: dict[UserState, int] = dict.fromkeys(members, 0)
+        while k > 0 and pool:
+            key, i, u, inc = heapq.heappop(pool)
+            if share[u] >= cap[u]:
+                continue
+            share[u] += 1
+            k -= 1
+            heapq.heappush(pool, (key + inc, i, u, inc))
+        for r in sorted(self.running, key=lambda r: -r.__dict__[ATTR].user.served):
+            u = r.__dict__[ATTR].user
+            if u.n_borrowing > share.get(u, 0):
+                self.stop(r)
+                self.holdback.hold(r, now)
+                if not u.armed:
+                    self.holdback.arm(u, now)
+        quota = self.st.borrow_quota
+        quota.clear()
+        for u, n in share.items():
+            while u.n_borrowing < n and self.holdback.release_user(u, 1, now, running):
+                r = running[-1]
+                r.__dict__[ATTR].borrowing = True
+                u.n_borrowing += 1
+                self.running[r] = None
+                self.metrics.lent += 1
+            if u.n_borrowing < n:
+                quota[u] = n - u.n_borrowing  # the rest of its share: new prompts (admit)
+
+    # -- bookkeeping -----------------------------------------------------------
+
+    def admit(self, rs: RequestState, request: Request, now: int) -> bool:
+        """A borrower's new prompt, admitted now if spare capacity is left and
+        no committed request waits (`plan` said so); its sampling token will
+        be borrowed."""
+        st = self.st
+        u = rs.user
+        share = st.borrow_quota.get(u, 0)
+        if st.borrow_slots <= 0 or share <= 0 or not self.limiter.can_borrow(u.bucket, now):
+            return False
+        cost = request.num_tokens - request.num_computed_tokens
+        if cost > st.borrow_tokens:
+            return False
+        st.borrow_slots -= 1
+        st.borrow_quota[u] = share - 1
+        st.borrow_tokens -= cost
+        rs.borrowing = True
+        u.n_borrowing += 1
+        self.running[request] = None
+        return True
+
+    def stop(self, r: Request) -> None:
+        """`r` stops borrowing (held, preempted, finished, not admitted)."""
+        rs: RequestState = r.__dict__[ATTR]
+        if rs.borrowing:
+            rs.borrowing = False
+            rs.user.n_borrowing -= 1
+            self.running.pop(r, None)
+
+    def charged(self, rs: RequestState, u: UserState) -> None:
+        """A borrowed token was charged: count its service."""
+        rate = u.bucket.limit.rate
+        if rate:
+            u.served += float(1 / rate)
+        u.m.borrowed += 1
+
+    def refunded(self, rs: RequestState, u: UserState) -> None:
+        rate = u.bucket.limit.rate
+        if rate:
+            u.served -= float(1 / rate)
+        u.m.borrowed -= 1
+
+    def victim(self, running: list[Request], request: Request) -> Request | None:
+        """A borrower to preempt for KV before stock's choice: the newest one
+        that is not `request` itself."""
+        for r in reversed(self.running):
+            if r is not request and r in running:
+                return r
+        return None
