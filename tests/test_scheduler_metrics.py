@@ -201,6 +201,25 @@ def test_a_shadow_limit_is_counted_but_never_enforced(kind, text):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_shadow_rule_with_a_peak_counts_what_would_have_been_borrowed(kind):
+    """Never enforced, as any shadow rule; tokens over the rate but within the
+    peak count as borrowed, tokens over the peak as over the limit."""
+    clock = FakeClock()
+    text = "version: 1\ndefault: unlimited\nusers:\n  a: {rate: 10, peak: 50, shadow: true}\n"
+    s = make_scheduler(kind, policy(text), clock)
+    d = Driver(s, clock, step_ns=10 * MS)
+    for _ in range(4):
+        d.add(make_request("a", max_tokens=100))
+    d.run(100)  # one second, 4 tokens a step: about 400 tokens
+    m = s.metrics.labels["a"]
+    assert s.metrics.holds == 0 and d.tokens_of("a") >= 390
+    # 1 s + a 100 ms burst: about 11 committed, 44 borrowed (the 40 tok/s excess), the rest over
+    assert 40 <= m.borrowed <= 48, m.borrowed
+    assert m.tokens - m.borrowed - m.shadow_over <= 12
+    assert m.shadow_over >= 330
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_switching_shadow_to_enforce_caps_at_the_next_step(kind):
     clock = FakeClock()
     shadow = policy("version: 1\ndefault: unlimited\nusers:\n  a: {rate: 10, shadow: true}\n")

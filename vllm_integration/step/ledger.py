@@ -106,9 +106,15 @@ class Ledger:
             self.recorder.refunded(u.key)
         self.metrics.refunded += 1
 
-    @staticmethod
-    def shadow_over(rs: RequestState, u: UserState, step: int) -> bool:
-        """A shadow limit refused a token: count it, let it run."""
+    def shadow_over(self, rs: RequestState, u: UserState, step: int, now: int) -> bool:
+        """A shadow limit refused a token: count it, let it run. Within the
+        rule's peak it counts as what would have been borrowed (`borrowed`),
+        beyond it as what the limit would have refused (`shadow_over`)."""
+        if u.bucket.limit.excess is not None and self.limiter.borrow(u.bucket, now):
+            rs.borrowed_step = step
+            if self.lending is not None:
+                self.lending.charged(rs, u)
+            return True
         rs.over_step = step
         u.m.shadow_over += 1
         return True

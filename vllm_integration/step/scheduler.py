@@ -240,7 +240,9 @@ class OutrateMixin:
                 self._st.users.append(u)  # what it does not spend goes back at the fold
         elif u.refused_step != step:  # more than it had running (admitted this step): one more
             left = self.limiter.take_upto(u.bucket, self._now, 1)
-        if not left and not (u.bucket.limit.shadow and self.ledger.shadow_over(rs, u, step)):
+        if not left and not (
+            u.bucket.limit.shadow and self.ledger.shadow_over(rs, u, step, self._now)
+        ):
             # Out of committed budget: a borrower (lending.py) takes a token of
             # its peak from the capacity this step's plan left it.
             if not (rs.borrowing and self.limiter.borrow(u.bucket, self._now)):
