@@ -1,7 +1,8 @@
 """vllm_integration/common/compat.py: the supported range, the patch index against the
 installed vLLM, and what an unsupported or changed vLLM gets.
 
-These run on every vLLM leg (`make test` on 0.32, `make test-vllm033` on 0.33):
+These run on every vLLM leg (`make test` on 0.32, `make test-vllm VLLM=0.33.0`
+and `VLLM=0.34.0`):
 the index must name a real target for every row of the version installed.
 """
 

@@ -435,8 +435,12 @@ def test_the_guard_reads_the_token_in_route_and_answers_anthropic_in_its_format(
     assert status == 400
     from vllm_integration.common.versions import minor, vllm_version
 
-    # vLLM's own Anthropic error translation: 0.33 answers Anthropic's type.
-    kind = {"0.32": "BadRequestError", "0.33": "invalid_request_error"}[minor(vllm_version())]
+    # vLLM's own Anthropic error translation: 0.33 and later answer Anthropic's type.
+    kind = {
+        "0.32": "BadRequestError",
+        "0.33": "invalid_request_error",
+        "0.34": "invalid_request_error",
+    }[minor(vllm_version())]
     assert json.loads(response) == {
         "type": "error",
         "error": {

@@ -70,6 +70,7 @@ def vllm_config(
     prefix_caching: bool = True,
     priority: bool = False,
     outrate: dict[str, Any] | None = None,
+    scheduler: dict[str, Any] | None = None,
 ) -> VllmConfig:
     mc = ModelConfig(
         model=str(model_dir()),
@@ -86,6 +87,7 @@ def vllm_config(
         is_encoder_decoder=False,
         enable_chunked_prefill=chunked,
         policy="priority" if priority else "fcfs",
+        **(scheduler or {}),  # fields of this vLLM's SchedulerConfig
     )
     cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching)
     extra = {"outrate": outrate} if outrate is not None else {}

@@ -161,10 +161,10 @@ def _serve_flag_arity() -> dict[str, str]:
     """Every flag of every supported vLLM -> its arity. Lint cannot know which
     vLLM a deployment runs, so it accepts a flag any of them accepts. A flag
     whose arity differs between versions takes the newer one's."""
-    from outrate.check import vllm_flags_0_32, vllm_flags_0_33
+    from outrate.check import vllm_flags_0_32, vllm_flags_0_33, vllm_flags_0_34
 
     arity: dict[str, str] = {}
-    for f in (vllm_flags_0_32, vllm_flags_0_33):
+    for f in (vllm_flags_0_32, vllm_flags_0_33, vllm_flags_0_34):
         groups = (
             (f.NO_VALUE, "0"),
             (f.ONE_VALUE, "1"),
@@ -196,9 +196,10 @@ def _resolve_flag(head: str, arity: dict[str, str]) -> str:
 def check_serve_argv(argv: list[str]) -> list[str]:
     """`argv` with every flag spelled out in full, or a DeploymentError where
     vllm serve would refuse it: an unknown or ambiguous flag, a missing value,
-    a second positional argument. Flags are those of vLLM 0.32 and 0.33
-    (`outrate.check.vllm_flags_0_32`, `_0_33`), with vLLM's spellings: `--a_b`, `--a=v`, dotted
-    JSON keys (`--kv-transfer-config.kv_connector X`), `-O3`."""
+    a second positional argument. Flags are those of vLLM 0.32, 0.33 and 0.34
+    (`outrate.check.vllm_flags_0_32`, `_0_33`, `_0_34`), with vLLM's spellings:
+    `--a_b`, `--a=v`, dotted JSON keys (`--kv-transfer-config.kv_connector X`),
+    `-O3`."""
     arity = _serve_flag_arity()
     out = argv[:1] if argv[:1] == ["serve"] else []
     i, positionals = len(out), 0
