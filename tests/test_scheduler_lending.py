@@ -20,6 +20,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from vllm.v1.request import RequestStatus  # noqa: E402
 from vllm_harness import MS, Driver, FakeClock, S, make_request, make_scheduler  # noqa: E402
 
 from outrate.budget.gcra import Limit  # noqa: E402
@@ -80,6 +81,21 @@ def test_a_borrower_alone_runs_like_stock(kind):
     m = lent.sched.metrics.labels["alice"]
     assert m.borrowed > 0.9 * (b - 60)  # most of it borrowed, charged as such
     assert m.tokens == b
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_borrowers_finish_and_are_aborted_cleanly(kind):
+    """Borrowing requests that finish, and others aborted while borrowing:
+    nothing left borrowing, running or counted."""
+    plan = [(0, "alice", 10, 30), (5, "alice", 10, 500)]
+    d = run(kind, policy(alice=(20, "unlimited")), plan, 60, max_num_seqs=16, max_num_active_seqs=8)
+    sched = d.sched
+    assert sched.metrics.labels["alice"].borrowed > 100
+    live = list(sched.requests)
+    assert live and len(sched.lending) > 0
+    sched.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+    assert len(sched.lending) == 0 and not sched.running and sched.n_held == 0
+    assert "alice" not in sched.roster.users
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])

@@ -251,10 +251,12 @@ class Lending:
         self.running[request] = None
         return True
 
-    def stop(self, r: Request) -> None:
-        """`r` stops borrowing (held, preempted, finished, not admitted)."""
-        rs: RequestState = r.__dict__[ATTR]
-        if rs.borrowing:
+    def stop(self, r: Request, rs: RequestState | None = None) -> None:
+        """`r` stops borrowing (held, preempted, finished, not admitted); `rs`:
+        its record, where the request no longer carries it (finished)."""
+        if rs is None:
+            rs = r.__dict__.get(ATTR)
+        if rs is not None and rs.borrowing:
             rs.borrowing = False
             rs.user.n_borrowing -= 1
             self.running.pop(r, None)

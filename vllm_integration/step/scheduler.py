@@ -176,7 +176,7 @@ class OutrateMixin:
 
     def _leave_slot(self, rs: RequestState, request: Request) -> None:
         if rs.borrowing:
-            self.lending.stop(request)
+            self.lending.stop(request, rs)
         if rs.held:
             self.holdback.leave(rs, request, self._clock())
         if rs.resident:
