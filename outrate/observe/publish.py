@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from outrate.budget.gcra import PEAK_UNLIMITED
 from outrate.budget.limiter import NS_PER_S, Limit
 from outrate.budget.shared.metrics import merge_store, store_families
 from outrate.histogram import add_json, cumulative
@@ -61,6 +62,8 @@ def snapshot(
         "monotonic_ns": now,
         "policy": {"sha256": policy.sha256, "source": policy.source},
         "displaced": metrics.displaced,
+        "lent": metrics.lent,
+        "reclaimed": metrics.reclaimed,
         "deferred": dict(metrics.deferred),
         "reloads": reloads or {"applied": 0, "rejected": 0},
         "series": metrics.n_series,
@@ -78,6 +81,7 @@ def snapshot(
 def _row(m: LabelMetrics, lim: Limit | None, now: int) -> dict[str, Any]:
     return {
         "tokens": m.tokens,
+        "borrowed": m.borrowed,
         "shadow_over": m.shadow_over,
         "live": m.live,
         "held": m.held,
@@ -85,8 +89,18 @@ def _row(m: LabelMetrics, lim: Limit | None, now: int) -> dict[str, Any]:
         "wait": m.wait.to_json(),
         "interval": m.interval.to_json(),
         "rate": None if lim is None else (-1 if lim.rate is None else float(lim.rate)),
+        "peak": None if lim is None else _peak(lim),
         "mode": None if lim is None else ("shadow" if lim.shadow else "enforce"),
     }
+
+
+def _peak(lim: Limit) -> float:
+    """The most the limit lets through, borrowing included: -1 for unlimited (an
+    unlimited rate, or `peak: unlimited`), the rate itself for a rule without
+    a peak (it borrows nothing, so its peak is its rate)."""
+    if lim.rate is None or lim.peak == PEAK_UNLIMITED:
+        return -1
+    return float(lim.rate if lim.peak is None else lim.peak)
 
 
 def write_snapshot(path: str, data: dict[str, Any]) -> None:
@@ -170,7 +184,8 @@ def merge_snapshots(snaps: list[dict[str, Any]]) -> dict[str, Any] | None:
         return None
     out: dict[str, Any] = json.loads(json.dumps(snaps[0]))
     for s in snaps[1:]:
-        out["displaced"] = out.get("displaced", 0) + s.get("displaced", 0)
+        for k in ("displaced", "lent", "reclaimed"):
+            out[k] = out.get(k, 0) + s.get(k, 0)
         for k, v in s.get("deferred", {}).items():
             out["deferred"][k] = out["deferred"].get(k, 0) + v
         for k, v in s.get("reloads", {}).items():  # every engine reloads the same file
@@ -181,8 +196,8 @@ def merge_snapshots(snaps: list[dict[str, Any]]) -> dict[str, Any] | None:
             if mine is None:
                 out["labels"][label] = row
                 continue
-            for k in ("tokens", "shadow_over", "live", "held", "throttled_ns"):
-                mine[k] += row[k]
+            for k in ("tokens", "borrowed", "shadow_over", "live", "held", "throttled_ns"):
+                mine[k] = mine.get(k, 0) + row.get(k, 0)
             for k in ("wait", "interval"):
                 mine[k] = add_json(mine[k], row[k])
         if out.get("store") is not None and s.get("store") is not None:
@@ -210,6 +225,12 @@ def families(data: dict[str, Any] | None) -> Iterator[Any]:
         "Output tokens charged to the limit, net of refunds.",
         labels=["limit"],
     )
+    borrowed = CounterMetricFamily(
+        "outrate_borrowed_tokens",
+        "Output tokens borrowed from spare capacity (over the rate, within the peak), "
+        "net of refunds; counted in outrate_output_tokens_total too.",
+        labels=["limit"],
+    )
     over = CounterMetricFamily(
         "outrate_shadow_over_limit_tokens",
         "Tokens a shadow limit would have refused (counted, not enforced).",
@@ -231,6 +252,12 @@ def families(data: dict[str, Any] | None) -> Iterator[Any]:
         "The configured rate of the limit (+Inf: unlimited).",
         labels=["limit", "mode"],
     )
+    peak = GaugeMetricFamily(
+        "outrate_limit_peak_tokens_per_second",
+        "The peak of the limit: its rate plus what it may borrow from spare capacity "
+        "(equal to the rate: no peak; +Inf: unlimited).",
+        labels=["limit", "mode"],
+    )
     wait = HistogramMetricFamily(
         "outrate_budget_wait_seconds",
         "How long a request was held for budget, per hold.",
@@ -243,6 +270,7 @@ def families(data: dict[str, Any] | None) -> Iterator[Any]:
     )
     for label, v in sorted(labels.items()):
         tokens.add_metric([label], v["tokens"])
+        borrowed.add_metric([label], v.get("borrowed", 0))
         over.add_metric([label], v["shadow_over"])
         held.add_metric([label], v["held"])
         live.add_metric([label], v["live"])
@@ -250,14 +278,24 @@ def families(data: dict[str, Any] | None) -> Iterator[Any]:
         if v.get("rate") is not None:
             r = float("inf") if v["rate"] < 0 else v["rate"]
             rate.add_metric([label, v["mode"]], r)
+        if v.get("peak") is not None:
+            p = float("inf") if v["peak"] < 0 else v["peak"]
+            peak.add_metric([label, v["mode"]], p)
         for fam, (counts, sum_ns) in ((wait, v["wait"]), (interval, v["interval"])):
             fam.add_metric([label], cumulative(counts, BUCKETS_S), sum_ns / NS_PER_S)
-    yield from (tokens, over, held, live, throttled, rate, wait, interval)
-    displaced = CounterMetricFamily(
-        "outrate_displaced", "Held requests preempted so a user with budget could run."
-    )
-    displaced.add_metric([], data.get("displaced", 0))
-    yield displaced
+    yield from (tokens, borrowed, over, held, live, throttled, rate, peak, wait, interval)
+    for name, doc in (
+        ("displaced", "Held requests preempted so a user with budget could run."),
+        ("lent", "Held requests released to borrow spare capacity (over the rate, to the peak)."),
+        (
+            "reclaimed",
+            "Borrowing requests held again because a committed request needed the slot "
+            "or the token budget.",
+        ),
+    ):
+        engine_wide = CounterMetricFamily(f"outrate_{name}", doc)
+        engine_wide.add_metric([], data.get(name, 0))
+        yield engine_wide
     deferred = CounterMetricFamily(
         "outrate_deferred",
         "Requests whose admission was deferred (counted when the deferral starts).",

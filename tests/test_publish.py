@@ -1,0 +1,151 @@
+"""The engine's counters on their way to /metrics (outrate/observe/publish.py):
+what a `Metrics` with borrowed tokens, lends and reclaims renders, read back
+from the text prometheus_client prints, and how data-parallel ranks add up.
+No vLLM: the counts are set by hand, as the scheduler would have left them."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from outrate.observe.metrics import Metrics
+from outrate.observe.publish import families, merge_snapshots, snapshot
+from outrate.policy.compiler import CompiledPolicy, compile_policy
+from outrate.policy.loader import parse_policy
+
+POLICY = """\
+version: 1
+default: 10
+tiers:
+  free: {rate: 20, peak: 200}
+users:
+  alice: {rate: 20, peak: unlimited}
+  bob: unlimited
+  carol: 40
+  peek: {rate: 5, peak: 7.5, shadow: true}
+"""
+
+
+def policy(text: str = POLICY) -> CompiledPolicy:
+    return compile_policy(parse_policy(text, "t.yaml"), "t.yaml", "sha")
+
+
+def page(data: dict[str, Any]) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the rendered page: (name, sorted labels) -> value."""
+
+    class Collector:
+        def collect(self):  # type: ignore[no-untyped-def]
+            return families(data)
+
+    registry = CollectorRegistry()
+    registry.register(Collector())
+    text = generate_latest(registry).decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+
+
+def borrowing() -> Metrics:
+    """alice borrowed 60 of her 100 tokens, peek would have borrowed 4 of 9;
+    three held requests were lent a slot, one was reclaimed."""
+    m = Metrics()
+    for user in ("alice", "bob", "carol", "peek"):
+        m.record(user)
+    alice, peek = m.labels["alice"], m.labels["peek"]
+    alice.tokens, alice.borrowed = 100, 60
+    peek.tokens, peek.borrowed, peek.shadow_over = 9, 4, 2
+    m.lent, m.reclaimed = 3, 1
+    return m
+
+
+def test_borrowed_tokens_lends_and_reclaims_render_with_their_values() -> None:
+    samples = page(snapshot(borrowing(), policy(), now=0))
+    borrowed = {
+        dict(labels)["limit"]: v
+        for (name, labels), v in samples.items()
+        if name == "outrate_borrowed_tokens_total"
+    }
+    # every limit has the series, configured rules before their first request
+    assert borrowed == {
+        "alice": 60,
+        "peek": 4,
+        "bob": 0,
+        "carol": 0,
+        "default": 0,
+        "anonymous": 0,
+        "tier:free": 0,
+    }
+    assert samples["outrate_output_tokens_total", (("limit", "alice"),)] == 100  # borrowed inside
+    assert samples["outrate_lent_total", ()] == 3
+    assert samples["outrate_reclaimed_total", ()] == 1
+
+
+def test_the_peak_is_a_sibling_gauge_equal_to_the_rate_where_there_is_none() -> None:
+    samples = page(snapshot(borrowing(), policy(), now=0))
+
+    def gauge(name: str) -> dict[tuple[str, str], float]:
+        return {
+            (dict(labels)["limit"], dict(labels)["mode"]): v
+            for (n, labels), v in samples.items()
+            if n == name
+        }
+
+    inf = math.inf
+    assert gauge("outrate_limit_peak_tokens_per_second") == {
+        ("alice", "enforce"): inf,  # peak: unlimited
+        ("tier:free", "enforce"): 200,
+        ("peek", "shadow"): 7.5,  # a shadow rule's peak, what it would allow
+        ("carol", "enforce"): 40,  # no peak: the rate
+        ("default", "enforce"): 10,
+        ("anonymous", "enforce"): 10,
+        ("bob", "enforce"): inf,  # unlimited rate: unlimited peak
+    }
+    rates = gauge("outrate_limit_tokens_per_second")
+    assert rates.keys() == gauge("outrate_limit_peak_tokens_per_second").keys()
+    assert rates[("alice", "enforce")] == 20 and rates[("peek", "shadow")] == 5
+
+
+def test_a_label_the_policy_no_longer_has_gets_no_peak() -> None:
+    m = borrowing()
+    m.record("gone").borrowed = 5
+    samples = page(snapshot(m, policy(), now=0))
+    assert samples["outrate_borrowed_tokens_total", (("limit", "gone"),)] == 5
+    assert not any(
+        n == "outrate_limit_peak_tokens_per_second" and ("limit", "gone") in labels
+        for n, labels in samples
+    )
+
+
+def test_data_parallel_ranks_add_their_borrowed_lent_and_reclaimed() -> None:
+    pol = policy()
+    one, two = borrowing(), borrowing()
+    two.labels["alice"].borrowed = 7
+    two.lent, two.reclaimed = 10, 20
+    merged = merge_snapshots([snapshot(one, pol, now=0), snapshot(two, pol, now=0)])
+    assert merged is not None
+    assert merged["labels"]["alice"]["borrowed"] == 67
+    assert merged["labels"]["alice"]["peak"] == -1  # a configured value, not a count
+    assert merged["labels"]["tier:free"]["peak"] == 200
+    assert (merged["lent"], merged["reclaimed"]) == (13, 21)
+
+
+def test_a_snapshot_without_the_new_keys_still_renders() -> None:
+    """A snapshot written before borrowing existed (a file left by an older
+    engine) renders zeros, and merges, rather than failing the scrape."""
+    data = snapshot(borrowing(), policy(), now=0)
+    old = {k: v for k, v in data.items() if k not in ("lent", "reclaimed")}
+    old["labels"] = {
+        label: {k: v for k, v in row.items() if k not in ("borrowed", "peak")}
+        for label, row in data["labels"].items()
+    }
+    samples = page(old)
+    assert samples["outrate_borrowed_tokens_total", (("limit", "alice"),)] == 0
+    assert samples["outrate_lent_total", ()] == 0
+    assert not any(n == "outrate_limit_peak_tokens_per_second" for n, _ in samples)
+    merged = merge_snapshots([old, data])
+    assert merged is not None and merged["labels"]["alice"]["borrowed"] == 60
