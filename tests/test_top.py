@@ -50,6 +50,8 @@ class Engine(Collector):
     throttled: dict[str, float]
     limits: dict[str, tuple[float, str]]
     shadow_over: dict[str, float]
+    borrowed: dict[str, float] = field(default_factory=dict)  # 0 for the others, as outrate's
+    peaks: dict[str, float] = field(default_factory=dict)  # mode: the limit's
     displaced: float = 0.0
     deferred: dict[str, float] = field(default_factory=lambda: {"max_streams": 0, "budget": 2})
     reloads: dict[str, float] = field(default_factory=lambda: {"applied": 1, "rejected": 0})
@@ -64,6 +66,11 @@ class Engine(Collector):
             "Output tokens charged to the limit, net of refunds.",
             self.tokens,
         )
+        yield _counter(
+            "outrate_borrowed_tokens",
+            "Output tokens borrowed from spare capacity.",
+            {limit: self.borrowed.get(limit, 0.0) for limit in self.tokens},
+        )
         yield _gauge("outrate_held_requests", "Requests held.", self.held)
         yield _gauge("outrate_live_requests", "Requests in the engine.", self.live)
         yield _counter("outrate_throttled_seconds", "Request-seconds held.", self.throttled)
@@ -73,6 +80,12 @@ class Engine(Collector):
         for limit, (tok_s, mode) in self.limits.items():
             rate.add_metric([limit, mode], tok_s)
         yield rate
+        peak = GaugeMetricFamily(
+            "outrate_limit_peak_tokens_per_second", "Peak.", labels=["limit", "mode"]
+        )
+        for limit, tok_s in self.peaks.items():
+            peak.add_metric([limit, self.limits[limit][1]], tok_s)
+        yield peak
         yield _counter(
             "outrate_shadow_over_limit_tokens", "Shadow over-limit tokens.", self.shadow_over
         )
@@ -130,11 +143,14 @@ BEFORE = Engine(
     throttled={"alice": 12.5, "tier:pro": 1.0, "default": 0, "anonymous": 0, "other": 0},
     limits={
         "alice": (20.0, "enforce"),
-        "tier:pro": (50.0, "enforce"),
+        "tier:pro": (20.0, "enforce"),
         "default": (float("inf"), "shadow"),
         "anonymous": (0.5, "enforce"),
     },
     shadow_over={"default": 0},
+    borrowed={"tier:pro": 9},
+    # tier:pro borrows up to 50; the others have no peak: it is their rate
+    peaks={"alice": 20.0, "tier:pro": 50.0, "default": float("inf"), "anonymous": 0.5},
 )
 """The first scrape."""
 
@@ -153,30 +169,33 @@ AFTER = replace(
         "bob": 0.5,
     },
     shadow_over={"default": 7},
+    borrowed={"tier:pro": 29},
     displaced=1.0,
 )
 """The second scrape, 2 s after the first."""
 
 EXPECTED_ROWS = [
     # other: 5 s held in 2 s with 1 live request is more than all of it: clipped to 1.
-    Row("other", 10.5, None, None, 1, 1, 1.0, None),
-    Row("alice", 20.0, 20.0, "enforce", 3, 4, 0.75, None),  # 6 s held / (2 s x 4)
-    Row("tier:pro", 30.0, 50.0, "enforce", 0, 2, 0.25, None),  # 1 s / (2 s x 2)
-    Row("bob", 4.0, None, None, 1, 1, 0.25, None),  # ties tier:pro, slower
-    Row("anonymous", 0.0, 0.5, "enforce", 0, 0, None, None),  # no live requests: no share
-    Row("default", 0.0, float("inf"), "shadow", 0, 0, None, 3.5),
+    Row("other", 10.5, None, None, 1, 1, 1.0, None, 0.0, None),
+    Row("alice", 20.0, 20.0, "enforce", 3, 4, 0.75, None, 0.0, 20.0),  # 6 s held / (2 s x 4)
+    # 1 s held / (2 s x 2); 20 tok/s committed and 10 borrowed, short of its peak
+    Row("tier:pro", 30.0, 20.0, "enforce", 0, 2, 0.25, None, 10.0, 50.0),
+    Row("bob", 4.0, None, None, 1, 1, 0.25, None, 0.0, None),  # ties tier:pro, slower
+    # no live requests: no share
+    Row("anonymous", 0.0, 0.5, "enforce", 0, 0, None, None, 0.0, 0.5),
+    Row("default", 0.0, float("inf"), "shadow", 0, 0, None, 3.5, 0.0, float("inf")),
 ]
 
 EXPECTED_TABLE = f"""\
 outrate top {{url}} (rates over 2.00s)
 policy 9f86d081884c ({SOURCE}); reloads: 1 applied, 0 rejected; displaced: 1; deferred: budget 2, max_streams 0
-limit      rate tok/s  limit tok/s  mode     held  live  throttled  shadow over tok/s
-other            10.5            -  -           1     1       100%                  -
-alice            20.0           20  enforce     3     4        75%                  -
-tier:pro         30.0           50  enforce     0     2        25%                  -
-bob               4.0            -  -           1     1        25%                  -
-anonymous         0.0          0.5  enforce     0     0          -                  -
-default           0.0    unlimited  shadow      0     0          -                3.5
+limit      rate tok/s  borrowed tok/s  limit tok/s  peak tok/s  mode     held  live  throttled  shadow over tok/s
+other            10.5             0.0            -           -  -           1     1       100%                  -
+alice            20.0             0.0           20          20  enforce     3     4        75%                  -
+tier:pro         30.0            10.0           20          50  enforce     0     2        25%                  -
+bob               4.0             0.0            -           -  -           1     1        25%                  -
+anonymous         0.0             0.0          0.5         0.5  enforce     0     0          -                  -
+default           0.0             0.0    unlimited   unlimited  shadow      0     0          -                3.5
 """  # noqa: E501
 
 
@@ -197,11 +216,11 @@ def test_parse_keeps_outrate_samples_only() -> None:
     snapshot = top.parse(BEFORE.page(), at=10.0)
     assert snapshot.at == 10.0
     assert snapshot.limits == {
-        "alice": LimitValues(1234, 3, 4, 12.5, None, 20.0, "enforce"),
-        "tier:pro": LimitValues(99, 0, 2, 1.0, None, 50.0, "enforce"),
-        "default": LimitValues(5, 0, 0, 0, 0, float("inf"), "shadow"),
-        "anonymous": LimitValues(0, 0, 0, 0, None, 0.5, "enforce"),
-        "other": LimitValues(10, 1, 1, 0, None, None, None),
+        "alice": LimitValues(1234, 3, 4, 12.5, None, 20.0, "enforce", 0, 20.0),
+        "tier:pro": LimitValues(99, 0, 2, 1.0, None, 20.0, "enforce", 9, 50.0),
+        "default": LimitValues(5, 0, 0, 0, 0, float("inf"), "shadow", 0, float("inf")),
+        "anonymous": LimitValues(0, 0, 0, 0, None, 0.5, "enforce", 0, 0.5),
+        "other": LimitValues(10, 1, 1, 0, None, None, None, 0, None),
     }
     assert snapshot.policy_sha256 == SHA and snapshot.policy_source == SOURCE
     assert snapshot.reloads == {"applied": 1, "rejected": 0}
@@ -242,9 +261,57 @@ def test_rows_between_two_scrapes() -> None:
 
 def test_rows_of_the_first_frame_have_gauges_only() -> None:
     first = top.rows(None, top.parse(BEFORE.page(), 100.0))
-    assert first[0] == Row("alice", None, 20.0, "enforce", 3, 4, None, None)
+    assert first[0] == Row("alice", None, 20.0, "enforce", 3, 4, None, None, None, 20.0)
     assert [r.limit for r in first] == ["alice", "anonymous", "default", "other", "tier:pro"]
     assert all(r.rate is None and r.throttled is None and r.shadow_over is None for r in first)
+    assert all(r.borrowed is None for r in first)
+
+
+def test_borrowed_and_peak_from_what_outrate_itself_publishes() -> None:
+    """The names top reads are the names publish.py writes: a `Metrics` with
+    borrowed tokens, through `snapshot` and `families`, to top's rows."""
+    from outrate.observe.metrics import Metrics
+    from outrate.observe.publish import families, snapshot
+    from outrate.policy.compiler import compile_policy
+    from outrate.policy.loader import parse_policy
+
+    text = "version: 1\ndefault: 10\nusers:\n  alice: {rate: 20, peak: unlimited}\n  bob: 40\n"
+    pol = compile_policy(parse_policy(text, "t.yaml"), "t.yaml", "sha")
+    metrics = Metrics()
+    alice = metrics.record("alice")
+
+    def page() -> str:
+        data = snapshot(metrics, pol, now=0)
+
+        class Outrate(Collector):
+            def collect(self) -> Iterator[Metric]:
+                return families(data)
+
+        registry = CollectorRegistry()
+        registry.register(Outrate())
+        return generate_latest(registry).decode()
+
+    before = top.parse(page(), 0.0)
+    alice.tokens, alice.borrowed = 90, 50
+    metrics.record("bob").tokens = 80
+    rows = {r.limit: r for r in top.rows(before, top.parse(page(), 2.0))}
+    assert rows["alice"][:3] == ("alice", 45.0, 20.0) and rows["alice"].borrowed == 25.0
+    assert rows["alice"].peak == float("inf")
+    assert (rows["bob"].rate, rows["bob"].borrowed, rows["bob"].peak) == (40.0, 0.0, 40.0)
+    assert rows["default"].peak == 10.0  # no peak: the rate
+
+
+def test_a_server_without_borrowing_shows_dashes() -> None:
+    """A page from an outrate before work-conserving limits has neither the
+    borrowed counter nor the peak gauge: `-`, not 0."""
+    page = "\n".join(
+        line for line in AFTER.page().splitlines() if "borrowed" not in line and "peak" not in line
+    )
+    before, after = top.parse(page, 0.0), top.parse(page, 2.0)
+    (alice,) = top.rows(before, after, limit_filter="alice")
+    assert (alice.rate, alice.borrowed, alice.peak) == (0.0, None, None)
+    line = _plain(top.render("u", before, after, limit_filter="alice")).splitlines()[3]
+    assert line.split() == ["alice", "0.0", "-", "20", "-", "enforce", "3", "4", "0%", "-"]
 
 
 def test_rows_after_an_engine_restart_count_from_zero() -> None:
@@ -377,7 +444,8 @@ def test_once_with_limit_filter(fake_time: FakeTime) -> None:
         code, out, _ = run(server.url, "--once", "--interval", "2", "--limit-filter", "tier:*")
     assert code == 0
     assert out.splitlines()[3:] == [
-        "tier:pro        30.0           50  enforce     0     2        25%                  -"
+        "tier:pro        30.0            10.0           20          50  enforce     0     2"
+        "        25%                  -"
     ]
 
 
@@ -391,7 +459,7 @@ def test_watch_redraws_until_ctrl_c(fake_time: FakeTime) -> None:
     first, nothing_yet, last = out.split("\n\n")
     assert first.splitlines()[0] == f"outrate top {server.url} (first scrape)"
     alice = " ".join(nothing_yet.splitlines()[3].split())
-    assert alice == "alice 0.0 20 enforce 3 4 0% -"  # the same page twice: nothing moved
+    assert alice == "alice 0.0 0.0 20 20 enforce 3 4 0% -"  # the same page twice: nothing moved
     assert last == EXPECTED_TABLE.format(url=server.url)
 
 
@@ -642,6 +710,8 @@ MARKUP = replace(
     throttled={"[/]": 0.0, "[bold]x": 0.0, EVIL: 0.0},
     limits={"[/]": (20.0, "enforce"), "[bold]x": (5.0, "[i]shadow"), EVIL: (1.0, "enforce")},
     shadow_over={},
+    borrowed={},
+    peaks={"[/]": 40.0, "[bold]x": 5.0, EVIL: 1.0},
 )
 
 
@@ -654,9 +724,9 @@ def test_user_ids_are_data_not_markup(fake_time: FakeTime) -> None:
         code, out, err = run(server.root, "--once", "--interval", "2")
     assert (code, err) == (0, "")
     assert [" ".join(line.split()) for line in out.splitlines()[3:]] == [
-        "[/] 10.0 20 enforce 1 2 0% -",
-        "[bold]x 2.0 5 [i]shadow 0 1 0% -",
-        "x\\x1b[2J\\u202e 0.0 1 enforce 0 0 - -",
+        "[/] 10.0 0.0 20 40 enforce 1 2 0% -",
+        "[bold]x 2.0 0.0 5 5 [i]shadow 0 1 0% -",
+        "x\\x1b[2J\\u202e 0.0 0.0 1 1 enforce 0 0 - -",
     ]
     assert "\x1b" not in out and "\u202e" not in out
 
@@ -670,6 +740,8 @@ NON_FINITE = replace(
     throttled={"alice": 1.0, "bob": NAN, "carol": INF},
     limits={"alice": (NAN, "enforce"), "bob": (-INF, "enforce"), "carol": (INF, "shadow")},
     shadow_over={"carol": NAN},
+    borrowed={"alice": INF, "bob": NAN, "carol": -INF},
+    peaks={"alice": NAN, "bob": -INF, "carol": INF},
     displaced=INF,
     deferred={"budget": NAN},
 )
@@ -686,9 +758,9 @@ def test_non_finite_values_print_as_such(fake_time: FakeTime) -> None:
     lines = out.splitlines()
     assert lines[1].endswith("displaced: inf; deferred: budget nan")
     assert sorted(" ".join(line.split()) for line in lines[3:]) == [
-        "alice nan nan enforce inf inf 0% -",
-        "bob nan -inf enforce nan nan nan -",
-        "carol 0.0 unlimited shadow -inf 1 nan nan",
+        "alice nan nan nan nan enforce inf inf 0% -",
+        "bob nan nan -inf -inf enforce nan nan nan -",
+        "carol 0.0 nan unlimited unlimited shadow -inf 1 nan nan",  # -inf less -inf
     ]
 
 

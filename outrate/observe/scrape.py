@@ -31,11 +31,13 @@ PREFIX = "outrate_"
 
 LIMIT_SAMPLES: Mapping[str, str] = {
     "outrate_output_tokens_total": "tokens",
+    "outrate_borrowed_tokens_total": "borrowed_tokens",
     "outrate_held_requests": "held",
     "outrate_live_requests": "live",
     "outrate_throttled_seconds_total": "throttled_seconds",
     "outrate_shadow_over_limit_tokens_total": "shadow_over_tokens",
     "outrate_limit_tokens_per_second": "rate_limit",
+    "outrate_limit_peak_tokens_per_second": "peak",
 }
 """Samples labelled by `limit`: sample name -> `LimitValues` field."""
 
@@ -57,6 +59,8 @@ class LimitValues:
     shadow_over_tokens: float | None = None
     rate_limit: float | None = None  # tok/s; inf = unlimited
     mode: str | None = None  # enforce | shadow
+    borrowed_tokens: float | None = None  # of `tokens`, those borrowed over the rate
+    peak: float | None = None  # tok/s, rate plus borrowing; inf = unlimited
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +88,9 @@ class Row(NamedTuple):
     live: float | None  # requests in the engine now
     throttled: float | None  # share of live request-time spent held, in [0, 1]
     shadow_over: float | None  # tok/s a shadow rule would have refused
+    # Last and defaulted: code that builds a Row by position keeps working.
+    borrowed: float | None = None  # of `rate`, tok/s borrowed from spare capacity
+    peak: float | None = None  # configured tok/s with borrowing, inf = unlimited
 
 
 def metrics_url(url: str) -> str:
@@ -101,8 +108,8 @@ def parse(text: str, at: float) -> Snapshot:
     """The outrate samples of a Prometheus text page; everything else is ignored.
 
     Series that differ only in labels other than `limit` (an `engine` label,
-    should one appear) are added up, except the configured rate, which is the
-    same everywhere. `_created` samples have their own names and fall through.
+    should one appear) are added up, except the configured rate and peak,
+    which are the same everywhere. `_created` samples have their own names and fall through.
     """
     try:
         families = list(text_string_to_metric_families(text))
@@ -126,7 +133,7 @@ def parse(text: str, at: float) -> Snapshot:
                 if limit is None:
                     continue
                 fields = values.setdefault(limit, {})
-                if field == "rate_limit":
+                if field in ("rate_limit", "peak"):
                     fields[field] = s.value
                     if "mode" in s.labels:
                         modes[limit] = s.labels["mode"]
@@ -150,6 +157,8 @@ def parse(text: str, at: float) -> Snapshot:
             shadow_over_tokens=fields.get("shadow_over_tokens"),
             rate_limit=fields.get("rate_limit"),
             mode=modes.get(name),
+            borrowed_tokens=fields.get("borrowed_tokens"),
+            peak=fields.get("peak"),
         )
         for name, fields in values.items()
     }
@@ -199,10 +208,11 @@ def rows(prev: Snapshot | None, cur: Snapshot, limit_filter: str | None = None) 
     for limit, now in cur.limits.items():
         if limit_filter is not None and not fnmatchcase(limit, limit_filter):
             continue
-        rate = throttled = shadow_over = None
+        rate = throttled = shadow_over = borrowed = None
         if prev is not None and dt > 0:
             before = prev.limits.get(limit, NOTHING)
             rate = _per_second(before.tokens, now.tokens, dt)
+            borrowed = _per_second(before.borrowed_tokens, now.borrowed_tokens, dt)
             shadow_over = _per_second(before.shadow_over_tokens, now.shadow_over_tokens, dt)
             held_for = _increase(before.throttled_seconds, now.throttled_seconds)
             if held_for is not None and now.live:  # live 0 or absent: nothing to share
@@ -217,6 +227,8 @@ def rows(prev: Snapshot | None, cur: Snapshot, limit_filter: str | None = None) 
                 live=_count(now.live),
                 throttled=throttled,
                 shadow_over=shadow_over,
+                borrowed=borrowed,
+                peak=now.peak,
             )
         )
     out.sort(key=lambda r: (-_or(r.throttled), -_or(r.rate), r.limit))

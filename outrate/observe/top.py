@@ -79,7 +79,9 @@ def header(snapshot: Snapshot) -> str:
 COLUMNS = (
     "limit",
     "rate tok/s",
+    "borrowed tok/s",
     "limit tok/s",
+    "peak tok/s",
     "mode",
     "held",
     "live",
@@ -120,7 +122,9 @@ def _cells(row: Row) -> tuple[Text, ...]:
     cells = (
         row.limit,
         _fixed(row.rate),
+        _fixed(row.borrowed),
         _configured(row.rate_limit),
+        _configured(row.peak),
         row.mode or "-",
         _whole(row.held),
         _whole(row.live),
