@@ -171,6 +171,10 @@ def test_dashboard_covers_what_the_issue_asks():
     for name in (
         "outrate_output_tokens_total",
         "outrate_limit_tokens_per_second",
+        "outrate_limit_peak_tokens_per_second",
+        "outrate_borrowed_tokens_total",
+        "outrate_lent_total",
+        "outrate_reclaimed_total",
         "outrate_throttled_seconds_total",
         "outrate_held_requests",
         "outrate_live_requests",
@@ -286,9 +290,11 @@ burst: 100ms
 users:
   alice: {rate}
   peek: {{rate: 20, shadow: true}}
+  lender: {{rate: {lender}, peak: {peak}}}
   spare: {spare}
 """
 RATE = 20  # alice's: 2 streams of 270 tokens, 27 s
+LENDER, PEAK = 5, 15  # lender's committed rate and peak: one stream borrows the rest
 TOP_INTERVAL_S = 15.0
 """The window `outrate top --once --interval 15` and the dashboard's queries share."""
 
@@ -310,6 +316,10 @@ def _loop(api: Any, user: str, tokens: int, stop: threading.Event, out: list) ->
 
     while not stop.is_set():
         out.append(stream_completion(api, user, tokens))
+
+
+def _policy(spare: int) -> str:
+    return POLICY.format(rate=RATE, lender=LENDER, peak=PEAK, spare=spare)
 
 
 def _write(path: Path, text: str) -> None:
@@ -335,9 +345,10 @@ def _wait_reloads(url: str, result: str, n: int, timeout_s: float = 10) -> None:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """Redis, `outrate serve` (store, trace, a policy with a limited, an
-    unlimited and a shadow user) and Prometheus scraping it every second
-    with the rules loaded; then traffic: alice (20 tok/s, 2 streams, 27 s),
-    `free` (unlimited) and `peek` (shadow 20 tok/s) streaming back to back,
+    unlimited, a shadow and a borrowing user) and Prometheus scraping it
+    every second with the rules loaded; then traffic: alice (20 tok/s, 2
+    streams, 27 s), `free` (unlimited), `peek` (shadow 20 tok/s) and
+    `lender` (5 tok/s, peak 15) streaming back to back,
     one good and one bad edit of the policy file, and `outrate top`'s two
     scrapes, 15 s apart, in the middle. Logs: the module's tmp dir, `ops0/`."""
     if binaries() is None:
@@ -355,7 +366,7 @@ def run(tmp_path_factory):
     began = time.monotonic()
     tmp = tmp_path_factory.mktemp("ops")
     policy = tmp / "policy.yaml"
-    policy.write_text(POLICY.format(rate=RATE, spare=5))
+    policy.write_text(_policy(spare=5))
     model = build(REPO / "models" / "tiny-llama")
     redis = RedisServer(tmp / "redis")
     trace = str(tmp / "trace.jsonl")
@@ -380,15 +391,15 @@ def run(tmp_path_factory):
         ]
         threads += [
             threading.Thread(target=_loop, args=(api, user, 64, stop, streams), daemon=True)
-            for user in ("free", "peek")
+            for user in ("free", "peek", "lender")
         ]
         traffic = time.monotonic()
         for t in threads:
             t.start()
         metrics = server.root_url + "/metrics"
-        _write(policy, POLICY.format(rate=RATE, spare=6))  # a good edit
+        _write(policy, _policy(spare=6))  # a good edit
         _wait_reloads(metrics, "applied", 1)
-        _write(policy, POLICY.format(rate=RATE, spare=-1))  # refused: the last good one serves
+        _write(policy, _policy(spare=-1))  # refused: the last good one serves
         _wait_reloads(metrics, "rejected", 1)
         time.sleep(max(0.0, traffic + 5 - time.monotonic()))  # alice's streams in steady state
         first = top.scrape(metrics, 5, clock=time.time)
@@ -494,7 +505,9 @@ def test_outrate_top_agrees_with_the_dashboard_over_the_same_interval(run):
     """`outrate top`'s figures (its scrape and rows: what `--once` prints)
     against the dashboard's own queries with `$__rate_interval` set to top's
     interval, evaluated at top's second scrape: alice's rate, throttled share
-    and requests, the unlimited `default` and the shadow rule's rates.
+    and requests, the unlimited `default` and the shadow rule's rates, and
+    what `lender` borrowed over its rate, up to its peak, from the engine's
+    spare capacity.
 
     Within 15% (+0.5 tok/s), not to the digit: a counter on /metrics is up to
     1 s behind the engine (a checkpoint every 0.5 s, a snapshot every 0.5 s),
@@ -516,15 +529,17 @@ def test_outrate_top_agrees_with_the_dashboard_over_the_same_interval(run):
 
     rate = "Output rate against the configured limit (tok/s)"
     requests = "Requests held and live, per limit"
-    got = {limit: dash(rate, "A", limit) for limit in ("alice", "default", "peek")}
+    got = {limit: dash(rate, "A", limit) for limit in ("alice", "default", "peek", "lender")}
     shadow = dash("Shadow: tokens/s a shadow rule would refuse", "A", "peek")
     throttled = dash("Throttled share (live request-time spent held)", "A", "alice")
     live, held = dash(requests, "B", "alice"), dash(requests, "A", "alice")
-    alice = rows["alice"]
+    borrowed = dash("Borrowed from spare capacity (tok/s)", "A", "lender")
+    alice, lender = rows["alice"], rows["lender"]
     lines = [f"{k}: top {rows[k].rate:.1f} tok/s, dashboard {v:.1f}" for k, v in got.items()]
     lines.append(f"peek shadow over: top {rows['peek'].shadow_over:.1f}, dashboard {shadow:.1f}")
     lines.append(f"alice throttled: top {alice.throttled:.1%}, dashboard {throttled:.1%}")
     lines.append(f"alice held/live: top {alice.held}/{alice.live}, dashboard {held:g}/{live:g}")
+    lines.append(f"lender borrowed: top {lender.borrowed:.1f} tok/s, dashboard {borrowed:.1f}")
     print(f"over {t1 - t0:.2f} s:", *lines, sep="\n")
     for limit, v in got.items():
         assert close(rows[limit].rate, v), lines
@@ -534,3 +549,9 @@ def test_outrate_top_agrees_with_the_dashboard_over_the_same_interval(run):
     assert alice.live == live == 2 and 0 <= held <= 2 and alice.held is not None
     assert rows["default"].rate is not None and rows["default"].rate > 2 * RATE  # unthrottled
     assert dash(rate, "B", "alice") == alice.rate_limit == RATE
+    assert close(lender.borrowed, borrowed), lines
+    # alone with spare capacity, lender runs near its peak, the part over its rate borrowed
+    assert lender.rate is not None and lender.rate > LENDER + 0.5 * (PEAK - LENDER), lines
+    assert borrowed > 0.5 * (PEAK - LENDER), lines
+    assert dash(rate, "C", "lender") == lender.peak == PEAK
+    assert alice.peak == RATE and rows["default"].peak == float("inf")  # no peak: the rate
