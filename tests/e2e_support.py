@@ -44,6 +44,9 @@ users:
   hog: 20
   edit-me: 20
   shadowy: {rate: 20, shadow: true}
+  borrower: {rate: 20, peak: unlimited}
+  peaky: {rate: 20, peak: 100}
+  committed: 100
 """
 
 

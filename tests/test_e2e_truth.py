@@ -191,6 +191,6 @@ def test_outrate_top_once_reads_a_real_server(server):
     digest = hashlib.sha256(Path(server.policy_path).read_bytes()).hexdigest()
     assert f"policy {digest[:12]}" in top.stdout
     rows = {line.split()[0]: line.split() for line in top.stdout.splitlines() if line.strip()}
-    assert rows["acc-20-1"][2] == "20" and rows["acc-20-1"][3] == "enforce"
-    assert rows["shadowy"][3] == "shadow"
+    assert rows["acc-20-1"][3] == "20" and rows["acc-20-1"][5] == "enforce"
+    assert rows["shadowy"][5] == "shadow"
     print(top.stdout)

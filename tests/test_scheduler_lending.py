@@ -100,13 +100,18 @@ def test_borrowers_finish_and_are_aborted_cleanly(kind):
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_a_committed_user_is_not_delayed_by_a_borrower(kind):
-    """bob's tokens come in exactly the steps they come in with alice capped:
-    admitted and scheduled in the same step as if nobody borrowed."""
+    """Each of bob's tokens comes no later than with alice capped (nobody
+    borrowing): admitted and scheduled in the same step or sooner (a
+    borrower's held requests give their resident slots to committed
+    newcomers at once, where fair admission gives one a step)."""
     plan = [(0, "alice", 48, 300), (20, "bob", 1, 60), (80, "bob", 4, 40)]
     cfg = {"max_num_seqs": 16, "max_num_active_seqs": 12}
     capped = run(kind, policy(alice=(20, None), bob=(100, None)), plan, 220, **cfg)
     lent = run(kind, policy(alice=(20, "unlimited"), bob=(100, None)), plan, 220, **cfg)
-    assert per_step(lent, "bob") == per_step(capped, "bob")
+    a = sorted(t for t, u in capped.timeline if u == "bob")
+    b = sorted(t for t, u in lent.timeline if u == "bob")
+    assert len(b) >= len(a) and all(y <= x for x, y in zip(a, b, strict=False))
+    assert b[:60] == a[:60]  # the first stream, alone among borrowers: the very same steps
     assert lent.tokens_of("alice") > 3 * capped.tokens_of("alice")  # while borrowing
 
 

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from outrate.observe.metrics import Metrics
 from outrate.observe.publish import families, merge_snapshots, snapshot
-from outrate.observe.trace import TraceWriter, read_trace
+from outrate.observe.trace import Step, TraceWriter, read_trace
 from outrate.policy.compiler import compile_policy
 from outrate.policy.loader import parse_policy
 
@@ -18,8 +18,8 @@ def policy():
     return compile_policy(parse_policy("version: 1\ndefault: 10\n", "t.yaml"), "t.yaml", "sha-a")
 
 
-def step(t: int) -> tuple[int, int, dict, dict, dict, dict, dict]:
-    return (t, t, {"alice": 1}, {}, {}, {}, {})
+def step(t: int) -> Step:
+    return (t, t, 1, {"alice": 1}, {}, {}, {}, {}, {}, {}, {})
 
 
 def test_the_writer_counts_every_line_it_dropped_since_start(tmp_path):

@@ -48,10 +48,10 @@ FLUSH_INTERVAL_S = 0.1
 MAX_PENDING = 200_000
 
 Counts = dict[str, int]
-Step = tuple[int, int, int, Counts, Counts, Counts, Counts, Counts, Counts]
-"""(t, step, running, charged, refunded, held, released, over, borrowed)."""
+Step = tuple[int, int, int, Counts, Counts, Counts, Counts, Counts, Counts, Counts, Counts]
+"""(t, step, running, charged, refunded, held, released, over, borrowed, first, arrived)."""
 
-_KEYS = ("charged", "refunded", "held", "released", "over", "borrowed")
+_KEYS = ("charged", "refunded", "held", "released", "over", "borrowed", "first", "arrived")
 
 TRACE_START = b'{"trace":"outrate"'
 """How every trace's first line begins (the header, written compact). A file

@@ -60,6 +60,25 @@ FAIR_WINDOW_S = 1.0
 the least served when capacity is shared: the fairness window."""
 
 
+def committed_queue(u: UserState, limiter: BudgetStore, now: int) -> int:
+    """How many of `u`'s requests that hold no slot (waiting, or preempted)
+    admission would let in now as committed: none while it has held requests
+    (they come back first), at most its `max_streams` room and, unless its
+    rule is in shadow, one committed token each (admission.py decides the
+    same way, request by request)."""
+    queued = u.live - u.resident
+    if queued <= 0 or u.n_held:
+        return 0
+    lim = limiter.limit_of(u.bucket, now)
+    if lim.max_streams is not None and lim.max_streams - u.resident < queued:
+        queued = lim.max_streams - u.resident
+    if not lim.shadow:
+        avail = u.left or limiter.available(u.bucket, now)
+        if avail < queued:
+            queued = avail
+    return queued if queued > 0 else 0
+
+
 def _held(r: Any) -> bool:
     rs = r.__dict__.get(ATTR)
     return rs is not None and rs.held
@@ -142,18 +161,7 @@ class Lending:
         limiter = self.limiter
         quota: dict[UserState, int] = {}
         for u in users:
-            queued = u.live - u.resident
-            if queued <= 0:
-                continue
-            lim = limiter.limit_of(u.bucket, now)
-            if lim.max_streams is not None and lim.max_streams - u.resident < queued:
-                queued = lim.max_streams - u.resident
-            if not lim.shadow:
-                if u.n_held:
-                    continue  # its held requests come back first (admission.py)
-                avail = u.left or limiter.available(u.bucket, now)
-                if avail < queued:
-                    queued = avail
+            queued = committed_queue(u, limiter, now)
             if queued > 0:
                 quota[u] = queued
         n = min(sum(quota.values()), room)
@@ -273,6 +281,34 @@ class Lending:
         if rate:
             u.served -= float(1 / rate)
         u.m.borrowed -= 1
+
+    def displaced(self, users: Iterable[UserState], now: int, room: int) -> list[Request]:
+        """Resident slots for committed newcomers: held requests of borrowing
+        users (rules with a peak), as many as committed requests wait and
+        `room` active slots take, the youngest of the user holding the most
+        slots first. Fair admission's one-a-step, two-more-slots rule is for
+        users within their rates; a user over its committed rate gives way at
+        once. The caller preempts them (their prefix cache keeps what it can)."""
+        users = list(users)
+        need = sum(committed_queue(u, self.limiter, now) for u in users)
+        k = min(need, room)
+        if k <= 0:
+            return []
+        pool = {u: u.resident for u in users if u.n_held and u.bucket.limit.excess is not None}
+        victims: list[Request] = []
+        chosen: set[Request] = set()
+        while k > 0 and pool:
+            u = max(pool, key=pool.__getitem__)
+            live = [e for e in u.held if _held(e[2]) and e[2] not in chosen]
+            if not live:
+                del pool[u]
+                continue
+            r = max(live, key=lambda e: (e[0], e[1]))[2]
+            victims.append(r)
+            chosen.add(r)
+            pool[u] -= 1
+            k -= 1
+        return victims
 
     def victim(self, running: list[Request], request: Request) -> Request | None:
         """A borrower to preempt for KV before stock's choice: the newest one

@@ -14,13 +14,17 @@ from vllm_integration.step.state import ATTR
 
 
 class StepRecorder:
-    __slots__ = ("trace", "held_by", "released_by", "refunded_by")
+    __slots__ = ("trace", "held_by", "released_by", "refunded_by", "arrived_by")
 
     def __init__(self, trace: Any) -> None:
         self.trace = trace  # a TraceWriter
+        self.arrived_by: dict[str, int] = {}
         self.held_by: dict[str, int] = {}
         self.released_by: dict[str, int] = {}
         self.refunded_by: dict[str, int] = {}
+
+    def arrived(self, key: str) -> None:
+        self.arrived_by[key] = self.arrived_by.get(key, 0) + 1
 
     def held(self, key: str) -> None:
         self.held_by[key] = self.held_by.get(key, 0) + 1
@@ -45,12 +49,14 @@ class StepRecorder:
     ) -> None:
         """The step's line: the requests stock's loop visited (`running`: held
         ones are not among them); per user id, tokens charged this step
-        (gross), refunded, shadow over-limit and borrowed (between rate and
-        peak: already among the charged); held and released. O(requests
+        (gross), refunded, shadow over-limit, borrowed (between rate and peak:
+        already among the charged) and first tokens of a request; held,
+        released, and requests that arrived since the step before. O(requests
         scheduled). Steps where nothing happened write nothing."""
         charged: dict[str, int] = {}
         over: dict[str, int] = {}
         borrowed: dict[str, int] = {}
+        first: dict[str, int] = {}
         for rid in scheduled:
             rs = requests[rid].__dict__.get(ATTR)
             if rs is None or rs.charged_step != step:
@@ -61,10 +67,27 @@ class StepRecorder:
                 over[key] = over.get(key, 0) + 1
             if rs.borrowed_step == step:
                 borrowed[key] = borrowed.get(key, 0) + 1
+            if not rs.prev_ns:  # no token before this one: the request's first
+                first[key] = first.get(key, 0) + 1
         refunded = self.refunded_by
         for key, n in refunded.items():
             charged[key] = charged.get(key, 0) + n
-        held, released = self.held_by, self.released_by
-        if charged or held or released:  # (the writer keeps the dicts: new ones after)
-            self.trace.step((now, step, running, charged, refunded, held, released, over, borrowed))
+        held, released, arrived = self.held_by, self.released_by, self.arrived_by
+        if charged or held or released or arrived:  # (the writer keeps the dicts)
+            self.trace.step(
+                (
+                    now,
+                    step,
+                    running,
+                    charged,
+                    refunded,
+                    held,
+                    released,
+                    over,
+                    borrowed,
+                    first,
+                    arrived,
+                )
+            )
             self.held_by, self.released_by, self.refunded_by = {}, {}, {}
+            self.arrived_by = {}

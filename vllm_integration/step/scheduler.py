@@ -168,6 +168,8 @@ class OutrateMixin:
         source = self.policy_box.current.identity.source  # the newest: trust changes at once
         key = resolve_identity(request.sampling_params, logger, source, self._stamper)
         self.roster.register(request, key, self._policy, request.status == RequestStatus.RUNNING)
+        if self.recorder is not None:
+            self.recorder.arrived(key)
 
     def add_request(self, request: Request) -> None:
         if request.request_id not in self.requests:
@@ -329,7 +331,16 @@ class OutrateMixin:
     def _displace(self, now: int) -> None:
         """Fair admission (admission.py): one held request gives its slot to a
         waiting user with budget (preempted and requeued; prefix cache keeps
-        what it can)."""
+        what it can). Borrowing users' held requests give theirs to every
+        committed newcomer at once (lending.py)."""
+        if self._lends:
+            room = self._cfg_active - len(self.running)
+            victims = self.lending.displaced(self._users.values(), now, room)
+            for r in victims:
+                self._preempt_request(r, time.monotonic())
+            self.metrics.displaced += len(victims)
+            if victims:
+                return
         victim = self.admission.displacement(self.waiting, self._users.values(), self._step, now)
         if victim is not None:
             self._preempt_request(victim, time.monotonic())
