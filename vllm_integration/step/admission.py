@@ -74,8 +74,12 @@ class Admission:
         elif u.refused_step == step or u.n_held or not (u.left or limiter.available(u.bucket, now)):
             # (u.left: tokens it took for this step and has not spent: budget too)
             lending = self.lending
-            if lending is not None and limit.excess is not None and lending.admit(rs, request, now):
-                pass  # on spare capacity no committed request waits for: it borrows
+            if lending is not None and limit.excess is not None and not limit.shadow:
+                # A user with a peak, over its rate: its new prompts come in
+                # only on spare capacity (lending.py), never to prefill ahead
+                # in a slot a committed newcomer may need.
+                if not lending.admit(rs, request, now):
+                    return self._defer(rs, "budget")
             elif not self.can_prefill_ahead(request) or running + 1 >= max_active:
                 ready = limiter.ready_at(u.bucket, now)
                 if st.blocked_ready == 0 or ready < st.blocked_ready:

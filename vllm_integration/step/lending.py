@@ -60,19 +60,25 @@ FAIR_WINDOW_S = 1.0
 the least served when capacity is shared: the fairness window."""
 
 
-def committed_queue(u: UserState, limiter: BudgetStore, now: int) -> int:
+def committed_queue(u: UserState, limiter: BudgetStore, now: int, budget: bool = True) -> int:
     """How many of `u`'s requests that hold no slot (waiting, or preempted)
     admission would let in now as committed: none while it has held requests
     (they come back first), at most its `max_streams` room and, unless its
     rule is in shadow, one committed token each (admission.py decides the
-    same way, request by request)."""
+    same way, request by request). `budget=False`: whatever its budget (a
+    resident slot it may prefill in), for every user without a peak."""
     queued = u.live - u.resident
-    if queued <= 0 or u.n_held:
+    if queued <= 0:
         return 0
     lim = limiter.limit_of(u.bucket, now)
+    if not budget:
+        if lim.excess is not None:
+            return 0  # a borrowing user's own new prompts: not committed demand
+    elif u.n_held:
+        return 0
     if lim.max_streams is not None and lim.max_streams - u.resident < queued:
         queued = lim.max_streams - u.resident
-    if not lim.shadow:
+    if budget and not lim.shadow:
         avail = u.left or limiter.available(u.bucket, now)
         if avail < queued:
             queued = avail
@@ -133,7 +139,10 @@ class Lending:
         users = list(users)
         n_wait, wait_tokens = self._committed_waiting(waiting, users, now, active - committed)
         tokens = budget - demand - wait_tokens
-        allowance = min(active - committed - n_wait, tokens)
+        # Nothing is lent while a newcomer of a user without a peak waits: its
+        # admission needs a seat below a cap that held and borrowing requests
+        # both narrow (stock's `max_num_active_reqs`, less the held).
+        allowance = min(active - committed, tokens) if n_wait == 0 else 0
         if allowance < 0:
             allowance = 0
         if len(borrowing) > allowance:
@@ -161,7 +170,7 @@ class Lending:
         limiter = self.limiter
         quota: dict[UserState, int] = {}
         for u in users:
-            queued = committed_queue(u, limiter, now)
+            queued = committed_queue(u, limiter, now, budget=False)
             if queued > 0:
                 quota[u] = queued
         n = min(sum(quota.values()), room)
@@ -284,13 +293,16 @@ class Lending:
 
     def displaced(self, users: Iterable[UserState], now: int, room: int) -> list[Request]:
         """Resident slots for committed newcomers: held requests of borrowing
-        users (rules with a peak), as many as committed requests wait and
-        `room` active slots take, the youngest of the user holding the most
-        slots first. Fair admission's one-a-step, two-more-slots rule is for
-        users within their rates; a user over its committed rate gives way at
-        once. The caller preempts them (their prefix cache keeps what it can)."""
+        users (rules with a peak), as many as requests of users without a peak
+        wait (within their `max_streams`, whatever their budget: admission
+        lets them prefill) and `room` active slots take (held requests narrow
+        admission's cap even where a resident slot is free), the youngest of
+        the user holding the most slots first. Fair admission's one-a-step,
+        two-more-slots rule is for users within their rates; a user over its
+        committed rate gives way at once. The caller preempts them (their
+        prefix cache keeps what it can)."""
         users = list(users)
-        need = sum(committed_queue(u, self.limiter, now) for u in users)
+        need = sum(committed_queue(u, self.limiter, now, budget=False) for u in users)
         k = min(need, room)
         if k <= 0:
             return []

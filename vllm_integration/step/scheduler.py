@@ -287,6 +287,8 @@ class OutrateMixin:
                 self.max_num_running_reqs - len(self.running) - len(holdback),
                 self.max_num_scheduled_tokens,
             )
+        if self._lends and holdback:
+            self._displace_lenders(now)
         if holdback and len(self.running) + len(holdback) >= self.max_num_running_reqs:
             self._displace(now)
         self._alloc.install(bool(holdback))  # held requests: preempted first (kv.py)
@@ -331,20 +333,20 @@ class OutrateMixin:
     def _displace(self, now: int) -> None:
         """Fair admission (admission.py): one held request gives its slot to a
         waiting user with budget (preempted and requeued; prefix cache keeps
-        what it can). Borrowing users' held requests give theirs to every
-        committed newcomer at once (lending.py)."""
-        if self._lends:
-            room = self._cfg_active - len(self.running)
-            victims = self.lending.displaced(self._users.values(), now, room)
-            for r in victims:
-                self._preempt_request(r, time.monotonic())
-            self.metrics.displaced += len(victims)
-            if victims:
-                return
+        what it can)."""
         victim = self.admission.displacement(self.waiting, self._users.values(), self._step, now)
         if victim is not None:
             self._preempt_request(victim, time.monotonic())
             self.metrics.displaced += 1
+
+    def _displace_lenders(self, now: int) -> None:
+        """Borrowing users' held requests give their resident slots to every
+        newcomer of a user without a peak at once (lending.py)."""
+        active = self._cfg_active - len(self.running)
+        victims = self.lending.displaced(self._users.values(), now, active)
+        for r in victims:
+            self._preempt_request(r, time.monotonic())
+        self.metrics.displaced += len(victims)
 
     # -- engine loop --------------------------------------------------------
 
