@@ -253,6 +253,36 @@ def test_the_docs_example_is_what_the_command_prints(tmp_path, monkeypatch):
 
 
 @pytest.mark.vllm
+def test_the_readme_peak_example_is_what_the_command_prints(monkeypatch):
+    """README "Plan before you deploy", work-conserving (issue 33): alice
+    {rate: 200, peak: unlimited} beside bob and carol. The text is the
+    command's, and what it claims holds: the engine runs at least 0.9x stock,
+    and bob's and carol's first tokens come within 2x of the capped policy's."""
+    pytest.importorskip("vllm")
+    monkeypatch.chdir(REPO)
+    readme = (REPO / "README.md").read_text()
+    command = re.search(r"```\n(outrate simulate \S*plan-peak.yaml .*?)\n```", readme, re.S)
+    assert command is not None
+    args = command.group(1).replace("\\\n", " ").split()[2:]
+    result = runner.invoke(app, ["simulate", *args])
+    assert result.exit_code == 0, result.output
+    assert f"```\n{result.stdout}```" in readme
+    flags = args[args.index("--") :]
+    peak, capped = args[0], args[args.index("--compare") + 1]
+    runs = {}
+    for name, compare in (("stock", "stock"), ("capped", capped)):
+        out = runner.invoke(app, ["simulate", peak, *args[1:3], "--compare", compare,
+                                  "--format", "json", *flags])  # fmt: skip
+        assert out.exit_code == 0, out.output
+        runs[name] = json.loads(out.stdout)["runs"]
+    lent, stock = runs["stock"][0], runs["stock"][1]
+    assert lent["engine"]["tokens_per_s"] >= 0.9 * stock["engine"]["tokens_per_s"]
+    for user in ("bob", "carol"):
+        mine, theirs = runs["capped"][0]["users"][user], runs["capped"][1]["users"][user]
+        assert mine["ttft_p50_ms"] <= 2 * theirs["ttft_p50_ms"], user
+
+
+@pytest.mark.vllm
 def test_the_benchmark_smoke_runs():
     pytest.importorskip("vllm")
     sys.path.insert(0, str(REPO / "benchmarks"))
