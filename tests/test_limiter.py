@@ -877,3 +877,36 @@ def test_benchmark_check_fails_on_a_missed_target(
     assert bench.main([*tiny, "--check"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "(--check: exit 1)" in out
+
+
+# -- borrowing: the excess bucket of a rule with a peak (issue 33) ------------
+
+
+def test_borrowed_tokens_come_from_the_excess_bucket_alone():
+    """Committed takes and borrows are two buckets: borrowing at the excess
+    rate (peak - rate) leaves the committed budget untouched, and a rule
+    without a peak never borrows."""
+    lim = Limit(20, 100_000_000, peak=100)  # excess: 80 tok/s, 100 ms burst
+    lim_flat = Limit(20, 100_000_000)
+    t = limiter_for(lim)
+    b = t.pin("u")
+    now = 10 * NS_PER_S
+    committed = t.take_upto(b, now, 1000)  # the committed burst: 3 tokens
+    borrowed = 0
+    while t.borrow(b, now):
+        borrowed += 1
+    assert (committed, borrowed) == (3, 9)  # 80 tok/s x 100 ms + 1
+    assert not t.can_borrow(b, now) and t.available(b, now) == 0
+    later = now + NS_PER_S  # one second on: each bucket refilled at its own rate
+    assert t.available(b, later) == 3
+    t.give_back_borrowed(b, now)
+    assert t.can_borrow(b, now)
+    flat = limiter_for(lim_flat)
+    assert not flat.can_borrow(flat.pin("u"), now) and not flat.borrow(flat.pin("u"), now)
+
+
+def test_an_unlimited_peak_borrows_without_a_cap():
+    t = limiter_for(Limit(20, 100_000_000, peak="unlimited"))
+    b = t.pin("u")
+    assert all(t.borrow(b, NS_PER_S) for _ in range(10_000))
+    assert t.take_upto(b, NS_PER_S, 100) == 3  # the committed budget is untouched

@@ -341,37 +341,33 @@ class Limiter:
 
     # -- borrowing (work-conserving limits: Limit.peak) ----------------------
 
+    def _excess(self, b: Bucket, now: int) -> Limit | None:
+        """The limit of `b`'s excess bucket (None: its rule has no peak)."""
+        if b.gen != self._gen:
+            self._refresh(b, now)
+        return b.limit.excess
+
     def can_borrow(self, b: Bucket, now: int) -> bool:
         """Whether `b`'s user may borrow a token at `now`: its limit has a peak
         and the excess bucket has a token. (The scheduler decides whether there
         is spare capacity to borrow from; this only says the peak allows it.)"""
-        if b.gen != self._gen:
-            self._refresh(b, now)
-        ex = b.limit.excess
-        if ex is None:
-            return False
-        s = ex.scale
-        return not s or b.etat - now * s <= ex.tolerance
+        ex = self._excess(b, now)
+        return ex is not None and (not ex.scale or b.etat - now * ex.scale <= ex.tolerance)
 
     def borrow(self, b: Bucket, now: int) -> bool:
         """Take one borrowed token from the excess bucket alone: the committed
         bucket is not touched, so borrowing leaves it no debt."""
-        if b.gen != self._gen:
-            self._refresh(b, now)
-        ex = b.limit.excess
+        ex = self._excess(b, now)
         if ex is None:
             return False
-        s = ex.scale
-        if not s:
+        if not ex.scale:
             return True  # peak: unlimited
-        k, b.etat = gcra(b.etat, now * s, ex.interval, ex.tolerance, 1)
+        k, b.etat = gcra(b.etat, now * ex.scale, ex.interval, ex.tolerance, 1)
         return k == 1
 
     def give_back_borrowed(self, b: Bucket, now: int) -> None:
         """Undo one `borrow` (the refund point)."""
-        if b.gen != self._gen:
-            self._refresh(b, now)
-        ex = b.limit.excess
+        ex = self._excess(b, now)
         if ex is not None and ex.scale:
             b.etat -= ex.interval
 
