@@ -30,6 +30,16 @@ Why the ratios are what they are:
   with stock scheduling only the n requests outrate actually schedules per step
   (n measured from the outputs): what a step costs on top of the work that is
   really done (target <= 1.3 at 95%; the 50% rows are informative).
+- Borrowers (a second table; `b100` / `b50` in `--only`): b*R requests
+  belong to users with a committed rate of 0.001 tok/s and a `peak` above
+  it, `unlimited` or 1e6 tok/s (`b100@1000000`: the excess bucket's GCRA
+  runs per token, never refusing). After their first token every token they
+  get is borrowed: each step `Lending.plan` runs, and each of their tokens
+  takes the refusal path (a committed take that returns 0, then `borrow`).
+  The rest belong to 1e6 tok/s users (committed). Every request is still
+  scheduled every step (the benchmark checks that, and that every
+  borrower's request is borrowing), so the ratio is over stock with all R
+  running, as at 0%: what lending costs a step. No target.
 
 Noise: the machine is small and shared (other test runs come and go), and
 two schedulers built alike differ by a few points (where their objects land
@@ -124,6 +134,18 @@ class Cell:
     running: int
     users: int
     throttled: float  # fraction of requests whose user is out of budget
+    borrowing: float = 0.0  # fraction whose user is past its committed rate, below its peak
+    peak: str = "unlimited"  # the borrowing users' peak (policy syntax)
+
+    @property
+    def name(self) -> str:
+        """How `--only` names the cell: mode:R:U:thr% or, with borrowers,
+        mode:R:U:b<borrow%>, with @<peak> where the peak is finite."""
+        head = f"{self.mode}:{self.running}:{self.users}"
+        if not self.borrowing:
+            return f"{head}:{self.throttled * 100:.0f}"
+        finite = "" if self.peak == "unlimited" else f"@{self.peak}"
+        return f"{head}:b{self.borrowing * 100:.0f}{finite}"
 
 
 @dataclass(frozen=True)
@@ -158,6 +180,8 @@ class Result:
 
     @property
     def target(self) -> float | None:
+        if self.cell.borrowing:
+            return None
         if self.cell.throttled == 0:
             return TARGET_UNTHROTTLED
         if self.cell.throttled == 0.95:
@@ -178,28 +202,41 @@ class Workload:
     throttled_users: list[str]
     free_users: list[str]
     label: str
+    borrowing_users: list[str] = field(default_factory=list)
 
     @property
     def n_throttled(self) -> int:
         slow = set(self.throttled_users)
         return sum(u in slow for u in self.users)
 
+    @property
+    def n_borrowing(self) -> int:
+        lenders = set(self.borrowing_users)
+        return sum(u in lenders for u in self.users)
 
-def workload(running: int, users: int, throttled: float) -> Workload:
-    """Who owns which request. Throttled requests are spread evenly through
-    the arrival order (not bunched at one end of `running`); within each
-    group requests go round-robin over that group's users."""
+
+def workload(running: int, users: int, throttled: float, borrowing: float = 0.0) -> Workload:
+    """Who owns which request. Throttled (or borrowing) requests are spread
+    evenly through the arrival order (not bunched at one end of `running`);
+    within each group requests go round-robin over that group's users.
+    Borrowing users are named b0, b1, ...; all requests may be theirs."""
     if not 1 <= users <= running:
         raise ValueError(f"need 1 <= users <= running, got users={users} running={running}")
-    n_slow = round(throttled * running)
+    if throttled and borrowing:
+        raise ValueError("a cell has throttled or borrowing users, not both")
+    n_slow = round((throttled or borrowing) * running)
     if n_slow == 0:
         free = [f"u{i}" for i in range(users)]
         return Workload([free[i % users] for i in range(running)], [], free, str(users))
     if n_slow == running:
-        raise ValueError("at least one request must be unthrottled")
-    k_slow = min(max(round(throttled * users), 1), max(users - 1, 1))
+        if not borrowing:
+            raise ValueError("at least one request must be unthrottled")
+        lenders = [f"b{i}" for i in range(users)]
+        owners = [lenders[i % users] for i in range(running)]
+        return Workload(owners, [], [], str(users), lenders)
+    k_slow = min(max(round((throttled or borrowing) * users), 1), max(users - 1, 1))
     k_free = max(users - k_slow, 1)
-    slow = [f"t{i}" for i in range(k_slow)]
+    slow = [f"{'b' if borrowing else 't'}{i}" for i in range(k_slow)]
     free = [f"u{i}" for i in range(k_free)]
     owners: list[str] = []
     i_slow = i_free = 0
@@ -210,12 +247,18 @@ def workload(running: int, users: int, throttled: float) -> Workload:
         else:
             owners.append(free[i_free % k_free])
             i_free += 1
+    if borrowing:
+        return Workload(owners, [], free, f"{k_slow}+{k_free}", slow)
     return Workload(owners, slow, free, f"{k_slow}+{k_free}")
 
 
-def policy_for(w: Workload) -> CompiledPolicy:
+def policy_for(w: Workload, peak: str = "unlimited") -> CompiledPolicy:
+    """Throttled users at SLOW_RATE; borrowing users committed to SLOW_RATE
+    with `peak` above it (one committed token, then every token borrowed);
+    the others at FREE_RATE."""
     lines = ["version: 1", f"default: {FREE_RATE}", "burst: 100ms", "users:"]
     lines += [f"  {u}: {SLOW_RATE}" for u in w.throttled_users]
+    lines += [f"  {u}: {{rate: {SLOW_RATE}, peak: {peak}}}" for u in w.borrowing_users]
     lines += [f"  {u}: {FREE_RATE}" for u in w.free_users]
     text = "\n".join(lines) + "\n"
     return compile_policy(parse_policy(text, "bench.yaml"), "bench.yaml")
@@ -378,16 +421,23 @@ def measure(cell: Cell, sizes: Sizes, copies: int = COPIES) -> Result:
     """`copies` schedulers of each kind, built alternately, all stepped in
     the same interleaved rounds. The base is stock with all R requests at
     0% throttled, stock with the n requests outrate schedules otherwise; its
-    twin (built alike, measured alike) gives `a/a`, the cell's noise floor."""
-    w = workload(cell.running, cell.users, cell.throttled)
+    twin (built alike, measured alike) gives `a/a`, the cell's noise floor.
+    With borrowers the base is stock with all R, as at 0%: every request is
+    scheduled, every borrower's borrowing (checked)."""
+    w = workload(cell.running, cell.users, cell.throttled, cell.borrowing)
 
     def probed() -> Bench:
-        b = build(cell.mode, w.users, sizes, policy_for(w))
+        b = build(cell.mode, w.users, sizes, policy_for(w, cell.peak))
         b.run(PROBE_STEPS)  # n: what outrate schedules once the throttled are held
+        lent = len(b.sched.lending)
+        if lent != w.n_borrowing:
+            raise RuntimeError(f"{cell.name}: {lent} requests borrowing, not {w.n_borrowing}")
         return b
 
     outs = [probed()]
     n = outs[0].median_scheduled()
+    if cell.borrowing and n != cell.running:
+        raise RuntimeError(f"{cell.name}: {n} of {cell.running} requests scheduled per step")
     stock = f"stock-{cell.mode}"
     alls: list[Bench] = []
     bases: list[Bench] = []
@@ -427,17 +477,30 @@ def measure(cell: Cell, sizes: Sizes, copies: int = COPIES) -> Result:
 # -- grid and report ----------------------------------------------------------
 
 
+BORROWERS = ((1.0, "unlimited"), (1.0, FREE_RATE), (0.5, "unlimited"))
+"""The borrower cells (borrowing fraction, the borrowers' peak), 16 users, at
+R = 64 and 256 in both grids."""
+
+
 def grid(quick: bool) -> list[Cell]:
     runnings = (64, 256) if quick else (64, 256, 1024)
     users = (16,) if quick else (1, 16, 256)
-    return [
+    modes = ("sync", "async")
+    limited = [
         Cell(mode, r, u, f)
-        for mode in ("sync", "async")
+        for mode in modes
         for r in runnings
         for u in users
         if u <= r
         for f in (0.0, 0.5, 0.95)
     ]
+    lending = [
+        Cell(mode, r, 16, 0.0, part, peak)
+        for mode in modes
+        for r in (64, 256)
+        for part, peak in BORROWERS
+    ]
+    return limited + lending
 
 
 HEADER = """\
@@ -454,13 +517,30 @@ COLUMNS = {
 }  # fmt: skip
 
 
-def format_row(values: Iterable[str]) -> str:
-    return "  ".join(v.rjust(w) for v, w in zip(values, COLUMNS.values(), strict=True))
+def format_row(values: Iterable[str], columns: dict[str, int] = COLUMNS) -> str:
+    return "  ".join(v.rjust(w) for v, w in zip(values, columns.values(), strict=True))
+
+
+BORROW_HEADER = """\
+Borrowers: users committed to 0.001 tok/s with a peak above it (unlimited, or the
+rate shown), out of their committed rate, so every token they get is borrowed
+(Lending.plan each step).  borrow%: their share of the R requests; the rest are
+committed users (1e6 tok/s); users: count, or borrowing+committed users.  All R
+are scheduled every step, so ratio = outrate / stock with all R running: what
+lending adds to a step.  No target."""
+
+BORROW_COLUMNS = {
+    "mode": 5, "R": 5, "users": 7, "borrow%": 7, "peak": 9, "sched/step": 10,
+    "stock_all_us": 12, "outrate_us": 10, "ratio": 6, "a/a": 6,
+}  # fmt: skip
 
 
 def format_table(results: Iterable[Result]) -> str:
-    lines = [HEADER, "", format_row(COLUMNS)]
-    for res in results:
+    results = list(results)
+    limited = [r for r in results if not r.cell.borrowing]
+    lending = [r for r in results if r.cell.borrowing]
+    lines = [HEADER, "", format_row(COLUMNS)] if limited or not lending else []
+    for res in limited:
         c = res.cell
         row = [c.mode, str(c.running), res.users_label, f"{c.throttled * 100:.0f}"]
         row.append(str(res.scheduled))
@@ -470,6 +550,16 @@ def format_table(results: Iterable[Result]) -> str:
         row.append("-" if res.target is None else f"<={res.target:g}")
         row.append({None: "-", True: "PASS", False: "FAIL"}[res.passed])
         lines.append(format_row(row))
+    if lending:
+        if lines:
+            lines.append("")
+        lines += [BORROW_HEADER, "", format_row(BORROW_COLUMNS, BORROW_COLUMNS)]
+    for res in lending:
+        c = res.cell
+        row = [c.mode, str(c.running), res.users_label, f"{c.borrowing * 100:.0f}", c.peak]
+        row += [str(res.scheduled), f"{res.stock_all_us:.0f}", f"{res.outrate_us:.0f}"]
+        row += [f"{res.ratio:.3f}", f"{res.aa:.3f}"]
+        lines.append(format_row(row, BORROW_COLUMNS))
     return "\n".join(lines)
 
 
@@ -660,8 +750,9 @@ def main_isolated(args: Any) -> int:
         f"{'stock hook':>10}  {'diff ns':>8}  {'ns/req':>6}  {'share':>6}"
     )
     for cell in grid(args.quick):
-        name = f"{cell.mode}:{cell.running}:{cell.users}:{cell.throttled * 100:.0f}"
-        if cell.throttled or (args.only and name not in args.only.split(",")):
+        if cell.throttled or cell.borrowing:
+            continue
+        if args.only and cell.name not in args.only.split(","):
             continue
         step_us, mine, theirs, diff = isolated(cell, sizes)
         print(
@@ -679,7 +770,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
     ap.add_argument("--no-profile", action="store_true", help="skip the cProfile section")
     ap.add_argument("--copies", type=int, default=COPIES, help="schedulers built per kind")
-    ap.add_argument("--only", help="cells, e.g. sync:1024:16:0,async:256:256:0 (mode:R:U:thr%%)")
+    ap.add_argument(
+        "--only",
+        help="cells, e.g. sync:1024:16:0,async:256:256:0 (mode:R:U:thr%%), "
+        "async:64:16:b100,sync:256:16:b100@1000000 (borrowers: mode:R:U:b<borrow%%>[@peak])",
+    )
     ap.add_argument(
         "--isolated",
         action="store_true",
@@ -704,13 +799,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_dir()  # builds or reuses the tiny model; keep its chatter off the table
     results = []
     for cell in grid(args.quick):
-        name = f"{cell.mode}:{cell.running}:{cell.users}:{cell.throttled * 100:.0f}"
-        if args.only and name not in args.only.split(","):
+        if args.only and cell.name not in args.only.split(","):
             continue
         results.append(measure(cell, sizes, max(args.copies, 1)))
         print(
-            f"  measured {cell.mode} R={cell.running} U={cell.users} "
-            f"{cell.throttled * 100:.0f}%: ratio {results[-1].ratio:.3f} a/a {results[-1].aa:.3f}",
+            f"  measured {cell.name}: ratio {results[-1].ratio:.3f} a/a {results[-1].aa:.3f}",
             file=sys.stderr,
             flush=True,
         )

@@ -32,6 +32,35 @@ def test_measure_tiny() -> None:
     assert row[:5] == [mode, "16", res.users_label, f"{throttled * 100:.0f}", str(scheduled)]
 
 
+def test_measure_tiny_borrowers() -> None:
+    """A borrower cell (half the requests borrowing, with committed users
+    beside them): every request scheduled, its own table, no target."""
+    cell = bench.Cell("sync", 16, 4, 0.0, borrowing=0.5)
+    assert cell.name == "sync:16:4:b50"
+    res = bench.measure(cell, TINY, copies=1)
+    assert res.scheduled == 16
+    assert res.users_label == "2+2"
+    assert res.ratio > 0 and res.aa > 0 and res.outrate_us > 0
+    assert res.target is None and res.passed is None
+    table = bench.format_table([res]).splitlines()
+    assert table[0].startswith("Borrowers:")
+    assert table[-1].split()[:6] == ["sync", "16", "2+2", "50", "unlimited", "16"]
+
+
+def test_borrowers_borrow_every_token() -> None:
+    """Past warm-up a borrower cell's users are past their committed rate:
+    every request of theirs is borrowing, and each step's tokens are
+    borrowed; with a finite peak too."""
+    w = bench.workload(16, 4, 0.0, borrowing=1.0)
+    for peak in ("unlimited", bench.FREE_RATE):
+        b = bench.build("async", w.users, TINY, bench.policy_for(w, peak))
+        labels = {id(u.m): u.m for u in b.sched._users.values()}.values()
+        borrowed = sum(m.borrowed for m in labels)
+        b.run(3)
+        assert len(b.sched.lending) == 16 and b.median_scheduled() == 16, peak
+        assert sum(m.borrowed for m in labels) - borrowed == 3 * 16, peak
+
+
 def test_workload_spreads_throttled_requests() -> None:
     w = bench.workload(1024, 16, 0.95)
     assert w.label == "15+1"
@@ -40,6 +69,12 @@ def test_workload_spreads_throttled_requests() -> None:
     one = bench.workload(64, 1, 0.5)
     assert one.label == "1+1" and one.n_throttled == 32
     assert set(bench.workload(64, 16, 0.0).users) == {f"u{i}" for i in range(16)}
+    lenders = bench.workload(64, 16, 0.0, borrowing=1.0)
+    assert lenders.label == "16" and lenders.n_borrowing == 64 and not lenders.free_users
+    mixed = bench.workload(64, 16, 0.0, borrowing=0.5)
+    assert mixed.label == "8+8" and mixed.n_borrowing == 32 and mixed.n_throttled == 0
+    with pytest.raises(ValueError, match="not both"):
+        bench.workload(64, 16, 0.5, borrowing=0.5)
 
 
 def test_grid_covers_the_brief() -> None:
@@ -50,6 +85,12 @@ def test_grid_covers_the_brief() -> None:
     assert {c.mode for c in full} == {"sync", "async"}
     assert all(c.users <= c.running for c in full)
     assert len(bench.grid(quick=True)) < len(full)
+    for quick in (False, True):  # borrowers: R = 64 and 256, sync and async, in both grids
+        cells = bench.grid(quick)
+        lending = {c.name for c in cells if c.borrowing}
+        assert len(lending) == 12
+        assert {"sync:64:16:b100", "async:256:16:b50", "async:256:16:b100@1000000"} <= lending
+        assert len({c.name for c in cells}) == len(cells)  # --only tells every cell apart
 
 
 def test_isolated_times_both_hooks() -> None:
@@ -75,6 +116,8 @@ def test_check_flags_a_missed_target() -> None:
     bad = bench.Result(cell, "15+1", 51, 9000.0, 400.0, 600.0, ratio=1.5)
     assert ok.passed is True and bad.passed is False
     assert "FAIL" in bench.format_table([ok, bad]).splitlines()[-1]
+    lending = bench.Result(bench.Cell("sync", 64, 16, 0.0, 1.0), "16", 64, 900.0, 900.0, 2e3, 2.2)
+    assert lending.passed is None  # no target: --check does not fail on borrower cells
 
 
 def test_ablations_change_what_they_name() -> None:
