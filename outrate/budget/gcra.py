@@ -104,6 +104,7 @@ class Limit:
         "label",
         "peak",
         "excess",
+        "token_s",
     )
 
     def __init__(
@@ -140,6 +141,8 @@ class Limit:
         """Computed and counted, never enforced: nobody is held, no prefill capped."""
         self.label = label
         """The `limit` label of this rule's metrics (`default`, `tier:pro`, ...)."""
+        self.token_s = 0.0 if rate is None else float(1 / rate)
+        """Seconds of this rate one token is (a float: borrowers' service counters)."""
         self.peak: Fraction | str | None = peak
         """None: no borrowing (peak = rate); `PEAK_UNLIMITED`; or the peak rate."""
         self.excess: Limit | None = None

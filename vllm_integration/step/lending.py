@@ -216,8 +216,7 @@ class Lending:
                 u.served = floor
             elif u.served > floor + FAIR_WINDOW_S:
                 u.served = floor + FAIR_WINDOW_S
-            rate = u.bucket.limit.rate
-            pool.append((u.served, i, u, float(1 / rate) if rate else 0.0))
+            pool.append((u.served, i, u, u.bucket.limit.token_s))
         heapq.heapify(pool)
         share: dict[UserState, int] = dict.fromkeys(members, 0)
         while k > 0 and pool:
@@ -280,15 +279,11 @@ class Lending:
 
     def charged(self, rs: RequestState, u: UserState) -> None:
         """A borrowed token was charged: count its service."""
-        rate = u.bucket.limit.rate
-        if rate:
-            u.served += float(1 / rate)
+        u.served += u.bucket.limit.token_s
         u.m.borrowed += 1
 
     def refunded(self, rs: RequestState, u: UserState) -> None:
-        rate = u.bucket.limit.rate
-        if rate:
-            u.served -= float(1 / rate)
+        u.served -= u.bucket.limit.token_s
         u.m.borrowed -= 1
 
     def displaced(self, users: Iterable[UserState], now: int, room: int) -> list[Request]:
