@@ -261,7 +261,7 @@ def test_the_readme_peak_example_is_what_the_command_prints(monkeypatch):
     pytest.importorskip("vllm")
     monkeypatch.chdir(REPO)
     readme = (REPO / "README.md").read_text()
-    command = re.search(r"```\n(outrate simulate \S*plan-peak.yaml .*?)\n```", readme, re.S)
+    command = re.search(r"```\n(outrate simulate \S*plan-peak-policy.yaml .*?)\n```", readme, re.S)
     assert command is not None
     args = command.group(1).replace("\\\n", " ").split()[2:]
     result = runner.invoke(app, ["simulate", *args])

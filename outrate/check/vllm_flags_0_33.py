@@ -136,26 +136,26 @@ ONE_VALUE = frozenset(
     --offload-group-size --offload-num-in-group --offload-prefetch-step --optimization-level
     --otlp-traces-endpoint --outrate-policy --outrate-reload --outrate-store
     --outrate-store-engines --outrate-store-fallback --outrate-store-hold-s
-    --outrate-store-lease-ms --outrate-trace
-    --outrate-trace-max-bytes --override-generation-config --per-request-spec-decode-metrics
-    --performance-mode --pipeline-parallel-size --pooler-config --port
-    --prefill-context-parallel-size --prefill-schedule-interval
-    --prefix-cache-retention-interval --prefix-caching-hash-algo --prefix-match-unit
-    --profiler-config --pt-load-map-location --quantization --quantization-config
-    --reasoning-config --reasoning-effort-map --reasoning-parser --reasoning-parser-plugin
-    --renderer-num-workers --replayssm-buffer-len --response-role --revision --root-path
-    --runner --safetensors-load-strategy --safetensors-prefetch-block-size
-    --safetensors-prefetch-num-threads --scheduler-cls --scheduling-policy --seed
-    --show-hidden-metrics-for-version --shutdown-timeout --sleep-mode-backend
-    --sparse-indexer-topk-backend --spec-method --spec-model --spec-tokens
-    --speculative-config --sse-keep-alive-interval --ssl-ca-certs --ssl-cert-reqs
-    --ssl-certfile --ssl-ciphers --ssl-keyfile --stream-interval --structured-outputs-config
-    --tensor-parallel-size --tokenizer --tokenizer-mode --tokenizer-revision
-    --tool-call-parser --tool-parser-plugin --tool-server --tool-strict-level --ubatch-size
-    --uds --user-output-tokens-per-second --uvicorn-log-level --video-pruning-method
-    --video-pruning-rate --watchdog-config --watermark --watermark-config
-    --weight-transfer-config --worker-cls --worker-extension-cls -ac -asc -cc -dc -dcp -dp
-    -dpa -dpb -dpl -dpn -dpp -dpr -n -pcp -pp -q -r -sc -tp
+    --outrate-store-lease-ms --outrate-trace --outrate-trace-max-bytes
+    --override-generation-config --per-request-spec-decode-metrics --performance-mode
+    --pipeline-parallel-size --pooler-config --port --prefill-context-parallel-size
+    --prefill-schedule-interval --prefix-cache-retention-interval --prefix-caching-hash-algo
+    --prefix-match-unit --profiler-config --pt-load-map-location --quantization
+    --quantization-config --reasoning-config --reasoning-effort-map --reasoning-parser
+    --reasoning-parser-plugin --renderer-num-workers --replayssm-buffer-len --response-role
+    --revision --root-path --runner --safetensors-load-strategy
+    --safetensors-prefetch-block-size --safetensors-prefetch-num-threads --scheduler-cls
+    --scheduling-policy --seed --show-hidden-metrics-for-version --shutdown-timeout
+    --sleep-mode-backend --sparse-indexer-topk-backend --spec-method --spec-model
+    --spec-tokens --speculative-config --sse-keep-alive-interval --ssl-ca-certs
+    --ssl-cert-reqs --ssl-certfile --ssl-ciphers --ssl-keyfile --stream-interval
+    --structured-outputs-config --tensor-parallel-size --tokenizer --tokenizer-mode
+    --tokenizer-revision --tool-call-parser --tool-parser-plugin --tool-server
+    --tool-strict-level --ubatch-size --uds --user-output-tokens-per-second
+    --uvicorn-log-level --video-pruning-method --video-pruning-rate --watchdog-config
+    --watermark --watermark-config --weight-transfer-config --worker-cls
+    --worker-extension-cls -ac -asc -cc -dc -dcp -dp -dpa -dpb -dpl -dpn -dpp -dpr -n -pcp
+    -pp -q -r -sc -tp
     """.split()
 )
 """`--x V` or `--x=V`."""
