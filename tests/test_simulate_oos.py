@@ -101,6 +101,11 @@ KNOWN: dict[tuple[str, str, str], str] = {
         "engine's own arrival times brings it to -20%)"
     ),
     ("oos-mix", "chat", "ttft"): _SLOTS + "; engine 226-1083 ms, simulated 368-1432 ms",
+    ("oos-mix", "hog", "ttft"): (
+        _SLOTS + "; engine 3453 ms on one run, 100 ms on a fresh clone's run with a "
+        "neighbour's load (simulated 3617 and 4947 ms): which hump the median "
+        "lands in moves from run to run"
+    ),
     ("oos-mix", "open", "ttft"): _SLOTS + "; engine 100-950 ms, simulated 598-2367 ms",
     **{
         ("oos-mix", f"member-{i}", "rate"): (
