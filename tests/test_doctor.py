@@ -115,23 +115,27 @@ def test_a_changed_signature_is_reported(monkeypatch: pytest.MonkeyPatch) -> Non
     assert "something_else" in finding.detail
 
 
-def _fresh_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
+def _register_opted_in(
+    newer: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> tuple[bool, list[str]]:
+    """The plugin's `register()` in a fresh state with the opt-in set:
+    (whether it patched, what it logged)."""
+    calls: list[str] = []
+    monkeypatch.setattr(plugin, "_register", lambda: calls.append("patched"))
+    monkeypatch.setenv("OUTRATE_UNTESTED_VLLM", newer)
     monkeypatch.setattr(plugin, "_registered", False)
     monkeypatch.setattr(plugin, "_warned", False)
     monkeypatch.setattr(sys, "argv", ["vllm", "serve", "--model", "m"])
+    with caplog.at_level(logging.WARNING, logger="vllm.outrate"):
+        plugin.register()
+    return bool(calls), [r.getMessage() for r in caplog.records if r.name == "vllm.outrate"]
 
 
 def test_the_plugin_runs_on_an_opted_in_newer_vllm_and_says_so(
     newer: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    calls: list[str] = []
-    monkeypatch.setattr(plugin, "_register", lambda: calls.append("patched"))
-    monkeypatch.setenv("OUTRATE_UNTESTED_VLLM", newer)
-    _fresh_plugin(monkeypatch)
-    with caplog.at_level(logging.WARNING, logger="vllm.outrate"):
-        plugin.register()
-    assert calls == ["patched"]
-    said = [r.getMessage() for r in caplog.records if r.name == "vllm.outrate"]
+    patched, said = _register_opted_in(newer, monkeypatch, caplog)
+    assert patched
     assert len(said) == 1 and said[0].startswith(f"outrate: vLLM {newer} is newer than")
     assert "untested" in said[0]
 
@@ -142,15 +146,9 @@ def test_the_plugin_stays_out_of_an_opted_in_vllm_with_a_missing_target(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    calls: list[str] = []
-    monkeypatch.setattr(plugin, "_register", lambda: calls.append("patched"))
-    monkeypatch.setenv("OUTRATE_UNTESTED_VLLM", newer)
-    _fresh_plugin(monkeypatch)
-    with caplog.at_level(logging.WARNING, logger="vllm.outrate"):
-        plugin.register()
-    assert calls == []
-    said = " ".join(r.getMessage() for r in caplog.records if r.name == "vllm.outrate")
-    assert "Scheduler.gone" in said and "runs as shipped" in said
+    patched, said = _register_opted_in(newer, monkeypatch, caplog)
+    assert not patched
+    assert "Scheduler.gone" in " ".join(said) and "runs as shipped" in " ".join(said)
 
 
 # vLLM's own CLI in a fresh process, on the installed vLLM faked one minor newer.
