@@ -182,13 +182,13 @@ def test_a_committed_user_is_not_harmed_by_a_borrower(server):
 def test_an_unlimited_user_filling_every_slot_reclaims_them(server):
     hog: list = []
     t = threading.Thread(
-        target=lambda: hog.extend(run_concurrently(server.base_url, [("borrower", 4, 300)]))
+        target=lambda: hog.extend(run_concurrently(server.base_url, [("borrower", 4, 600)]))
     )
     t.start()
     try:
         time.sleep(1.5)  # borrowing by now
         since = time.monotonic_ns()
-        done = run_concurrently(server.base_url, [("free", ACTIVE, 150)])
+        done = run_concurrently(server.base_url, [("free", ACTIVE, 400)])
     finally:
         t.join()
     assert_complete(done)

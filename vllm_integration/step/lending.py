@@ -11,21 +11,19 @@ How a step keeps the rule (`plan`, at the step's start, after held committed
 requests were released and before stock's `schedule()`):
 
 - The committed demand is counted first: running requests that are not
-  borrowing, and the waiting requests stock would admit as committed (their
-  user has committed budget and is under `max_streams`; the first
-  `LEND_SCAN` waiting requests are examined, more are assumed committed).
-  Each takes an active slot and its tokens (a decode one token, a prefill the
-  rest of its prompt: an upper bound, so prefix-cache hits only leave more).
-- What is left of `--max-num-active-seqs` and of the step's token budget is
-  the allowance. Borrowing requests beyond it are held again at once, before
-  stock's loops run (`reclaimed`): a borrower gives its slot back in the
-  first step a committed request needs it. Within the allowance, held
-  requests of users whose peak allows a token are released to borrow
-  (`lent`), one at a time, to the user with the least borrowed service.
-- Borrowers' new prompts are admitted only when no committed request waits
-  (`StepScratch.borrow_slots`), and within the tokens left.
-- Under KV pressure borrowers are the first victims after held requests
-  (kv.py).
+  borrowing, each with its tokens (a decode one, a prefill the rest of its
+  prompt: an upper bound, so prefix-cache hits only leave more), and the
+  requests of users without a peak that wait for admission (counted per
+  user: `committed_queue`). While any of those waits, nothing is lent:
+  borrowing requests are held again at once, before stock's loops run
+  (`reclaimed`), and each waiting one displaces a borrowing user's held
+  request (`displaced`) if it needs the resident slot.
+- Otherwise what is left of `--max-num-active-seqs` and of the step's token
+  budget is lent to held requests and new prompts of users whose peak allows
+  a token (`lent`, `StepScratch.borrow_quota`), one at a time, to the user
+  with the least borrowed service.
+- Borrowers run after every committed request in `running`: served last
+  within the token budget, and under FCFS the first preempted for KV.
 
 Fair sharing (VTC's service counters): each user's borrowed service is kept
 in seconds of its committed rate (`served += 1 / rate` per borrowed token);
@@ -53,8 +51,6 @@ from vllm_integration.step.state import ATTR, RequestState, StepScratch, UserSta
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-LEND_SCAN = 32
-"""Waiting requests examined for committed demand per step (more: assumed committed)."""
 FAIR_WINDOW_S = 1.0
 """How far (seconds of committed rate) one borrower's service may run ahead of
 the least served when capacity is shared: the fairness window."""
@@ -114,7 +110,6 @@ class Lending:
         self,
         now: int,
         running: list[Request],
-        waiting: Iterable[Any],
         users: Iterable[UserState],
         active: int,
         resident: int,
@@ -137,8 +132,8 @@ class Lending:
                 left = r.num_tokens - r.num_computed_tokens
                 demand += left if left > 1 else 1
         users = list(users)
-        n_wait, wait_tokens = self._committed_waiting(waiting, users, now, active - committed)
-        tokens = budget - demand - wait_tokens
+        n_wait = sum(committed_queue(u, self.limiter, now, budget=False) for u in users)
+        tokens = budget - demand
         # Nothing is lent while a newcomer of a user without a peak waits: its
         # admission needs a seat below a cap that held and borrowing requests
         # both narrow (stock's `max_num_active_reqs`, less the held).
@@ -154,43 +149,6 @@ class Lending:
         if not borrowing:
             return [r for r in running if not _held(r)] if committed < len(running) else running
         return [r for r in running if r not in borrowing and not _held(r)] + list(borrowing)
-
-    def _committed_waiting(
-        self, waiting: Iterable[Any], users: Iterable[UserState], now: int, room: int
-    ) -> tuple[int, int]:
-        """The waiting requests stock would admit as committed this step, up
-        to `room`: (how many, their prompt tokens). How many comes from the
-        users (O(users): requests neither running nor held, of users that
-        admission would let in: no held request, under `max_streams`, one
-        committed token each); their tokens from the first of them in the
-        waiting queue. Past `LEND_SCAN` examined, the whole budget counts as
-        theirs: nothing is lent this step."""
-        if room <= 0:
-            return 0, 0
-        limiter = self.limiter
-        quota: dict[UserState, int] = {}
-        for u in users:
-            queued = committed_queue(u, limiter, now, budget=False)
-            if queued > 0:
-                quota[u] = queued
-        n = min(sum(quota.values()), room)
-        if n == 0:
-            return 0, 0
-        found = tokens = 0
-        for i, r in enumerate(waiting):
-            if i >= LEND_SCAN:
-                return n, 1 << 30  # not all found: lend nothing this step
-            rs: RequestState | None = r.__dict__.get(ATTR)
-            left = quota.get(rs.user, 0) if rs is not None else 1
-            if left <= 0:
-                continue
-            if rs is not None:
-                quota[rs.user] = left - 1
-            found += 1
-            tokens += r.num_tokens - r.num_computed_tokens
-            if found >= n:
-                break
-        return n, tokens
 
     def _share(self, k: int, now: int, running: list[Request], users: Iterable[UserState]) -> None:
         """Give `k` slots to borrowers, one at a time to the user with the least

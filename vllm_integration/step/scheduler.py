@@ -281,7 +281,6 @@ class OutrateMixin:
             self.running = self.lending.plan(
                 now,
                 self.running,
-                self.waiting,
                 self._users.values(),
                 self._cfg_active,  # releasing a held borrower keeps its resident slot
                 self.max_num_running_reqs - len(self.running) - len(holdback),
