@@ -144,7 +144,7 @@ class Lending:
             self.metrics.reclaimed += len(borrowing) - allowance
         self._share(allowance, now, running, users)
         spare = min(sum(st.borrow_quota.values()), resident)  # a new prompt needs a resident slot
-        st.borrow_slots = spare if n_wait == 0 and spare > 0 else 0
+        st.borrow_slots = spare if spare > 0 else 0  # none while a newcomer waits: no quota
         st.borrow_tokens = tokens - len(borrowing)
         if not borrowing:
             return [r for r in running if not _held(r)] if committed < len(running) else running
@@ -274,11 +274,3 @@ class Lending:
             pool[u] -= 1
             k -= 1
         return victims
-
-    def victim(self, running: list[Request], request: Request) -> Request | None:
-        """A borrower to preempt for KV before stock's choice: the newest one
-        that is not `request` itself."""
-        for r in reversed(self.running):
-            if r is not request and r in running:
-                return r
-        return None
