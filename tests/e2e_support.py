@@ -47,6 +47,7 @@ users:
   borrower: {rate: 20, peak: unlimited}
   peaky: {rate: 20, peak: 100}
   committed: 100
+  roomy: 5000
 """
 
 

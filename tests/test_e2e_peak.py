@@ -7,12 +7,16 @@ each read from the engine's own trace (`borrowed` marks borrowed tokens):
   step-by-step equality tests in tests/test_scheduler.py);
 - peak holds: `peaky` {rate: 20, peak: 100} stays within the GCRA bound at
   100 tok/s in every window (+1 token: two buckets, see policy-reference.md);
-- no harm: `committed` {rate: 100} with 1 stream, then 12 streams (every
-  active slot), beside the borrower's 48 streams (3x --max-num-seqs): engine
-  tok/s past the burst at least 0.9x alone, and the engine's time to first
-  token (arrival to first dispatch, the trace's `arrived` and `first`) p50 at
-  most 2x alone plus one step. The client's first token is printed, not
-  asserted: it includes the API server, which shares two cores with 48 streams;
+- no harm: `committed` {rate: 100} with 1 stream, and `roomy` {rate: 5000,
+  which 12 streams on this engine stay within} with 12 (every active slot),
+  each beside the borrower's 48 streams (3x --max-num-seqs), starting within
+  its committed rate: engine tok/s past the burst at least 0.9x alone (or
+  what the engine's steps allowed), and the engine's time to first token
+  (arrival to first token, in steps: the trace's `arrived` and `first`) p50
+  at most one step more than alone. The client's first token is printed,
+  not asserted: it includes the API server, which shares two cores with 48
+  streams. (A user over its committed rate waits for its own budget, which
+  a borrower does not change: tests/test_scheduler_lending.py);
 - reclaim: while an unlimited user keeps every active slot busy, the
   borrower's tokens obey its committed bound plus one step of borrowed tokens
   (at most --max-num-active-seqs). The borrower runs 4 streams there: with
@@ -37,7 +41,6 @@ from e2e_support import (  # noqa: E402
     BURST_NS,
     assert_complete,
     engine_steps,
-    step_intervals,
     step_rate,
     trace_steps,
 )
@@ -98,20 +101,35 @@ def test_the_peak_holds_in_every_window(server):
     assert_complete(streams)
     steps = engine_steps(server, "peaky", since)
     excess = max_window_excess(steps, 100, BURST_NS)
-    rate = engine_rate(steps)
-    print(f"peaky (rate 20, peak 100): {rate:.1f} tok/s, worst window {excess:+.2f}")
+    # The rate while its streams were all there: the last few streams of a
+    # run finish alone, one token a step, slower than 100 tok/s when steps
+    # are long (a loaded machine).
+    total, seen, body = sum(k for _, k in steps), 0, steps
+    for i, (_, k) in enumerate(steps):
+        seen += k
+        if seen >= 0.8 * total:
+            body = steps[: i + 1]
+            break
+    rate = engine_rate(body)
+    lines = [r for r in trace_steps(server, since) if r["t"] <= body[-1][0]]
+    cap = 8 * step_rate(lines, "peaky")
+    print(
+        f"peaky (rate 20, peak 100): {rate:.1f} tok/s over its first 80% of tokens "
+        f"({engine_rate(steps):.1f} in all; its steps allowed {cap:.0f}), worst window "
+        f"{excess:+.2f}"
+    )
     assert excess <= 1 + 1e-6  # (W + burst) * peak + 2
-    assert rate >= 0.8 * 100  # it did borrow: its committed rate alone is 20
+    assert rate >= 0.8 * min(100, cap)  # it did borrow: its committed rate alone is 20
 
 
-def _engine_ttft(server, user: str, since: int) -> list[float]:
+def _engine_ttft_steps(server, user: str, since: int) -> list[int]:
     """The engine's own time to first token of `user`'s requests after
-    `since`, seconds: each arrival (the step line after it reached the engine)
-    to a first token, matched in order."""
+    `since`, in scheduler steps: each arrival (the step line after it reached
+    the engine) to a first token, matched in order."""
     lines = trace_steps(server, since)
-    arrived = [r["t"] for r in lines for _ in range(r.get("arrived", {}).get(user, 0))]
-    first = [r["t"] for r in lines for _ in range(r.get("first", {}).get(user, 0))]
-    return [(f - a) / 1e9 for a, f in zip(arrived, first, strict=False)]
+    arrived = [r["step"] for r in lines for _ in range(r.get("arrived", {}).get(user, 0))]
+    first = [r["step"] for r in lines for _ in range(r.get("first", {}).get(user, 0))]
+    return [f - a for a, f in zip(arrived, first, strict=False)]
 
 
 def _steady_rate(server, user: str, since: int, skip: int = 20) -> float:
@@ -125,25 +143,23 @@ def _steady_rate(server, user: str, since: int, skip: int = 20) -> float:
     return 0.0
 
 
-def _committed_run(server, streams: int) -> tuple[float, float, float, float, int]:
-    """Of `committed`'s streams: (engine tok/s, what the engine's steps allowed
-    it, engine TTFT p50, client TTFT p50, steps without it between its first
-    and last token)."""
+def _run(server, user: str, streams: int) -> tuple[float, float, float, float]:
+    """Of `user`'s streams: (engine tok/s past the burst, what the engine's
+    steps allowed it, engine time to first token p50 in steps, client time
+    to first token p50 in seconds)."""
     since = time.monotonic_ns()
-    done = run_concurrently(server.base_url, [("committed", streams, 150)])
+    done = run_concurrently(server.base_url, [(user, streams, 150)])
     assert_complete(done)
-    ttft = _engine_ttft(server, "committed", since)
+    ttft = _engine_ttft_steps(server, user, since)
     assert len(ttft) == streams
     client = statistics.median(s.token_times[0] - s.started for s in done)
-    lines = trace_steps(server, since)
-    _, skipped, _ = step_intervals(server, "committed", since)
-    capacity = streams * step_rate(lines, "committed")
-    rate = _steady_rate(server, "committed", since)
-    return rate, capacity, statistics.median(ttft), client, skipped
+    capacity = streams * step_rate(trace_steps(server, since), user)
+    return _steady_rate(server, user, since), capacity, statistics.median(ttft), client
 
 
 def test_a_committed_user_is_not_harmed_by_a_borrower(server):
-    alone = {n: _committed_run(server, n) for n in (1, ACTIVE)}
+    runs = (("committed", 1), ("roomy", ACTIVE))
+    alone = {run: _run(server, *run) for run in runs}
     hog: list = []
     t = threading.Thread(
         target=lambda: hog.extend(run_concurrently(server.base_url, [("borrower", 3 * SEQS, 400)]))
@@ -152,36 +168,30 @@ def test_a_committed_user_is_not_harmed_by_a_borrower(server):
     t.start()
     try:
         time.sleep(2.0)  # the borrower fills the engine
-        beside = {n: _committed_run(server, n) for n in (1, ACTIVE)}
+        beside = {}
+        for run in runs:
+            time.sleep(0.2)  # a full burst: within its committed rate as it starts
+            beside[run] = _run(server, *run)
     finally:
         t.join()
     assert_complete(hog)
-    # One step: the engine's own median step length beside the borrower.
-    lines = [r for r in trace_steps(server, t0) if "step" in r]
-    gaps = [
-        (b["t"] - a["t"]) / 1e9 / (b["step"] - a["step"])
-        for a, b in zip(lines, lines[1:], strict=False)
-        if b["step"] > a["step"]
-    ]
-    step_s = statistics.median(gaps)
-    for n in (1, ACTIVE):
-        (ra, _, ta, ca, _), (rb, cap, tb, cb, skipped) = alone[n], beside[n]
+    borrowed = sum(r.get("borrowed", {}).get("borrower", 0) for r in trace_steps(server, t0))
+    assert borrowed > 0
+    for (user, n), (ra, _, ta, ca), (rb, cap, tb, cb) in zip(
+        runs, alone.values(), beside.values(), strict=True
+    ):
         print(
-            f"committed, {n} stream(s): engine {ra:.1f} tok/s alone, {rb:.1f} beside the "
-            f"borrower (its steps allowed {cap:.0f}; {skipped} steps without it); engine "
-            f"first token p50 {ta * 1000:.1f} ms alone, {tb * 1000:.1f} ms beside (client: "
-            f"{ca * 1000:.0f} / {cb * 1000:.0f} ms; one step {step_s * 1000:.1f} ms)"
+            f"{user}, {n} stream(s): engine {ra:.1f} tok/s alone, {rb:.1f} beside the "
+            f"borrower (its steps allowed {cap:.0f}); engine first token p50 {ta:g} steps "
+            f"after arrival alone, {tb:g} beside (client: {ca * 1000:.0f} / {cb * 1000:.0f} ms)"
         )
         # At 0.9x its rate alone, or at what the engine's steps allow once a
         # dozen sequences share each step (on two CPU cores a batch of 12 is
         # slower than one; a GPU's decode step grows little with the batch).
         assert rb >= 0.9 * min(ra, cap)
-        if n == ACTIVE:
-            assert tb <= 2 * ta + step_s
-        # One stream's first token is one sample: in one run of six (a fresh
-        # clone, other tests on the cores) it came 11 steps after its arrival
-        # beside the borrower (0 alone); cause not found yet, so printed here,
-        # and the twelve streams' p50 is judged.
+        # Within its committed rate, a newcomer is scheduled in the step it
+        # would be without the borrower: a borrower gives its seat back at once.
+        assert tb <= ta + 1
 
 
 def test_an_unlimited_user_filling_every_slot_reclaims_them(server):

@@ -170,3 +170,53 @@ def test_spare_capacity_is_shared_in_proportion_to_committed_rates():
     a, c = labels["alice"].borrowed, labels["carol"].borrowed
     assert a + c > 1500
     assert 1.8 <= a / c <= 2.2, (a, c)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_committed_newcomers_take_only_their_own_seats(kind):
+    """bob (committed) sends a short request every step for 20 steps beside
+    alice's 48 borrowing streams: each is scheduled in the step it arrives,
+    and alice keeps borrowing the seats bob does not take (at least 10 of 12
+    busy: a seat of a request that just finished is taken again a step
+    later under the async scheduler), where reclaiming everything while a
+    newcomer waits left them idle (alice got 0-1 tokens a step)."""
+    plan = [(0, "alice", 48, 400)] + [(30 + i, "bob", 1, 4) for i in range(20)]
+    d = run(
+        kind,
+        policy(alice=(20, "unlimited"), bob=(1000, None)),
+        plan,
+        80,
+        max_num_seqs=16,
+        max_num_active_seqs=12,
+    )
+    lag = 1 if d.is_async else 0  # the async driver delivers a step late
+    bob = per_step(d, "bob")
+    alice = per_step(d, "alice")
+    t = [10 * S + (30 + k) * STEP for k in range(lag, 20 + lag)]
+    assert all(bob.get(x, 0) >= 1 for x in t)  # a first token in every arrival step
+    busy = [alice.get(x, 0) + bob.get(x, 0) for x in t]
+    assert min(busy) >= 10, busy
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_user_over_its_committed_rate_holds_back_no_lending(kind):
+    """bob's 12 streams at 100 tok/s wait mostly on bob's own budget: his
+    waiting requests are not committed demand, so every one of alice's
+    resident requests borrows beside bob's token each step (fair admission
+    leaves each of them 8 of the 16 resident slots: 9 a step). Counting bob's
+    queue as demand lent only part of it, and nothing in each step in which
+    one of his requests was back in the queue (5 a step, down to 1)."""
+    plan = [(0, "alice", 48, 800), (20, "bob", 12, 150)]
+    d = run(
+        kind,
+        policy(alice=(20, "unlimited"), bob=(100, None)),
+        plan,
+        400,
+        max_num_seqs=16,
+        max_num_active_seqs=12,
+    )
+    alice, bob = per_step(d, "alice"), per_step(d, "bob")
+    t = [10 * S + k * STEP for k in range(60, 400)]
+    starved = [x for x in t if alice.get(x, 0) + bob.get(x, 0) < 9]
+    assert not starved, [(x - 10 * S) // STEP for x in starved]
+    assert d.tokens_of("bob") >= 100 * 3.8  # his committed 100 tok/s over 3.8 s

@@ -13,15 +13,18 @@ requests were released and before stock's `schedule()`):
 - The committed demand is counted first: running requests that are not
   borrowing, each with its tokens (a decode one, a prefill the rest of its
   prompt: an upper bound, so prefix-cache hits only leave more), and the
-  requests of users without a peak that wait for admission (counted per
-  user: `committed_queue`). While any of those waits, nothing is lent:
-  borrowing requests are held again at once, before stock's loops run
-  (`reclaimed`), and each waiting one displaces a borrowing user's held
-  request (`displaced`) if it needs the resident slot.
-- Otherwise what is left of `--max-num-active-seqs` and of the step's token
-  budget is lent to held requests and new prompts of users whose peak allows
-  a token (`lent`, `StepScratch.borrow_quota`), one at a time, to the user
-  with the least borrowed service.
+  *committed newcomers*: waiting requests of users without a peak that
+  admission lets in within their committed rate (`committed_queue`), each
+  with a seat and its prompt's tokens. A waiting request whose user is over
+  its rate waits on its own budget, not on a borrower: it is not demand.
+- What is left of `--max-num-active-seqs` and of the step's token budget is
+  lent to held requests and new prompts of users whose peak allows a token
+  (`StepScratch.borrow_quota`), one at a time, to the user with the least
+  borrowed service; borrowing requests beyond it are held again at once,
+  before stock's loops run (`reclaimed`). While a committed newcomer waits,
+  no borrower's new prompt is admitted (stock admits in queue order), and
+  held requests of borrowing users give up the resident slots the
+  newcomers lack (`displaced`).
 - Borrowers run after every committed request in `running`: served last
   within the token budget, and under FCFS the first preempted for KV.
 
@@ -56,29 +59,48 @@ FAIR_WINDOW_S = 1.0
 the least served when capacity is shared: the fairness window."""
 
 
-def committed_queue(u: UserState, limiter: BudgetStore, now: int, budget: bool = True) -> int:
+def committed_queue(u: UserState, limiter: BudgetStore, now: int) -> int:
     """How many of `u`'s requests that hold no slot (waiting, or preempted)
-    admission would let in now as committed: none while it has held requests
-    (they come back first), at most its `max_streams` room and, unless its
-    rule is in shadow, one committed token each (admission.py decides the
-    same way, request by request). `budget=False`: whatever its budget (a
-    resident slot it may prefill in), for every user without a peak."""
+    are committed demand now: those admission (admission.py) lets in as
+    committed, one committed token each. None for a user with a peak (its
+    new prompts come in as it borrows, `Lending.admit`) or with held
+    requests (they come back first); at most its `max_streams` room and,
+    unless its rule is in shadow, its committed budget. A newcomer whose
+    user is over its rate waits on its own budget, not on a borrower: it
+    holds back no lending (it may prefill ahead only in a seat nobody
+    takes, as beside a user within its rate)."""
     queued = u.live - u.resident
-    if queued <= 0:
+    if queued <= 0 or u.n_held:
         return 0
     lim = limiter.limit_of(u.bucket, now)
-    if not budget:
-        if lim.excess is not None:
-            return 0  # a borrowing user's own new prompts: not committed demand
-    elif u.n_held:
+    if lim.excess is not None:
         return 0
     if lim.max_streams is not None and lim.max_streams - u.resident < queued:
         queued = lim.max_streams - u.resident
-    if budget and not lim.shadow:
+    if not lim.shadow:
         avail = u.left or limiter.available(u.bucket, now)
         if avail < queued:
             queued = avail
     return queued if queued > 0 else 0
+
+
+def _prompt_tokens(waiting: Iterable[Request], queued: dict[UserState, int]) -> int:
+    """The tokens the first `queued[u]` waiting requests of each user in
+    `queued` still have to compute: committed newcomers' prompts, in the
+    order stock admits them."""
+    left = dict(queued)
+    n = sum(left.values())
+    tokens = 0
+    for r in waiting:
+        rs = r.__dict__.get(ATTR)
+        if rs is None or not left.get(rs.user):
+            continue
+        left[rs.user] -= 1
+        tokens += r.num_tokens - r.num_computed_tokens
+        n -= 1
+        if not n:
+            break
+    return tokens
 
 
 def _held(r: Any) -> bool:
@@ -100,6 +122,7 @@ class Lending:
         self.holdback = holdback
         self.st = st
         self.running: dict[Request, None] = {}  # borrowing requests in `running`, oldest first
+        self.newcomers = 0  # committed newcomers waiting at this step's plan
 
     def __len__(self) -> int:
         return len(self.running)
@@ -111,17 +134,19 @@ class Lending:
         now: int,
         running: list[Request],
         users: Iterable[UserState],
+        waiting: Iterable[Request],
         active: int,
         resident: int,
         budget: int,
     ) -> list[Request]:
-        """Size this step's lending (see the module docstring). `active`:
-        `--max-num-active-seqs`; `resident`: the resident slots free for new
-        requests (`--max-num-seqs` less running and held); `budget`: the
-        step's token budget. Returns the running list the step should use:
-        reclaimed borrowers out of it, and every borrower after every
-        committed request, so stock's loop serves committed requests first
-        (token budget) and, under FCFS, preempts a borrower first (KV)."""
+        """Size this step's lending (see the module docstring). `waiting`:
+        stock's waiting queue; `active`: `--max-num-active-seqs`; `resident`:
+        the resident slots free for new requests (`--max-num-seqs` less
+        running and held); `budget`: the step's token budget. Returns the
+        running list the step should use: reclaimed borrowers out of it, and
+        every borrower after every committed request, so stock's loop serves
+        committed requests first (token budget) and, under FCFS, preempts a
+        borrower first (KV)."""
         st = self.st
         borrowing = self.running
         committed = 0
@@ -132,19 +157,21 @@ class Lending:
                 left = r.num_tokens - r.num_computed_tokens
                 demand += left if left > 1 else 1
         users = list(users)
-        n_wait = sum(committed_queue(u, self.limiter, now, budget=False) for u in users)
+        queued = {u: n for u in users if (n := committed_queue(u, self.limiter, now))}
+        self.newcomers = n_wait = sum(queued.values())
         tokens = budget - demand
-        # Nothing is lent while a newcomer of a user without a peak waits: its
-        # admission needs a seat below a cap that held and borrowing requests
-        # both narrow (stock's `max_num_active_reqs`, less the held).
-        allowance = min(active - committed, tokens) if n_wait == 0 else 0
+        if n_wait:  # their seats and their prompts first
+            tokens -= _prompt_tokens(waiting, queued)
+        allowance = min(active - committed - n_wait, tokens)
         if allowance < 0:
             allowance = 0
         if len(borrowing) > allowance:
             self.metrics.reclaimed += len(borrowing) - allowance
         self._share(allowance, now, running, users)
-        spare = min(sum(st.borrow_quota.values()), resident)  # a new prompt needs a resident slot
-        st.borrow_slots = spare if spare > 0 else 0  # none while a newcomer waits: no quota
+        # A borrower's new prompt needs a resident slot, and waits behind
+        # every committed newcomer (stock admits in queue order).
+        spare = min(sum(st.borrow_quota.values()), resident) if not n_wait else 0
+        st.borrow_slots = spare if spare > 0 else 0
         st.borrow_tokens = tokens - len(borrowing)
         if not borrowing:
             return [r for r in running if not _held(r)] if committed < len(running) else running
@@ -244,19 +271,16 @@ class Lending:
         u.served -= u.bucket.limit.token_s
         u.m.borrowed -= 1
 
-    def displaced(self, users: Iterable[UserState], now: int, room: int) -> list[Request]:
-        """Resident slots for committed newcomers: held requests of borrowing
-        users (rules with a peak), as many as requests of users without a peak
-        wait (within their `max_streams`, whatever their budget: admission
-        lets them prefill) and `room` active slots take (held requests narrow
-        admission's cap even where a resident slot is free), the youngest of
-        the user holding the most slots first. Fair admission's one-a-step,
-        two-more-slots rule is for users within their rates; a user over its
-        committed rate gives way at once. The caller preempts them (their
-        prefix cache keeps what it can)."""
-        users = list(users)
-        need = sum(committed_queue(u, self.limiter, now, budget=False) for u in users)
-        k = min(need, room)
+    def displaced(self, users: Iterable[UserState], free: int) -> list[Request]:
+        """Resident slots for this step's committed newcomers (`plan` counted
+        them): held requests of borrowing users (rules with a peak), as many
+        as the newcomers lack beside the `free` resident slots (held requests
+        narrow admission's cap, `--max-num-seqs` less the held), the youngest
+        of the user holding the most slots first. Fair admission's
+        one-a-step, two-more-slots rule is for users within their rates; a
+        user over its committed rate gives way at once. The caller preempts
+        them (their prefix cache keeps what it can)."""
+        k = self.newcomers - free
         if k <= 0:
             return []
         pool = {u: u.resident for u in users if u.n_held and u.bucket.limit.excess is not None}

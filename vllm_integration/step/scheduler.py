@@ -282,6 +282,7 @@ class OutrateMixin:
                 now,
                 self.running,
                 self._users.values(),
+                self.waiting,
                 self._cfg_active,  # releasing a held borrower keeps its resident slot
                 self.max_num_running_reqs - len(self.running) - len(holdback),
                 self.max_num_scheduled_tokens,
@@ -340,9 +341,9 @@ class OutrateMixin:
 
     def _displace_lenders(self, now: int) -> None:
         """Borrowing users' held requests give their resident slots to every
-        newcomer of a user without a peak at once (lending.py)."""
-        active = self._cfg_active - len(self.running)
-        victims = self.lending.displaced(self._users.values(), now, active)
+        committed newcomer at once (lending.py)."""
+        free = self.max_num_running_reqs - len(self.running) - len(self.holdback)
+        victims = self.lending.displaced(self._users.values(), free)
         for r in victims:
             self._preempt_request(r, time.monotonic())
         self.metrics.displaced += len(victims)
