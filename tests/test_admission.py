@@ -8,7 +8,7 @@ from outrate.budget.limiter import Limiter
 from outrate.observe.metrics import Metrics
 from outrate.policy.compiler import compile_policy
 from outrate.policy.loader import parse_policy
-from vllm_integration.step.admission import DISPLACE_SCAN, Admission
+from vllm_integration.step.admission import Admission
 from vllm_integration.step.holdback import Holdback
 from vllm_integration.step.roster import Roster
 from vllm_integration.step.state import ATTR, StepScratch
@@ -116,14 +116,32 @@ def test_displacement_takes_from_the_user_holding_most_slots_for_one_with_budget
         pass
     for i, r in enumerate(hogs):
         adm.holdback.hold(r, now=i)  # type: ignore[arg-type]
-    newcomer = request("newcomer")
-    victim = adm.displacement([newcomer], roster.users.values(), step=1, now=0)
+    assert adm.displacement(roster.users.values(), step=1, now=0) is None  # nobody waits
+    request("newcomer")
+    victim = adm.displacement(roster.users.values(), step=1, now=0)
     assert victim is hogs[-1]  # the youngest held
-    # Beyond the scan window nobody is considered.
-    ignored = [request("x") for _ in range(DISPLACE_SCAN)]
-    for r in ignored:
-        r.__dict__[ATTR].user.n_held = 1  # not candidates
-    assert adm.displacement([*ignored, newcomer], roster.users.values(), 1, 0) is None
+
+
+def test_displacement_finds_a_waiting_user_wherever_its_requests_stand():
+    """Users, not queue positions: a newcomer behind any number of waiting
+    requests of users without budget is seen, and among candidates the one
+    holding the fewest slots goes first."""
+    adm, roster, limiter, request, _ = setup()
+    hogs = [request("hog", running=True) for _ in range(4)]
+    hog = hogs[0].__dict__[ATTR].user
+    while limiter.take(hog.bucket, 0):
+        pass
+    for i, r in enumerate(hogs):
+        adm.holdback.hold(r, now=i)  # type: ignore[arg-type]
+    for _ in range(200):
+        request("hog")  # its own backlog: no budget, held requests
+    request("carol", running=True)
+    request("carol")
+    request("dave")
+    victim = adm.displacement(roster.users.values(), step=1, now=0)
+    assert victim is hogs[-1]
+    assert adm.displacement([roster.users["carol"], hog], step=1, now=0) is hogs[-1]
+    assert adm.displacement([hog], step=1, now=0) is None  # only the hog waits
 
 
 def test_the_roster_pins_a_user_while_it_has_live_requests():

@@ -159,6 +159,28 @@ def test_a_user_with_budget_displaces_a_throttled_slot_hog(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_newcomer_behind_a_long_backlog_displaces_too(kind):
+    """b's request arrives behind 60 of a's deferred ones (15x
+    --max-num-seqs): fair admission finds b by user, not by its place in
+    the queue (a scan of the queue's head used to miss it, and b waited for
+    one of a's requests to finish)."""
+    clock = FakeClock()
+    pol = policy("version: 1\ndefault: unlimited\nusers:\n  a: {rate: 20, burst: 200ms}\n")
+    s = make_scheduler(kind, pol, clock, max_num_seqs=4)
+    d = Driver(s, clock, step_ns=10 * MS)
+    for _ in range(64):
+        d.add(make_request("a", max_tokens=200))
+    d.run(12)
+    assert s.n_held >= 3 and len(s.waiting) == 60
+    b = d.add(make_request("b", max_tokens=5))
+    for _ in range(3):
+        d.step()
+        check_invariants(s)
+    assert d.emitted.get(b.request_id, 0) >= 1
+    assert s.metrics.displaced == 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_idle_wait_is_until_the_earliest_ready_user_at_most_50ms(kind):
     clock = FakeClock()
     s = make_scheduler(kind, policy_from_flags(None, {"slow": 1, "fast": 40}), clock)

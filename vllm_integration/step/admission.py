@@ -10,7 +10,7 @@ waiting loop and `displacement` once per step; it does the preempting.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from outrate.budget.store import BudgetStore
 from outrate.observe.metrics import Metrics
@@ -21,9 +21,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from vllm_integration.step.lending import Lending
-
-DISPLACE_SCAN = 32
-"""Waiting requests examined per step for fair-admission displacement."""
 
 
 class Admission:
@@ -145,27 +142,26 @@ class Admission:
             return False
         return not self.caching or (n - 1) % self.block_size != 0
 
-    def displacement(
-        self, waiting: Iterable[Any], users: Iterable[UserState], step: int, now: int
-    ) -> Request | None:
+    def displacement(self, users: Iterable[UserState], step: int, now: int) -> Request | None:
         """Fair admission, when every resident slot is taken: the held request
-        a waiting request of a user with budget displaces (the youngest held of
-        the user holding the most slots), or None. Looks at the first
-        `DISPLACE_SCAN` waiting requests and decides on the first candidate
-        user: at most one displacement per step, none when slots are already
-        shared fairly."""
+        a waiting user with budget displaces (the youngest held of the user
+        holding the most slots), or None. The candidate is the user with
+        requests waiting, none held and budget left, below its `max_streams`,
+        that holds the fewest slots, wherever its requests stand in the
+        queue: at most one displacement per step, none when slots are
+        already shared fairly."""
         limiter = self.limiter
-        for i, r in enumerate(waiting):
-            if i >= DISPLACE_SCAN:
-                return None
-            rs = r.__dict__.get(ATTR)
-            if rs is None:
+        users = list(users)
+        best: UserState | None = None
+        for u in users:
+            if u.live <= u.resident or u.n_held or u.refused_step == step:
                 continue
-            u = rs.user
-            if u.n_held or u.refused_step == step or limiter.available(u.bucket, now) == 0:
+            if best is not None and u.resident >= best.resident:
                 continue
             ms = limiter.limit_of(u.bucket, now).max_streams
             if ms is not None and u.resident >= ms:
                 continue
-            return self.holdback.displacement_victim(u, users)
-        return None
+            if limiter.available(u.bucket, now) == 0:
+                continue
+            best = u
+        return None if best is None else self.holdback.displacement_victim(best, users)

@@ -334,7 +334,7 @@ class OutrateMixin:
         """Fair admission (admission.py): one held request gives its slot to a
         waiting user with budget (preempted and requeued; prefix cache keeps
         what it can)."""
-        victim = self.admission.displacement(self.waiting, self._users.values(), self._step, now)
+        victim = self.admission.displacement(self._users.values(), self._step, now)
         if victim is not None:
             self._preempt_request(victim, time.monotonic())
             self.metrics.displaced += 1
