@@ -1,7 +1,8 @@
 """`outrate simulate`: what a policy and an engine configuration do to each
 user, before they are deployed. The vLLM-free parts live here: the workload
 file (`workload`, `values`), the requests it sends (`plan`), the step-time
-model and its calibration from a trace (`stepmodel`), the engine flags
+model and its calibration from a trace (`stepmodel`) or from vLLM's
+counters on /metrics (`counters`, `metricsfit`), the engine flags
 (`engine`), what a run records (`record`) and reports (`report`), the
 figures (`plot`), one question asked once, side by side or as a sweep
 (`study`), and the commands (`commands`). The run itself is vLLM's own

@@ -2,6 +2,7 @@
 
     outrate simulate POLICY --workload LOAD.yaml [options] [-- vllm serve flags]
     outrate simulate calibrate --trace TRACE.jsonl [--workload LOAD.yaml] [-o model.json]
+    outrate simulate calibrate --metrics URL [--window S] [--interval S] [-o model.json]
     outrate simulate schema
 
 Thin, like the rest of the CLI: each command calls one core function and
@@ -173,7 +174,30 @@ def run(
 @simulate_app.command("calibrate", cls=SplitAtDoubleDash)
 def calibrate_cmd(
     ctx: typer.Context,
-    trace: Annotated[Path, typer.Option("--trace", help="A trace (--outrate-trace) to fit.")],
+    trace: Annotated[
+        Path | None, typer.Option("--trace", help="A trace (--outrate-trace) to fit.")
+    ] = None,
+    metrics: Annotated[
+        str | None,
+        typer.Option(
+            "--metrics",
+            help="Fit vLLM's own counters instead: an engine's /metrics URL (read over "
+            "--window), or a Prometheus server's URL (the last --window it stored).",
+        ),
+    ] = None,
+    window: Annotated[
+        float, typer.Option("--window", min=0.1, help="Seconds of --metrics to fit.")
+    ] = 60.0,
+    interval: Annotated[
+        float,
+        typer.Option("--interval", min=0.01, help="Seconds between two readings of --metrics."),
+    ] = 1.0,
+    match: Annotated[
+        str | None,
+        typer.Option(
+            "--match", help="With a Prometheus --metrics: the series, '{instance=\"e:8000\"}'."
+        ),
+    ] = None,
     workload: Annotated[
         Path | None,
         typer.Option("--workload", "-w", help="The workload that ran (fits the prompt cost)."),
@@ -197,9 +221,25 @@ def calibrate_cmd(
     ] = None,
     output: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.text,
 ) -> None:
-    """Fit the step-time model to a real engine's trace; with the workload that
-    ran and the engine's policy (and its flags after `--`), also simulate that
-    run with the fitted model and print how far it is (in sample)."""
+    """Fit the step-time model to a real engine's trace, or to its /metrics;
+    with the trace, the workload that ran and the engine's policy (and its
+    flags after `--`), also simulate that run with the fitted model and print
+    how far it is (in sample)."""
+    if (trace is None) == (metrics is None):
+        raise typer.BadParameter(
+            "give one: a trace file or a metrics URL", param_hint="--trace / --metrics"
+        )
+    if metrics is not None and (workload or policy or since_ns):
+        raise typer.BadParameter(
+            "they go with --trace (the metrics count the prompt tokens themselves)",
+            param_hint="--workload / --policy / --since-ns",
+        )
+    if trace is not None and match is not None:
+        raise typer.BadParameter("it selects a Prometheus's series", param_hint="--match")
+    if metrics is not None:
+        _calibrate_metrics(metrics, window, interval, match, out, output)
+        return
+    assert trace is not None  # one of the two: checked above
     agreement = None
     try:
         ran = load_workload(workload).workload if workload is not None else None
@@ -216,9 +256,7 @@ def calibrate_cmd(
             agreement = rate_agreement([r for r in lines if "step" in r], run)
     except OutrateError as e:
         raise _fail(e) from e
-    if out is not None:
-        out.write_text(json.dumps(result.model.to_json(), indent=2) + "\n")
-        _err(f"wrote {out}")
+    _write_model(out, result.model)
     if output is Format.json:
         data = result.to_json()
         if agreement is not None:
@@ -231,6 +269,31 @@ def calibrate_cmd(
         typer.echo(result.describe())
         if agreement is not None:
             typer.echo(format_agreement(agreement, "in sample"))
+
+
+def _calibrate_metrics(
+    url: str, window: float, interval: float, match: str | None, out: Path | None, output: Format
+) -> None:
+    """`calibrate --metrics`: read vLLM's counters, fit them, print."""
+    from outrate.simulate import counters, metricsfit  # prometheus_client only for --metrics
+
+    if output is Format.text and counters.engine_page(url):  # a minute without a word otherwise
+        _err(f"reading {url} every {interval:g}s for {window:g}s")
+    try:
+        readings = counters.read_metrics(url, window, interval, match)
+        result = metricsfit.calibrate_metrics(readings, source=url)
+    except OutrateError as e:
+        raise _fail(e) from e
+    _write_model(out, result.model)
+    typer.echo(
+        json.dumps(result.to_json(), indent=2) if output is Format.json else result.describe()
+    )
+
+
+def _write_model(out: Path | None, model: StepModel) -> None:
+    if out is not None:
+        out.write_text(json.dumps(model.to_json(), indent=2) + "\n")
+        _err(f"wrote {out}")
 
 
 @simulate_app.command("schema")
