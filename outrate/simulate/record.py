@@ -129,6 +129,7 @@ class Recorder:
                 started=len(u.ttft),
                 token_times=[t - self.start for t in times],
                 gaps=u.gaps,
+                ttfts=u.ttft,
             )
         seconds = (end_ns - self.start) / 1e9
         engine = EngineStats(

@@ -65,6 +65,8 @@ class UserStats:
     population of the time to first token."""
     token_times: list[int] = field(repr=False, default_factory=list)
     gaps: list[int] = field(repr=False, default_factory=list)
+    ttfts: list[int] = field(repr=False, default_factory=list)
+    """Each started request's time to first token (ns), in order of first token."""
 
     def to_json(self) -> dict[str, Any]:
         return {
