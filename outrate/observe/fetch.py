@@ -23,6 +23,9 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
 from outrate.errors import OutrateError
 
 
@@ -185,6 +188,15 @@ def fetch(url: str, timeout: float, max_bytes: int = MAX_PAGE_BYTES) -> str:
     finally:
         _SCRAPE.reset(token)
     return body.decode("utf-8", errors="replace")
+
+
+def metric_families(text: str, error: type[OutrateError]) -> list[Metric]:
+    """A Prometheus text page's families; `error` ("is not a Prometheus
+    metrics page") where the parser cannot read it."""
+    try:
+        return list(text_string_to_metric_families(text))
+    except (ValueError, IndexError, KeyError) as e:  # the parser is lax but not total
+        raise error("is not a Prometheus metrics page") from e
 
 
 def _reason(reason: object) -> str:

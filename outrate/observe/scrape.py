@@ -20,10 +20,8 @@ from fnmatch import fnmatchcase
 from time import monotonic
 from typing import NamedTuple
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from outrate.errors import OutrateError
-from outrate.observe.fetch import PageError, fetch
+from outrate.observe.fetch import PageError, fetch, metric_families
 
 Clock = Callable[[], float]
 
@@ -111,10 +109,7 @@ def parse(text: str, at: float) -> Snapshot:
     should one appear) are added up, except the configured rate and peak,
     which are the same everywhere. `_created` samples have their own names and fall through.
     """
-    try:
-        families = list(text_string_to_metric_families(text))
-    except (ValueError, IndexError, KeyError) as e:  # the parser is lax but not total
-        raise TopError("is not a Prometheus metrics page") from e
+    families = metric_families(text, TopError)
     values: dict[str, dict[str, float]] = {}
     modes: dict[str, str] = {}
     reloads: dict[str, float] = {}

@@ -32,10 +32,8 @@ from time import monotonic_ns, sleep
 from time import time as wall_time
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from outrate.errors import OutrateError
-from outrate.observe.fetch import fetch
+from outrate.observe.fetch import fetch, metric_families
 
 Fetch = Callable[[str, float], str]
 """(url, timeout in seconds) -> the page's text: `outrate.observe.fetch.fetch`."""
@@ -81,10 +79,7 @@ def engine_page(url: str) -> bool:
 
 def parse_page(text: str, at_ns: int) -> list[Reading]:
     """The counters of a vLLM /metrics page, one `Reading` per engine series."""
-    try:
-        families = list(text_string_to_metric_families(text))
-    except (ValueError, IndexError, KeyError) as e:  # the parser is lax but not total
-        raise MetricsError("is not a Prometheus metrics page") from e
+    families = metric_families(text, MetricsError)
     values: dict[str, dict[str, float]] = {}
     running: dict[str, float] = {}
     for family in families:
