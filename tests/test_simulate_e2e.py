@@ -56,6 +56,12 @@ KV_TOKENS = 256 * 1024 * 1024 // 512  # --kv-cache-memory-bytes 256M at 512 byte
 RATE_BOUND = 0.05
 TTFT_BOUND, TTFT_SLACK_S = 0.25, 0.020
 SCRAPE_INTERVAL_S = 0.5
+UNSTEADY = 0.20
+"""The lending case's step model is the agreement run's: off by more than
+this on the lending run's own steps, the machine is not the one it was
+fitted on (as tests/test_simulate_oos.py's UNSTEADY: measured -27% with a
+one-core spin loop beside, where dave's rate missed by 8% at the scaled
+length and 2% at the raw one). Such a run is printed, not judged."""
 METRICS_BOUND = 0.10
 """The metrics fit's step length on the run's own steps (`time_error`), as a share."""
 
@@ -145,9 +151,9 @@ behind its other stream: up to two token intervals (2 x 33 ms) after its
 prompt, by the limiter's phase when the request comes in. On the engine that
 phase is set by the API server's delay, which moved 18-134 ms from request
 to request in one run; the simulator returns each stream after the
-calibrated mean turnaround. Seven runs on 2-core machines: the engine's
-p50 17-47 ms, the simulator's 14-79 ms, landing in either of two humps 33
-ms apart; the means of four of them 37-77 ms and 39-64 ms. For these
+calibrated mean turnaround. Ten runs on 2-core machines: the engine's
+p50 15-47 ms, the simulator's 14-79 ms, landing in either of two humps 33
+ms apart; the means of six of them 30-77 ms and 21-64 ms. For these
 users the mean is judged, with one token interval (1/rate) added to the
 slack: the phase that neither side controls."""
 
@@ -175,23 +181,24 @@ def test_the_simulator_agrees_with_the_engine_it_was_calibrated_on(sim_server):
         real_rate = engine_rate(user_tokens(steps, user))
         real_ttft = engine_ttft_p50(played, user)
         sim_ttft = (stats.ttft_p50 or 0) / 1e9
-        real_mean = statistics.fmean(engine_ttfts(played, user))
-        sim_mean = statistics.fmean(stats.ttfts) / 1e9
         client = statistics.median(p.client_ttft_s for p in played if p.user == user and p.first)
-        report.append(
+        row = (
             f"{user}: engine {real_rate:.1f} tok/s, simulated {stats.rate:.1f} "
             f"({(stats.rate - real_rate) / real_rate:+.1%}); TTFT p50 engine "
             f"{real_ttft * 1000:.1f} ms, simulated {sim_ttft * 1000:.1f} ms "
-            f"(client {client * 1000:.1f} ms); mean engine {real_mean * 1000:.1f} ms, "
-            f"simulated {sim_mean * 1000:.1f} ms"
+            f"(client {client * 1000:.1f} ms)"
         )
         if abs(stats.rate - real_rate) > RATE_BOUND * real_rate:
             failures.append(f"{user}: rate")
         if user in AT_CAP:
+            real_mean = statistics.fmean(engine_ttfts(played, user))
+            sim_mean = statistics.fmean(stats.ttfts) / 1e9 if stats.ttfts else 0.0
+            row += f"; mean engine {real_mean * 1000:.1f} ms, simulated {sim_mean * 1000:.1f} ms"
             if not ttft_mean_agrees(real_mean, sim_mean, AT_CAP[user]):
                 failures.append(f"{user}: TTFT mean")
         elif not ttft_agrees(real_ttft, sim_ttft):
             failures.append(f"{user}: TTFT")
+        report.append(row)
     print("\n".join(report))
     assert not failures, "\n".join([*failures, *report])
     # The calibrated model is the one the throttling case uses.
@@ -318,4 +325,9 @@ def test_a_borrowing_user_as_the_engine_shows_it(sim_server):
     report.append(f"the engine's trace: {borrowed} of the lender's tokens borrowed")
     print("\n".join(report))
     assert borrowed > 0.5 * sum(r.get("charged", {}).get("lender", 0) for r in steps)
+    if abs(drift) > UNSTEADY:
+        pytest.skip(
+            f"the machine's step length moved {drift:+.0%} from the model: the simulation "
+            "is printed, not judged (test_simulate_oos.UNSTEADY)"
+        )
     assert not failures, "\n".join([*failures, *report])
