@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -40,6 +39,7 @@ pytest.importorskip("vllm")
 
 from build_tiny_model import build  # noqa: E402
 from serverproc import ServerProcess, outrate_serve_argv  # noqa: E402
+from sim_drift import DRIFT, UNSTEADY, at_measured_length  # noqa: E402
 from workload_player import Played, Player  # noqa: E402
 
 from outrate.observe.trace import engine_rate, read_trace, user_tokens  # noqa: E402
@@ -58,18 +58,6 @@ KV_TOKENS = 256 * 1024 * 1024 // 512  # --kv-cache-memory-bytes 256M at 512 byte
 RATE_BOUND = 0.10
 TTFT_BOUND, TTFT_SLACK_S = 0.30, 0.050
 CASES = ("oos-hog", "oos-interactive", "oos-mix")
-
-DRIFT = 0.05
-"""Past this, the engine's steps were not the length the model says on this
-run's own steps: the neighbours' load on 2 shared cores moved (up to a third
-here between two runs a minute apart). The scheduling is then judged at the
-measured step length (the model scaled to it), the raw error printed beside."""
-UNSTEADY = 0.20
-"""Past this, the machine is not the one the model was fitted on (measured:
--3% to -15% on quieter runs; +34%, -24%, -42% in one run beside other test
-runs, where the engine could not hold chat at its cap and a stall stops
-every user at once, which no scaling gives back). Such a case is printed,
-not judged; if no case can be judged the test is skipped, saying so."""
 
 _SLOTS = (
     "its requests queue for a slot (max_streams, or --max-num-seqs full of held "
@@ -176,14 +164,7 @@ def test_the_simulator_predicts_workloads_it_was_not_calibrated_on(server):
         report.append(f"{case}: the step model's time error on this run's own steps {drift:+.1%}")
         raw = result
         if abs(drift) > DRIFT:
-            k = 1 / (1 + drift)
-            m = cal.model
-            scaled = replace(
-                m,
-                fixed_us=m.fixed_us * k,
-                per_decode_us=m.per_decode_us * k,
-                per_prefill_us=m.per_prefill_us * k,
-            )
+            scaled = at_measured_length(cal.model, drift)
             result = simulate(workload, engine, str(POLICY), scaled)
         for user, stats in result.users.items():
             real_rate = engine_rate(user_tokens(steps, user))
