@@ -366,7 +366,7 @@ def test_bad_config_files(tmp_path: Path) -> None:
     missing = tmp_path / "none.yaml"
     with pytest.raises(DeploymentError) as info:
         deployment_from_config(missing)
-    assert str(info.value) == f"{missing}: cannot read: No such file or directory"
+    assert str(info.value) == f"{missing}:1:1: <file>: cannot read: No such file or directory"
     broken = tmp_path / "broken.yaml"
     broken.write_text("a: [1\n")
     with pytest.raises(DeploymentError, match=r"broken.yaml:2:1: invalid YAML: "):

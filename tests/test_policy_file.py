@@ -96,9 +96,9 @@ def test_the_default_limit_fits_a_million_users(monkeypatch: pytest.MonkeyPatch)
     ("mode", "kind"), [(stat.S_IFBLK, "a block device"), (0o170000, "not a file")]
 )
 def test_every_other_kind_of_file_is_named(mode: int, kind: str) -> None:
-    from outrate.policy.file import _check_kind
+    from outrate.fileread import FileReadError, _check_kind
 
     st = os.stat_result((mode | 0o600, 0, 0, 1, 0, 0, 0, 0, 0, 0))
-    with pytest.raises(PolicyError) as info:
+    with pytest.raises(FileReadError) as info:
         _check_kind("p.yaml", st)
     assert str(info.value) == f"p.yaml:1:1: <file>: cannot read: not a regular file ({kind})"

@@ -47,10 +47,17 @@ def test_env_reads_each_variable_by_its_one_name():
         env.MAX_POLICY_BYTES: "100",
         env.SHM_SPIN_SLEEP_US: "0",
         env.STORE_SSL_PASSWORD: "kpw",
+        env.MAX_WORKLOAD_BYTES: "200",
+        env.MAX_TRACE_BYTES: "300",
         "OUTRATE_SOMETHING_ELSE": "ignored",
     }
     e = Env.read(environ)
-    assert e == Env("ab" * 16, "pw", "{}", "12:/tmp/x", "100", "0", "kpw")
+    assert e == Env("ab" * 16, "pw", "{}", "12:/tmp/x", "100", "0", "kpw", "200", "300")
+    assert [e.file_limit(n) for n in (env.MAX_POLICY_BYTES, env.MAX_WORKLOAD_BYTES)] == [
+        "100",
+        "200",
+    ]
+    assert e.file_limit(env.MAX_TRACE_BYTES) == "300"
     assert Env.read({}) == Env()  # unset: the readers' defaults apply
     names = [v for k, v in vars(env).items() if k.isupper()]
-    assert all(n.startswith("OUTRATE_") for n in names) and len(set(names)) == len(names) == 7
+    assert all(n.startswith("OUTRATE_") for n in names) and len(set(names)) == len(names) == 9

@@ -21,6 +21,7 @@ import yaml
 from yaml.nodes import MappingNode, ScalarNode
 
 from outrate.errors import OutrateError
+from outrate.fileread import MIB, FileLimit, FileReadError, decode_text, read_bounded
 
 
 class DeploymentError(OutrateError):
@@ -283,13 +284,22 @@ def _json_or_text(value: str) -> Any:
         return value
 
 
+VLLM_CONFIG_FILE = FileLimit("a vLLM config file", 16 * MIB)
+"""vLLM's `--config` YAML: a few dozen flags."""
+
+
+def read_vllm_config(path: str) -> str:
+    """The text of a `--config` file, read like every file outrate is handed
+    (`outrate.fileread`); a DeploymentError located at it if it cannot be."""
+    try:
+        return decode_text(read_bounded(path, VLLM_CONFIG_FILE), path)
+    except FileReadError as e:
+        raise DeploymentError(str(e)) from e
+
+
 def settings_from_config(path: str) -> Settings:
     """vLLM's `--config` YAML: top-level keys are flag names without dashes."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise DeploymentError(f"{path}: cannot read: {e.strerror or e}") from e
+    text = read_vllm_config(path)
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as e:

@@ -40,10 +40,13 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from outrate.errors import OutrateError
+from outrate.env import MAX_TRACE_BYTES
+from outrate.errors import OutrateError, Problem
 from outrate.filekind import file_kind
+from outrate.fileread import MIB, FileLimit, FileReadError, read_lines
 
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
+MAX_TRACE_LINE_BYTES = MIB
 FLUSH_INTERVAL_S = 0.1
 MAX_PENDING = 200_000
 
@@ -302,16 +305,56 @@ def _format(entry: Step | dict[str, Any]) -> str:
 # -- reading a trace (tests, the demo, tools) ------------------------------------
 
 
+TRACE_FILE = FileLimit("a trace", 2 * DEFAULT_MAX_BYTES, MAX_TRACE_BYTES, line=MAX_TRACE_LINE_BYTES)
+"""Traces read back: twice what the writer writes by default (the cap is a
+flag), each line at most a MiB (a step line with thousands of users is tens
+of KiB)."""
+
+
 def read_trace(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every line of a trace as a dict (a torn last line is skipped)."""
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
+    """Every line of a trace as a dict (a line that is not JSON, a torn last
+    one, is skipped). Read like every file outrate is handed
+    (`outrate.fileread`): a regular file, never blocking, bounded in size
+    and in line length. A line that is JSON but not a trace line (not an
+    object, a count that is not a whole number, nested too deep) is an
+    OutrateError located at it: the fit would fail on it later, with a
+    traceback."""
+    source = os.fspath(path)
+    out: list[dict[str, Any]] = []
+    for number, line in read_lines(source, TRACE_FILE):
+        why: str | None
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        except RecursionError:  # json.loads recurses once per level of nesting
+            why = "nested too deep"
+        else:
+            why = _not_a_trace_line(rec)
+        if why is not None:
+            problem = Problem(source, number, 1, "<line>", f"not a trace line: {why}")
+            raise FileReadError(problem) from None
+        out.append(rec)
     return out
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _not_a_trace_line(rec: Any) -> str | None:
+    """What makes a JSON value no trace line, or None (unknown keys pass:
+    newer writers may add some)."""
+    if not isinstance(rec, dict):
+        return f"expected a JSON object (got {type(rec).__name__})"
+    for key in ("t", "step", "running", "dropped", "truncated"):
+        if key in rec and not _whole(rec[key]):
+            return f"{key}: expected a whole number"
+    for key in _KEYS:
+        counts = rec.get(key, {})
+        if not isinstance(counts, dict) or not all(_whole(k) for k in counts.values()):
+            return f"{key}: expected an object of whole numbers"
+    return None
 
 
 def user_tokens(

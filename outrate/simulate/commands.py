@@ -243,10 +243,7 @@ def calibrate_cmd(
     agreement = None
     try:
         ran = load_workload(workload).workload if workload is not None else None
-        try:
-            lines = [r for r in read_trace(trace) if r.get("t", 0) >= since_ns]
-        except OSError as e:
-            raise OutrateError(f"{trace}: cannot read: {e.strerror or e}") from e
+        lines = [r for r in read_trace(trace) if r.get("t", 0) >= since_ns]
         result = calibrate(lines, ran, source=str(trace))
         if policy is not None and ran is not None:
             flags = ctx.meta.get(VLLM_ARGS, [])

@@ -25,6 +25,7 @@ import yaml
 
 from outrate.check.deployment import DeploymentError, check_serve_argv, load_deployment
 from outrate.check.rules import lint_deployment
+from outrate.check.serve_args import read_vllm_config
 from outrate.errors import OutrateError
 
 DEFAULT_MAX_NUM_SEQS = 256
@@ -111,8 +112,7 @@ def _from_config_files(paths: list[str]) -> dict[str, Any]:
     readable by `load_deployment`)."""
     out: dict[str, Any] = {}
     for path in paths:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
+        data = yaml.safe_load(read_vllm_config(path)) or {}
         for key, value in data.items() if isinstance(data, dict) else ():
             name = str(key).replace("_", "-")
             if name in _EXTRA:

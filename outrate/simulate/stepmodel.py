@@ -31,8 +31,11 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from outrate.errors import OutrateError
+from outrate.fileread import MIB, FileLimit, decode_text, read_bounded
 from outrate.simulate.workload import Workload
 
+STEP_MODEL_FILE = FileLimit("a step model", MIB)
+"""A model is a few numbers and a line of provenance."""
 IDLE_FACTOR = 10
 """A gap longer than this many median steps is the engine waiting, not a step."""
 
@@ -80,12 +83,11 @@ def load_step_model(path: str | os.PathLike[str]) -> StepModel:
     """A model written by `outrate simulate calibrate -o FILE` (JSON)."""
     source = os.fspath(path)
     try:
-        with open(source, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as e:
-        raise OutrateError(f"{source}: cannot read: {e.strerror or e}") from e
+        data = json.loads(decode_text(read_bounded(source, STEP_MODEL_FILE), source))
     except json.JSONDecodeError as e:
         raise OutrateError(f"{source}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from e
+    except RecursionError:  # json.loads recurses once per level of nesting
+        raise OutrateError(f"{source}:1:1: invalid JSON: nested too deep") from None
     data = data.get("model", data) if isinstance(data, dict) else data
     if not isinstance(data, dict):
         raise OutrateError(f"{source}: expected a JSON object with fixed_us, per_decode_us, ...")

@@ -43,10 +43,11 @@ from pydantic import (
     model_validator,
 )
 
+from outrate.env import MAX_WORKLOAD_BYTES
 from outrate.errors import OutrateError, PolicyError, Problem
+from outrate.fileread import FileLimit, FileReadError, decode_text, read_bounded
 from outrate.identity.core import ANONYMOUS
 from outrate.policy.compose import FAST_LOADER, Doc, Path, Pos, compose
-from outrate.policy.file import decode_policy_bytes, read_policy_file
 from outrate.policy.loader import did_you_mean, field_path, type_message
 from outrate.policy.values import check_user_id, check_version, problem, shown
 from outrate.simulate.values import (
@@ -59,6 +60,7 @@ from outrate.simulate.values import (
     parse_whole,
 )
 
+WORKLOAD_FILE = FileLimit("a workload file", 64 * 1024 * 1024, MAX_WORKLOAD_BYTES)
 MAX_STREAMS = 100_000
 """Closed-loop streams in one file: more is a typo (and hours of simulation)."""
 
@@ -295,14 +297,14 @@ def parse_workload(text: str, source: str) -> Workload:
 
 
 def load_workload(path: str | os.PathLike[str]) -> LoadedWorkload:
-    """Read and validate a workload file (the policy reader's file rules:
-    a regular file, never blocking, size-capped). Every failure is a
-    WorkloadError."""
+    """Read and validate a workload file (every file's rules, `outrate.fileread`:
+    a regular file, never blocking, at most `$OUTRATE_MAX_WORKLOAD_BYTES`).
+    Every failure is a WorkloadError."""
     source = os.fspath(path)
     try:
-        text = decode_policy_bytes(read_policy_file(source), source)
-    except PolicyError as e:
-        raise WorkloadError(e.problems) from e
+        text = decode_text(read_bounded(source, WORKLOAD_FILE), source)
+    except FileReadError as e:
+        raise WorkloadError([e.problem]) from e.__cause__ or e
     return LoadedWorkload(parse_workload(text, source), source)
 
 
