@@ -41,10 +41,12 @@ class FileLimit(NamedTuple):
 
 
 class FileReadError(OutrateError):
-    """A file that cannot be read; `problem` locates it."""
+    """A file that cannot be read; `problem` locates it (`problems` holds it
+    too, as in every error made of located problems)."""
 
     def __init__(self, problem: Problem) -> None:
         self.problem = problem
+        self.problems: tuple[Problem, ...] = (problem,)
         super().__init__(str(problem))
 
 

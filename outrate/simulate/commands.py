@@ -60,10 +60,17 @@ def _err(line: str) -> None:
     typer.echo(line, err=True)
 
 
-def _fail(e: OutrateError) -> typer.Exit:
+def _fail(e: OutrateError, output: Format = Format.text) -> typer.Exit:
+    """Each problem on stderr, as always; where JSON was asked for, also a
+    JSON error object on stdout (`{"ok": false, "errors": [...]}`: a located
+    problem's path, line, col, field and message, or a message alone), so a
+    program reading stdout gets JSON either way."""
     problems: tuple[Problem, ...] = getattr(e, "problems", ())
     for line in [str(p) for p in problems] or [str(e)]:
         _err(line)
+    if output is Format.json:
+        errors = [p._asdict() for p in problems] or [{"message": str(e)}]
+        typer.echo(json.dumps({"ok": False, "errors": errors}, indent=2))
     return typer.Exit(1)
 
 
@@ -155,7 +162,7 @@ def run(
                 loaded, configs, kind, _runner(), model, kv_cache_tokens, progress, said
             )
     except OutrateError as e:
-        raise _fail(e) from e
+        raise _fail(e, output) from e
     if output is Format.json:
         typer.echo(json.dumps(study.to_json(), indent=2))
     else:
@@ -252,7 +259,7 @@ def calibrate_cmd(
             run = _runner()(ran, engine, config.policy, result.model, "in sample")
             agreement = rate_agreement([r for r in lines if "step" in r], run)
     except OutrateError as e:
-        raise _fail(e) from e
+        raise _fail(e, output) from e
     _write_model(out, result.model)
     if output is Format.json:
         data = result.to_json()
@@ -280,7 +287,7 @@ def _calibrate_metrics(
         readings = counters.read_metrics(url, window, interval, match)
         result = metricsfit.calibrate_metrics(readings, source=url)
     except OutrateError as e:
-        raise _fail(e) from e
+        raise _fail(e, output) from e
     _write_model(out, result.model)
     typer.echo(
         json.dumps(result.to_json(), indent=2) if output is Format.json else result.describe()

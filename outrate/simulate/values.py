@@ -25,6 +25,10 @@ MAX_TOKENS = 10_000_000
 MAX_TIME_NS = 7 * 24 * 3600 * 1_000_000_000
 """A week: longer simulated times are typos."""
 MAX_REQUEST_RATE = 100_000
+MIN_REQUEST_RATE = 0.000001
+"""One request in about 12 days, longer than the longest run (a week). Below
+it nothing arrives anyway, and the mean gap `1e9 / rate` ns overflows to inf
+near 1e-300 (the arrivals' draw then divided by zero, after a 15 s start)."""
 
 _TIME = re.compile(r"\s*(\+?(?:\d+\.?\d*|\.\d+))\s*(ns|us|µs|ms|s|m|h)\s*")
 _UNIT_NS = {
@@ -86,7 +90,13 @@ def parse_positive(value: object, what: str = "a number", limit: float = 1e9) ->
 
 
 def parse_request_rate(value: object) -> float:
-    return parse_positive(value, "a number of requests per second", MAX_REQUEST_RATE)
+    rate = parse_positive(value, "a number of requests per second", MAX_REQUEST_RATE)
+    if rate < MIN_REQUEST_RATE:
+        raise problem(
+            f"must be at least {MIN_REQUEST_RATE:f} requests per second (one request in "
+            "about 12 days; the longest run is a week)"
+        )
+    return rate
 
 
 _TIME_SCHEMA: dict[str, Any] = {
@@ -108,7 +118,7 @@ Sigma = Annotated[
 RequestRate = Annotated[
     float,
     PlainValidator(parse_request_rate),
-    WithJsonSchema({"type": "number", "exclusiveMinimum": 0, "maximum": MAX_REQUEST_RATE}),
+    WithJsonSchema({"type": "number", "minimum": MIN_REQUEST_RATE, "maximum": MAX_REQUEST_RATE}),
 ]
 
 
