@@ -10,6 +10,7 @@ manager, with a fake clock and fabricated outputs:
   (from the step after they arrive);
 - peak: committed plus borrowed tokens obey the peak's GCRA bound (+2);
 - fair: spare capacity goes in proportion to committed rates.
+- preemption: under FCFS borrowers are the first KV-preemption victims.
 """
 
 from __future__ import annotations
@@ -220,3 +221,69 @@ def test_a_user_over_its_committed_rate_holds_back_no_lending(kind):
     starved = [x for x in t if alice.get(x, 0) + bob.get(x, 0) < 9]
     assert not starved, [(x - 10 * S) // STEP for x in starved]
     assert d.tokens_of("bob") >= 100 * 3.8  # his committed 100 tok/s over 3.8 s
+
+
+@pytest.mark.parametrize(
+    "priority",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="under PRIORITY vLLM preempts the running request with the lowest "
+                "priority and latest arrival, borrowing or not; outrate does not reorder it "
+                "(docs/policy-reference.md, peak)",
+            ),
+        ),
+    ],
+    ids=["fcfs", "priority"],
+)
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_borrowers_are_the_first_kv_preemption_victims(kind, priority, monkeypatch):
+    """bob borrows (rate 20, peak unlimited) in 6 streams from step 0; alice
+    (committed: 6 streams, well within her 1000 tok/s) arrives at step 5, so
+    stock FCFS, which preempts `running[-1]`, would take hers first. The KV
+    cache (40 blocks of 16 tokens) holds about a sixth of what the 12
+    requests grow to (8 + 300 tokens each). While any of bob's requests holds
+    KV, every preemption is one of bob's; alice's go only once his are all
+    out. Under PRIORITY vLLM picks its own victim (the lowest priority, then
+    the latest arrival), so the claim does not hold there: strict xfail."""
+    clock = FakeClock()
+    sched = make_scheduler(
+        kind,
+        policy(bob=(20, "unlimited"), alice=(1000, None)),
+        clock,
+        num_blocks=40,
+        max_num_seqs=16,
+        priority=priority,
+    )
+    d = Driver(sched, clock, step_ns=STEP)
+    victims: list[tuple[str, bool, int, int]] = []  # user, borrowing, bob's and alice's in KV
+    real = sched._preempt_request  # every preemption (stock's KV loop, kv.py, displacement)
+
+    def preempt(r, timestamp, drop_stale_output=False):  # observes, then preempts as before
+        def in_kv(user):  # RUNNING: in `running` or held, blocks kept
+            return sum(
+                q is not r and q.status == RequestStatus.RUNNING
+                for q in reqs
+                if d.user_of[q.request_id] == user
+            )
+
+        user = d.user_of[r.request_id]
+        victims.append((user, r in sched.lending.running, in_kv("bob"), in_kv("alice")))
+        real(r, timestamp, drop_stale_output)
+
+    monkeypatch.setattr(sched, "_preempt_request", preempt)
+    reqs = [d.add(make_request("bob", prompt_len=8, max_tokens=300)) for _ in range(6)]
+    d.run(5)
+    reqs += [d.add(make_request("alice", prompt_len=8, max_tokens=300)) for _ in range(6)]
+    d.run(115)
+    d.drain()
+    assert sum(r.num_preemptions for r in reqs) == len(victims)  # the spy saw every one
+    wrong = [v for v in victims if v[0] == "alice" and v[2] > 0]
+    assert not wrong, victims
+    # bob's requests went while alice's ran beside them, each of them borrowing:
+    mid = [v for v in victims if v[0] == "bob" and v[3] > 0]
+    assert len(mid) >= 5 and all(borrowing for _, borrowing, _, _ in mid), victims
+    assert sched.metrics.labels["bob"].borrowed > 100
