@@ -10,15 +10,19 @@ second fake adds a row whose target no vLLM has.
 from __future__ import annotations
 
 import logging
+import os
+import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 pytest.importorskip("vllm")
 
+from outrate.cli import app  # noqa: E402
 from vllm_integration.common import compat, patches, versions  # noqa: E402
 from vllm_integration.common.patches import Patch  # noqa: E402
 from vllm_integration.startup import doctor, plugin  # noqa: E402
@@ -59,6 +63,47 @@ def test_doctor_is_clean_on_the_installed_vllm(capsys: pytest.CaptureFixture[str
         if INSTALLED in p.versions:
             assert f"patch {p.target} ({p.where})" in out
     assert "scheduler overrides" in out
+
+
+def _rows(out: str) -> dict[str, str]:
+    """`what -> status` for each row `doctor.render` printed (the verdict aside)."""
+    rows = [re.split(r"\s{2,}", line, maxsplit=2) for line in out.splitlines()[:-1]]
+    return {row[0]: row[1] for row in rows}
+
+
+def test_the_doctor_command_exits_0_and_says_outrate_would_start() -> None:
+    """`python -m outrate doctor` in a process of its own: typer's entry, the
+    lazy vLLM import and the exit status, not just `doctor.main`."""
+    env = {k: v for k, v in os.environ.items() if k != versions.UNTESTED_ENV}
+    done = subprocess.run(
+        [sys.executable, "-m", "outrate", "doctor"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1] == "outrate would start"
+    rows = _rows(done.stdout)
+    assert rows[f"vLLM {versions.vllm_version()}"] == "ok"
+    assert rows["scheduler overrides"] == "ok"
+    for p in patches.PATCHES:
+        if INSTALLED in p.versions:
+            assert rows[f"patch {p.target} ({p.where})"] == "ok"
+    assert set(rows.values()) <= {"ok", "info"}, rows
+
+
+def test_the_doctor_command_exits_1_where_outrate_would_not_start(newer: str) -> None:
+    """The command's exit status follows the verdict (typer.Exit(main())):
+    an unsupported vLLM is exit 1 with the way in. In CliRunner, as the other
+    CLI tests: faking the version for a subprocess would cost a second vLLM
+    import (about 17 s of CPU here)."""
+    result = CliRunner().invoke(app, ["doctor"], env={versions.UNTESTED_ENV: None})
+    assert result.exit_code == 1, result.output
+    assert result.stdout.splitlines()[-1] == "outrate would NOT start"
+    assert _rows(result.stdout)[f"vLLM {newer}"] == "unsupported"
+    assert f"{versions.UNTESTED_ENV}={newer} runs outrate on it untested" in result.stdout
 
 
 def test_a_newer_vllm_without_the_opt_in_is_refused_with_the_way_in(newer: str) -> None:
@@ -169,8 +214,6 @@ main()
 
 @pytest.mark.parametrize("opt_in", [True, False], ids=["opted-in", "not-opted-in"])
 def test_vllm_serve_help_on_a_newer_vllm(opt_in: bool) -> None:
-    import os
-
     env = {k: v for k, v in os.environ.items() if k != "OUTRATE_UNTESTED_VLLM"}
     if opt_in:
         env["OUTRATE_UNTESTED_VLLM"] = NEWER
