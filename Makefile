@@ -33,8 +33,10 @@ install: $(STAMP)
 model: $(STAMP)
 	$(BIN)/python examples/build_tiny_model.py
 
-test: lint prometheus
-	$(BIN)/python -m pytest -q
+# Two lanes at once, one per core: the end-to-end tests in order in one, the
+# rest beside them (tests/lanes.py). ARGS go to both pytest runs.
+test: lint prometheus model
+	$(BIN)/python tests/lanes.py $(ARGS)
 
 # Debian's prometheus and promtool for tests/test_ops.py: installed when missing
 # and root (no service started); otherwise its Prometheus tests skip.

@@ -20,8 +20,9 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 settings.register_profile("outrate", suppress_health_check=[HealthCheck.too_slow], deadline=None)
 settings.load_profile("outrate")
 
-# A failed test whose server's engine died says so (tests/engine_deaths.py).
-pytest_plugins = ["engine_deaths", "pytester"]
+# A failed test whose server's engine died says so (tests/engine_deaths.py);
+# each run ends with its seconds per module (tests/durations.py).
+pytest_plugins = ["engine_deaths", "durations", "pytester"]
 
 
 @pytest.fixture(scope="session")
