@@ -1,16 +1,18 @@
 """Shared by the end-to-end modules: the policy of the one `outrate serve`
-they all use (started once per session in conftest.py), and how pacing is
-checked on the engine's own record."""
+they share (started once per session in conftest.py), how a module gives it
+a policy of its own, and how pacing is checked on the engine's own record."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 from build_tiny_model import build
 from loadgen import Stream, max_window_excess, run_concurrently, token_times, user_rate
-from serverproc import ServerProcess, outrate_serve_argv
+from serverproc import ServerProcess, cpu_server_env, outrate_serve_argv
 
 from outrate.observe.trace import (
     engine_rate,
@@ -51,7 +53,18 @@ users:
 """
 
 
+READ_LIMIT = 1 << 20
+"""The session server's policy read limit (OUTRATE_MAX_POLICY_BYTES):
+test_hostile.py's oversized policy is one byte over it."""
+
+
 def start_server(tmp_path_factory):
+    """The session's `outrate serve`: test_e2e, test_e2e_peak, test_e2e_truth,
+    test_e2e_identity and test_hostile share it, each with its own policy
+    applied through hot reload (`use_policy`), and the base POLICY back when
+    the module ends. The flags are the union of what they need:
+    --enable-log-requests (identity: keys must never reach the log) and
+    --enable-scale-out (hostile: every route to the engine)."""
     policy_dir = tmp_path_factory.mktemp("policy")
     policy = policy_dir / "policy.yaml"
     policy.write_text(POLICY)
@@ -66,13 +79,64 @@ def start_server(tmp_path_factory):
         "12",
         "--outrate-trace",
         str(trace),
+        "--enable-log-requests",
+        "--enable-scale-out",
     )
-    proc = ServerProcess(argv, log_path=policy_dir / "server.log", name="outrate")
+    env = cpu_server_env({"OUTRATE_MAX_POLICY_BYTES": str(READ_LIMIT)})
+    proc = ServerProcess(argv, env=env, log_path=policy_dir / "server.log", name="outrate")
     proc.start(timeout_s=300)
     proc.policy_path = policy
     proc.trace_path = trace
     run_concurrently(proc.base_url, [("warmup", 2, 16)])
     return proc
+
+
+def use_policy(server, text: str, timeout_s: float = 30) -> None:
+    """Make `text` the session server's live policy (write and rename, as an
+    operator's editor does) and wait for the engine's reloader to log that
+    it applied it: a step boundary has passed with the new limits. Nothing
+    to wait for when the file already holds `text`."""
+    path: Path = server.policy_path
+    if path.is_file() and not path.is_symlink() and path.read_text() == text:
+        return
+    log = Path(server.log_path)
+    offset = log.stat().st_size
+    tmp = path.with_name(f".{path.name}.next")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    applied = f"{path}: policy reloaded: "
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with open(log, "rb") as f:
+            f.seek(offset)
+            if applied.encode() in f.read():
+                return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not reloaded within {timeout_s} s:\n{text}")
+        time.sleep(0.02)
+
+
+_LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never an *_proxy
+
+
+def wait_idle(server, timeout_s: float = 120) -> None:
+    """Wait until the engine runs and queues nothing (vLLM's own gauges on
+    /metrics): a module on a shared server starts with nobody else's
+    request in flight."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with _LOOPBACK.open(f"{server.root_url}/metrics", timeout=10) as r:
+            page = r.read().decode()
+        busy = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in page.splitlines()
+            if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting"))
+        )
+        if busy == 0:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the server still has {busy:.0f} requests after {timeout_s} s")
+        time.sleep(0.1)
 
 
 def start_together(servers: list[ServerProcess], timeout_s: float = 420) -> None:

@@ -1,7 +1,7 @@
 """Trusted identity on a real `outrate serve`, through the official openai client.
 
-One server for the module (an engine takes 20-40 s to start on two cores).
-It starts with `identity.source: api_key`; the tests switch it to
+On the session's server (tests/e2e_support.py), given this module's policy
+by hot reload: it starts with `identity.source: api_key`; the tests switch it to
 `on_claim_mismatch: ignore` and then to `source: header` by editing its
 policy file, as an operator would, and wait for the API server to apply each
 edit (a probe on /tokenize, which passes the same guard and never reaches the
@@ -24,9 +24,10 @@ import pytest
 pytest.importorskip("vllm")
 
 import openai  # noqa: E402
-from build_tiny_model import build  # noqa: E402
+from e2e_support import use_policy as use_session_policy  # noqa: E402
+from e2e_support import wait_idle  # noqa: E402
 from loadgen import Stream, stream_completion  # noqa: E402
-from serverproc import HOST, ServerProcess, outrate_serve_argv  # noqa: E402
+from serverproc import HOST, ServerProcess  # noqa: E402
 
 from outrate.observe.trace import read_trace  # noqa: E402
 from outrate.policy.keys import add_key, revoke_keys  # noqa: E402
@@ -54,28 +55,31 @@ HEADER_REJECT = HEADER_IGNORE.replace("ignore", "reject")
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("identity")
+def server(server):
+    """The session's server (tests/e2e_support.py), with this module's
+    identity policy and keys file beside its policy; the base policy back
+    at the end, applied by the API servers too before the next module."""
+    from e2e_support import POLICY
+
+    workdir = server.policy_path.parent
     keys_file = workdir / "keys.yaml"
     keys = {user: add_key(keys_file, user)[0] for user in ("alice", "bob", "carol")}
-    policy = workdir / "policy.yaml"
-    policy.write_text(API_KEY_REJECT)
-    argv = outrate_serve_argv(
-        build(REPO / "models" / "tiny-llama"),
-        policy,
-        "--max-num-seqs", "16", "--max-num-active-seqs", "12",
-        "--outrate-trace", str(workdir / "trace.jsonl"),
-        "--enable-log-requests",  # every request's parameters in the log: keys must not be
-    )  # fmt: skip
-    proc = ServerProcess(argv, log_path=workdir / "server.log", name="identity")
-    proc.start(timeout_s=300)
-    proc.policy = policy
-    proc.keys_file = keys_file
-    proc.keys = keys
-    proc.trace = workdir / "trace.jsonl"
-    proc.policy_text = API_KEY_REJECT
-    yield proc
-    proc.stop()
+    log_from = Path(server.log_path).stat().st_size
+    wait_idle(server)
+    use_session_policy(server, API_KEY_REJECT)
+    server.policy = server.policy_path
+    server.keys_file = keys_file
+    server.keys = keys
+    server.trace = server.trace_path
+    server.policy_text = API_KEY_REJECT
+    server.log_from = log_from
+    wait_until(lambda: tokenize(server, []) == 401, "the API server asks for a key")
+    yield server
+    use_session_policy(server, POLICY)
+    wait_until(lambda: tokenize(server, []) == 200, "the API server takes the body's id")
+    keys_file.unlink()
+    for name in ("policy", "keys_file", "keys", "trace", "policy_text", "log_from"):
+        delattr(server, name)
 
 
 def api(server: ServerProcess, key: str = "none", **headers: str) -> openai.OpenAI:
@@ -375,7 +379,9 @@ def test_whitespace_around_an_id_never_makes_a_new_user(server) -> None:
 def test_keys_never_appear_in_the_server_log(server) -> None:
     """Runs last: every key above was sent, one was revoked, requests were
     logged with their parameters (--enable-log-requests)."""
-    log = Path(server.log_path).read_text(errors="replace")
+    with open(server.log_path, "rb") as f:
+        f.seek(server.log_from)  # this module's part of the shared server's log
+        log = f.read().decode("utf-8", "replace")
     assert "Added request" in log or "Received request" in log  # the log does log requests
     for user, key in server.keys.items():
         assert key not in log, user

@@ -2,8 +2,8 @@
 `outrate lint`, a startup and a live reload, and identities against every
 route of the server. Each case is checked with its exact message; the engine
 keeps serving at the last good policy; no log shows a traceback; the engine
-core's memory stays where it was. One server for the module (an engine takes
-20-40 s to start on two cores).
+core's memory stays where it was. On the session's server (tests/e2e_support.py),
+given this module's policy by hot reload.
 
 Pacing is decided by the engine; the client's clock only vouches for the
 window from sending a request to its last token (DESIGN.md), so rates here
@@ -47,7 +47,8 @@ from outrate.observe.trace import engine_rate, max_window_excess, read_trace, us
 pytestmark = pytest.mark.e2e
 
 BAD = REPO / "tests" / "fixtures" / "bad"
-READ_LIMIT = 1 << 20
+from e2e_support import READ_LIMIT  # noqa: E402  (the session server's policy read limit)
+
 """The server, lint and startups here run with OUTRATE_MAX_POLICY_BYTES at 1 MiB."""
 ENV = {"OUTRATE_MAX_POLICY_BYTES": str(READ_LIMIT)}
 ALICE = 20
@@ -163,37 +164,29 @@ def engine_rss(server: ServerProcess) -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("hostile")
-    live = workdir / "policy.yaml"
-    live.write_text(good_policy(0))
-    (workdir / "trace").mkdir()  # the trace's directory must exist: outrate creates none
-    argv = outrate_serve_argv(
-        build(REPO / "models" / "tiny-llama"),
-        live,
-        "--enable-scale-out",
-        "--max-num-seqs",
-        "16",
-        "--max-num-active-seqs",
-        "12",
-        "--outrate-trace",
-        str(workdir / "trace" / "trace.jsonl"),
-    )
-    proc = ServerProcess(
-        argv, env=cpu_server_env(ENV), log_path=workdir / "server.log", name="hostile"
-    )
-    proc.start(timeout_s=300)
-    proc.live = live
-    proc.workdir = workdir
-    proc.log = Log(proc.log_path)
-    proc.marker = 0
-    answer = client(proc.base_url).completions.create(
+def server(server):
+    """The session's server (tests/e2e_support.py: its policy read limit is
+    READ_LIMIT, --enable-scale-out on), with this module's good policy; the
+    base policy back at the end."""
+    from e2e_support import POLICY, use_policy, wait_idle
+
+    wait_idle(server)
+    server.live = server.policy_path
+    server.workdir = server.live.parent
+    server.log = Log(server.log_path)
+    server.log.mark()
+    server.log_from = server.log.offset
+    server.marker = 0
+    use_policy(server, good_policy(0))
+    answer = client(server.base_url).completions.create(
         model="tiny", prompt="warm", max_tokens=8, extra_body={"ignore_eos": True}
     )
     assert answer.usage.completion_tokens == 8
-    proc.rss_at_start = engine_rss(proc)
-    yield proc
-    proc.stop()
+    server.rss_at_start = engine_rss(server)
+    yield server
+    use_policy(server, POLICY)
+    for name in ("live", "workdir", "log", "log_from", "marker", "rss_at_start"):
+        delattr(server, name)
 
 
 def swap_in(server: ServerProcess, make: Callable[[Path], None]) -> None:
@@ -410,7 +403,7 @@ def test_alice_keeps_her_rate_while_a_bomb_is_refused(server) -> None:
     window = run.token_times[-1] - run.started
     client_rate = tokens / window
     time.sleep(0.3)  # the trace is written every 100 ms
-    steps = user_tokens(read_trace(server.workdir / "trace" / "trace.jsonl"), "alice", since)
+    steps = user_tokens(read_trace(server.trace_path), "alice", since)
     rate = engine_rate(steps)
     excess = max_window_excess(steps, ALICE, 100_000_000)
     print(
@@ -571,8 +564,11 @@ def test_bad_identities_are_refused_with_400(server, path: str, value: object, w
 
 
 def test_no_traceback_and_the_engine_memory_is_where_it_started(server) -> None:
-    """Runs last: every case above went through this server."""
-    log = Path(server.log_path).read_text(errors="replace")
+    """Runs last: every case above went through this server (this module's
+    part of the shared server's log)."""
+    with open(server.log_path, "rb") as f:
+        f.seek(server.log_from)
+        log = f.read().decode("utf-8", "replace")
     assert "Traceback" not in log and "RecursionError" not in log
     assert "request counted in the anonymous budget" not in log  # no bad id reached the engine
     growth = engine_rss(server) - server.rss_at_start
