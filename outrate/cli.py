@@ -8,6 +8,7 @@ and runs where vLLM is not installed; `outrate serve` imports it when run.
 from __future__ import annotations
 
 import json
+import os
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
@@ -71,7 +72,12 @@ def lint(
             deployment = load_deployment(vllm_config, argv or None, strict_flags=True)
         except OutrateError as e:
             _err(str(e))
+            if output is Format.json:
+                typer.echo(json.dumps({"ok": False, "errors": [{"message": str(e)}]}, indent=2))
             raise typer.Exit(1) from e
+    named = deployment.policy if deployment is not None else None
+    if named is not None and os.path.abspath(named) not in map(os.path.abspath, policies):
+        policies = [*policies, named]  # the server would load it: lint it as well
     reports = [lint_all(path, deployment) for path in policies]
     if output is Format.json:
         if len(reports) == 1:

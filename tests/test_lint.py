@@ -146,7 +146,7 @@ def test_data_parallel_is_fine_with_a_store() -> None:
     assert deployment_from_args([*store, "--outrate-store-hold-s", "7.5"]).store_hold_s == 7.5
     # The store URL (and its password) never appears in a finding.
     assert all("pw" not in str(f) for f in lint_deployment(dep))
-    with pytest.raises(DeploymentError, match="--outrate-store: .*must be a redis://") as exc:
+    with pytest.raises(DeploymentError, match="^--outrate-store must be a redis://") as exc:
         deployment_from_args(["--outrate-store", "http://:pw@h:6379"])
     assert "pw" not in str(exc.value)
 

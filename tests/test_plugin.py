@@ -194,11 +194,11 @@ def test_seed_flags_make_an_in_memory_policy(parser):
         ),
         (
             ["--outrate-policy", "policies/demo.yaml", "--outrate-store-fallback", "full"],
-            "need --outrate-store",
+            "--outrate-store-fallback needs --outrate-store",
         ),
         (
             ["--outrate-policy", "policies/demo.yaml", "--outrate-store-hold-s", "5"],
-            "need --outrate-store",
+            "--outrate-store-hold-s needs --outrate-store",
         ),
         (
             ["--outrate-policy", "policies/demo.yaml", "--pipeline-parallel-size", "2"],

@@ -22,7 +22,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from outrate.check.outrate_flags import FlagError, check_flags_together
 from outrate.check.serve_args import (
+    OUTRATE_TARGETS,
     DeploymentError,
     Settings,
     settings_from_argv,
@@ -71,6 +73,18 @@ class Deployment:
     """`--outrate-store-hold-s` (30 when unset)."""
     trace: str | None = None
     """`--outrate-trace`, absolute, checked like the server checks it."""
+    policy: str | None = None
+    """`--outrate-policy` as given (`outrate lint` lints that file too)."""
+    reload: str | None = None
+    """`--outrate-reload` (watch when unset)."""
+    trace_max_bytes: int | None = None
+    """`--outrate-trace-max-bytes`."""
+    store_lease_ms: int | None = None
+    """`--outrate-store-lease-ms`."""
+    default_rate: float | None = None
+    """`--default-user-output-tokens-per-second` (the in-memory policy)."""
+    user_rates: str | None = None
+    """`--user-output-tokens-per-second`, its JSON text (the in-memory policy)."""
     model_kind: str | None = None
     """"multimodal", "encoder-decoder", "hybrid", "attention-free", "diffusion",
     or None (plain decoder-only text, or unknown from flags alone)."""
@@ -143,6 +157,7 @@ def load_deployment(
     for path in paths:
         settings.update(settings_from_config(path))
     settings.update(from_argv)
+    _check_together(settings)
     if argv:
         name = source
     elif paths:
@@ -150,6 +165,19 @@ def load_deployment(
     else:
         name = "defaults"
     return _build(settings, name)
+
+
+def _check_together(settings: Settings) -> None:
+    """The server's rules between its `--outrate-*` flags, on the merged
+    settings (each value was checked as it was read)."""
+    values = {
+        name: settings[field][0] for name, field in OUTRATE_TARGETS.items() if field in settings
+    }
+    data_parallel = settings.get("data_parallel_size", (1, ""))[0] or 1
+    try:
+        check_flags_together(values, data_parallel)
+    except FlagError as e:
+        raise DeploymentError(str(e)) from e
 
 
 # -- vllm serve's own argument rules -------------------------------------------

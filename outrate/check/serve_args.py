@@ -20,8 +20,10 @@ from typing import Any
 import yaml
 from yaml.nodes import MappingNode, ScalarNode
 
+from outrate.check.outrate_flags import BY_NAME, STORE, check_value
 from outrate.errors import OutrateError
 from outrate.fileread import MIB, FileLimit, FileReadError, decode_text, read_bounded
+from outrate.policy.pipeline import USERS_FLAG
 
 
 class DeploymentError(OutrateError):
@@ -41,7 +43,8 @@ def _json(value: Any) -> Any:
 
 
 def _int(value: Any) -> int:
-    if isinstance(value, bool):
+    # vLLM hands a --config file's 3.0 to argparse as "3.0": int() refuses it
+    if isinstance(value, bool | float):
         raise ValueError(f"expected an integer (got {value!r})")
     try:
         return int(value)
@@ -84,15 +87,6 @@ def _aux(value: Any) -> bool:
     return isinstance(data, dict) and bool(data.get("enable_return_routed_experts"))
 
 
-def _fallback(value: Any) -> str:
-    """`--outrate-store-fallback MODE`: refused where the server refuses it;
-    kept as given (an old name is reported: OR117)."""
-    from outrate.budget.shared.credit import fallback_named
-
-    fallback_named(str(value))
-    return str(value)
-
-
 def _float(value: Any) -> float:
     if isinstance(value, bool):
         raise ValueError(f"expected a number (got {value!r})")
@@ -113,22 +107,28 @@ def _api_key(value: Any) -> bool:
     return value is not None and value is not False and value != ""
 
 
-def _store_url(value: Any) -> bool:
-    """`--outrate-store URL`: checked like the server checks it; only its
-    presence is kept (the URL may carry a password)."""
-    if value is None or str(value) == "":
-        return False
-    from outrate.budget.shared.lease import check_url
+def _outrate(name: str) -> Callable[[Any], Any]:
+    """An `--outrate-*` flag: read as argparse reads it (`FLAGS`' type), then
+    the server's own check of its value (`outrate.check.outrate_flags`). The
+    store's URL is kept only as present or not: it may carry a password."""
+    flag = BY_NAME[name]
+    parse: Callable[[Any], Any] = _text
+    if flag.type is int:
+        parse = _int
+    elif flag.type is float:
+        parse = _float
 
-    check_url(str(value))
-    return True
+    def convert(value: Any) -> Any:
+        if name == USERS_FLAG and isinstance(value, dict):  # a --config mapping
+            value = json.dumps(value)
+        kept = check_value(name, parse(value))
+        return bool(kept) if name == STORE else kept
+
+    return convert
 
 
-def _trace_path(value: Any) -> str | None:
-    """`--outrate-trace PATH`: refused where startup would refuse it."""
-    from outrate.observe.trace import check_trace_path
-
-    return None if value is None else str(check_trace_path(str(value)))
+def _text(value: Any) -> str:
+    return str(value)
 
 
 def _diffusion(value: Any) -> str | None:
@@ -184,12 +184,22 @@ _FLAGS: dict[str, _Flag] = {
     "host": _Flag("host", _str),
     "uds": _Flag("uds", _str),
     "api-key": _Flag("api_key", _api_key),
-    "outrate-store": _Flag("store", _store_url),
-    "outrate-store-fallback": _Flag("store_fallback", _fallback),
-    "outrate-store-engines": _Flag("store_engines", _int),
-    "outrate-store-hold-s": _Flag("store_hold_s", _float),
-    "outrate-trace": _Flag("trace", _trace_path),
 }
+OUTRATE_TARGETS = {
+    "--outrate-policy": "policy",
+    "--outrate-reload": "reload",
+    "--outrate-trace": "trace",
+    "--outrate-trace-max-bytes": "trace_max_bytes",
+    "--outrate-store": "store",
+    "--outrate-store-fallback": "store_fallback",
+    "--outrate-store-hold-s": "store_hold_s",
+    "--outrate-store-engines": "store_engines",
+    "--outrate-store-lease-ms": "store_lease_ms",
+    "--default-user-output-tokens-per-second": "default_rate",
+    "--user-output-tokens-per-second": "user_rates",
+}
+"""Every flag of `outrate.check.outrate_flags.FLAGS` -> its `Deployment` field."""
+_FLAGS.update({name[2:]: _Flag(field, _outrate(name)) for name, field in OUTRATE_TARGETS.items()})
 _SHORT = {
     "sc": "speculative-config",
     "dp": "data-parallel-size",
@@ -206,6 +216,8 @@ def _set(out: Settings, name: str, flag: _Flag, raw: Any, where: str) -> None:
     try:
         out[flag.target] = (flag.value(raw), where)
     except ValueError as e:
+        if name == where and str(e).startswith(name):  # the message names the flag itself
+            raise DeploymentError(str(e)) from e
         prefix = where if name == where else f"{where}: {name}"
         raise DeploymentError(f"{prefix}: {e}") from e
 

@@ -89,6 +89,14 @@ def _starts_as_trace(fd: int) -> bool:
     return TRACE_START.startswith(os.pread(fd, len(TRACE_START), 0))
 
 
+def rank_path(path: str, suffix: str) -> str:
+    """`trace.jsonl` -> `trace.dp1.jsonl`: where each data-parallel rank writes."""
+    if not suffix:
+        return path
+    root, ext = os.path.splitext(path)
+    return f"{root}{suffix}{ext}"
+
+
 def check_trace_path(path: str | os.PathLike[str]) -> Path:
     """The absolute path, if the trace may be written there; OutrateError
     `PATH: why` if not. Startup and `outrate lint` run it, so a bad path fails

@@ -10,20 +10,34 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
 from outrate.budget.shared.credit import fallback_named
-from outrate.budget.shared.lease import PASSWORD_ENV, check_url, split_password
+from outrate.budget.shared.lease import PASSWORD_ENV, split_password
 from outrate.budget.shared.url import SSL_PASSWORD_ENV, split_ssl_password
 from outrate.check.deployment import Deployment
+from outrate.check.outrate_flags import (
+    FLAGS,
+    POLICY,
+    RELOAD,
+    STORE,
+    STORE_ENGINES,
+    STORE_FALLBACK,
+    STORE_HOLD_S,
+    STORE_LEASE_MS,
+    TRACE,
+    TRACE_MAX_BYTES,
+    check_flags,
+    given,
+)
 from outrate.check.rules import API_KEY_CONFLICT, Finding, lint_deployment, lint_exposure
 from outrate.errors import OutrateError, PolicyError, Problem
 from outrate.identity.core import IdentityConfig
-from outrate.observe.trace import check_trace_path
 from outrate.policy.compiler import CompiledPolicy
-from outrate.policy.pipeline import load_compiled, policy_from_flags
-from vllm_integration.common.settings import CONFIG_KEY, EngineSettings, rank_path
+from outrate.policy.pipeline import DEFAULT_FLAG, USERS_FLAG, load_compiled, policy_from_flags
+from vllm_integration.common.settings import CONFIG_KEY, EngineSettings
 
 logger = logging.getLogger("vllm.outrate")
 
@@ -42,74 +56,38 @@ class DeploymentRejected(OutrateError):
 
 
 def outrate_settings(args: Any) -> EngineSettings | None:
-    """The outrate part of parsed `vllm serve` args, or None without a policy."""
-    path = getattr(args, "outrate_policy", None)
-    default = getattr(args, "default_user_output_tokens_per_second", None)
-    users = getattr(args, "user_output_tokens_per_second", None)
-    if path is None and default is None and users is None:
+    """The outrate part of parsed `vllm serve` args, or None without a policy.
+
+    Every `--outrate-*` flag is checked by `outrate.check.outrate_flags.check_flags`,
+    the checks `outrate lint` runs on the same flags."""
+    values = {flag.name: getattr(args, flag.dest, None) for flag in FLAGS}
+    if not any(given(values[name]) for name in (POLICY, DEFAULT_FLAG, USERS_FLAG)):
         return None
-    if path is not None and (default is not None or users is not None):
-        raise OutrateError(
-            "--outrate-policy cannot be combined with --default-user-output-tokens-per-second "
-            "or --user-output-tokens-per-second: put those limits in the policy file"
-        )
-    settings: dict[str, Any] = {"reload": getattr(args, "outrate_reload", "watch") or "watch"}
-    settings.update(store_settings(args))
-    trace = getattr(args, "outrate_trace", None)
-    if trace is not None:
-        settings["trace"] = checked_trace_path(trace, getattr(args, "data_parallel_size", 1))
-        max_bytes = getattr(args, "outrate_trace_max_bytes", None)
-        if max_bytes is not None:
-            if max_bytes < 1:
-                raise OutrateError(f"--outrate-trace-max-bytes must be >= 1, got {max_bytes}")
-            settings["trace_max_bytes"] = max_bytes
-    if path is not None:
-        settings["policy"] = os.path.abspath(path)
+    kept = check_flags(values, getattr(args, "data_parallel_size", 1) or 1)
+    settings: dict[str, Any] = {"reload": kept[RELOAD] or "watch"}
+    settings.update(store_settings(kept))
+    if given(kept[TRACE]):
+        settings["trace"] = kept[TRACE]
+        if kept[TRACE_MAX_BYTES] is not None:
+            settings["trace_max_bytes"] = kept[TRACE_MAX_BYTES]
+    if given(kept[POLICY]):
+        settings["policy"] = os.path.abspath(kept[POLICY])
     else:
-        settings["default_rate"] = default
+        users = kept[USERS_FLAG]
+        settings["default_rate"] = kept[DEFAULT_FLAG]
         settings["user_rates"] = users if users is None or isinstance(users, dict) else str(users)
     return EngineSettings(**settings)
 
 
-def checked_trace_path(path: str, data_parallel_size: int | None = 1) -> str:
-    """`--outrate-trace PATH` as an absolute path, checked here in the API
-    server before the model loads (`check_trace_path`, which `outrate lint`
-    runs on PATH too). With data parallel each rank's file is checked as well
-    (`trace.dp0.jsonl`, ...): those are the files the engines write."""
-    abspath = os.path.abspath(path)
-    files = [abspath]
-    if data_parallel_size and data_parallel_size > 1:
-        files += [rank_path(abspath, f".dp{rank}") for rank in range(data_parallel_size)]
-    try:
-        for file in files:
-            check_trace_path(file)
-    except OutrateError as e:
-        raise OutrateError(f"--outrate-trace: {e}") from e
-    return abspath
-
-
-def store_settings(args: Any) -> dict[str, Any]:
-    """`--outrate-store` and friends. The URL's password (and its TLS key's
-    `ssl_password`) never goes into the settings (they travel inside vLLM's
-    config, which vLLM hashes and may print): each moves to the environment
-    variable the engine core inherits."""
-    url = getattr(args, "outrate_store", None)
-    given = getattr(args, "outrate_store_fallback", None)
-    lease_ms = getattr(args, "outrate_store_lease_ms", None)
-    hold_s = getattr(args, "outrate_store_hold_s", None)
-    engines = getattr(args, "outrate_store_engines", None)
+def store_settings(values: Mapping[str, Any]) -> dict[str, Any]:
+    """`--outrate-store` and friends, already checked (`check_flags`). The
+    URL's password (and its TLS key's `ssl_password`) never goes into the
+    settings (they travel inside vLLM's config, which vLLM hashes and may
+    print): each moves to the environment variable the engine core inherits."""
+    url = values.get(STORE)
     if not url:
-        if given or lease_ms is not None or hold_s is not None or engines is not None:
-            raise OutrateError(
-                "--outrate-store-fallback, --outrate-store-lease-ms, --outrate-store-hold-s "
-                "and --outrate-store-engines need --outrate-store"
-            )
         return {}
-    try:
-        check_url(url)
-        fallback, deprecated = fallback_named(given)
-    except ValueError as e:
-        raise OutrateError(f"--outrate-store{'-fallback' if given else ''} {e}") from e
+    fallback, deprecated = fallback_named(values.get(STORE_FALLBACK))
     if deprecated:
         logger.warning("outrate: %s", deprecated)
     bare, password = split_password(url)
@@ -119,18 +97,15 @@ def store_settings(args: Any) -> dict[str, Any]:
     if ssl_password is not None:
         os.environ[SSL_PASSWORD_ENV] = ssl_password  # (the same way)
     out: dict[str, Any] = {"store": bare, "store_fallback": fallback}
-    if lease_ms is not None:
-        if not 1 <= lease_ms <= 1000:
-            raise OutrateError(f"--outrate-store-lease-ms must be in 1..1000, got {lease_ms}")
-        out["store_lease_ms"] = lease_ms
-    if hold_s is not None:
-        if not 1 <= hold_s <= 3600:
-            raise OutrateError(f"--outrate-store-hold-s must be in 1..3600, got {hold_s:g}")
-        out["store_hold_s"] = float(hold_s)
-    if engines is not None:
-        if not 1 <= engines <= 4096:
-            raise OutrateError(f"--outrate-store-engines must be in 1..4096, got {engines}")
-        out["store_engines"] = engines
+    for name, key in (
+        (STORE_LEASE_MS, "store_lease_ms"),
+        (STORE_HOLD_S, "store_hold_s"),
+        (STORE_ENGINES, "store_engines"),
+    ):
+        if values.get(name) is not None:
+            out[key] = values[name]
+    if "store_hold_s" in out:
+        out["store_hold_s"] = float(out["store_hold_s"])
     return out
 
 

@@ -9,12 +9,14 @@ password and the identity secret go through the environment (outrate.env).
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from outrate.errors import OutrateError
+from outrate.observe.trace import rank_path
+
+__all__ = ["CONFIG_KEY", "EngineSettings", "ReloadMode", "dp_suffix", "rank_path"]
 
 CONFIG_KEY = "outrate"
 ReloadMode = Literal["watch", "poll", "off"]
@@ -85,11 +87,3 @@ def dp_suffix(vllm_config: Any, settings: EngineSettings | None = None) -> str:
     if rank is None:
         rank = getattr(pc, "data_parallel_rank", 0)
     return f".dp{rank}"
-
-
-def rank_path(path: str, suffix: str) -> str:
-    """`trace.jsonl` -> `trace.dp1.jsonl`."""
-    if not suffix:
-        return path
-    root, ext = os.path.splitext(path)
-    return f"{root}{suffix}{ext}"

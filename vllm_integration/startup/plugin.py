@@ -178,8 +178,17 @@ OUTRATE_FLAGS = (
 
 
 def add_outrate_args(parser: Any) -> None:
+    """The flags, with the types and choices of `outrate.check.outrate_flags.FLAGS`
+    (the checks lint and `outrate_settings` run on them)."""
     if "--outrate-policy" in getattr(parser, "_option_string_actions", {}):
         return
+    from outrate.check.outrate_flags import BY_NAME
+
+    def typed(name: str) -> dict[str, Any]:
+        flag = BY_NAME[name]
+        kind: dict[str, Any] = {} if flag.type is str else {"type": flag.type}
+        return kind if flag.choices is None else {**kind, "choices": list(flag.choices)}
+
     group = parser.add_argument_group(
         title="outrate",
         description="Per-user output-token rate limits enforced in the scheduler.",
@@ -194,7 +203,7 @@ def add_outrate_args(parser: Any) -> None:
     )
     group.add_argument(
         "--outrate-reload",
-        choices=["watch", "poll", "off"],
+        **typed("--outrate-reload"),
         default="watch",
         help="Apply edits of the policy file to the running engine: watch (inotify, "
         "default), poll (stat every 0.5 s: network filesystems) or off.",
@@ -208,7 +217,7 @@ def add_outrate_args(parser: Any) -> None:
     )
     group.add_argument(
         "--outrate-trace-max-bytes",
-        type=int,
+        **typed("--outrate-trace-max-bytes"),
         default=None,
         metavar="N",
         help="Stop writing the trace at N bytes (default 256 MiB).",
@@ -226,7 +235,7 @@ def add_outrate_args(parser: Any) -> None:
     )
     group.add_argument(
         "--outrate-store-fallback",
-        choices=["local", "pause", "full", "share"],
+        **typed("--outrate-store-fallback"),
         default=None,
         metavar="{local,pause,full}",
         help="What each engine enforces while the store is unreachable (N: the engines it "
@@ -245,7 +254,7 @@ def add_outrate_args(parser: Any) -> None:
     )
     group.add_argument(
         "--outrate-store-hold-s",
-        type=float,
+        **typed("--outrate-store-hold-s"),
         default=None,
         metavar="S",
         help="How long the other engines keep the part of an engine that stopped "
@@ -254,7 +263,7 @@ def add_outrate_args(parser: Any) -> None:
     )
     group.add_argument(
         "--outrate-store-engines",
-        type=int,
+        **typed("--outrate-store-engines"),
         default=None,
         metavar="N",
         help="Engines expected to share the store: what an engine that starts while the "
@@ -262,14 +271,14 @@ def add_outrate_args(parser: Any) -> None:
     )
     group.add_argument(
         "--outrate-store-lease-ms",
-        type=int,
+        **typed("--outrate-store-lease-ms"),
         default=None,
         metavar="MS",
         help="Lease interval: one round trip to the store per MS per engine (default 20).",
     )
     group.add_argument(
         "--default-user-output-tokens-per-second",
-        type=float,
+        **typed("--default-user-output-tokens-per-second"),
         default=None,
         metavar="N",
         help="In-memory policy: rate for every user not listed (tokens/s).",
