@@ -154,9 +154,13 @@ def test_summary_names_the_rules_that_borrow() -> None:
     assert c.summary() == (
         "outrate policy from p: 7 users, 2 tiers, 1 pattern; "
         "default 100 tok/s burst 100ms peak 300; anonymous 100 tok/s burst 100ms peak 300; "
-        "borrowing: tiers.free peak 200, users.alice peak unlimited, "
-        "users.dave (tiers.free) peak 200, users.erin (tiers.pro) peak 1000, "
-        "match[0] trial-* peak 25"
+        "borrowing: default peak 300, anonymous (default) peak 300, tiers.free peak 200, "
+        "users.alice peak unlimited, users.dave (tiers.free) peak 200, ... and 2 more"
+    )
+    # Issue 42: default and anonymous are listed whenever they have a peak.
+    c = compiled("version: 1\ndefault: 100\nanonymous: {rate: 10, peak: 50}\n", "p")
+    assert c.summary().endswith(
+        "anonymous 10 tok/s burst 100ms peak 50; borrowing: anonymous peak 50"
     )
     many = "".join(f"  u{i}: {{rate: 1, peak: {i + 2}}}\n" for i in range(7))
     c = compiled(f"version: 1\ndefault: 5\nusers:\n{many}", "p")

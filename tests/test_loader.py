@@ -16,6 +16,8 @@ import yaml
 from outrate.errors import OutrateError, PolicyError, Problem
 from outrate.policy import compose
 from outrate.policy.loader import field_path, load_policy, parse_policy
+from outrate.policy.pipeline import policy_from_flags
+from outrate.policy.specs import NO_PEAK
 from outrate.policy.values import UNLIMITED
 
 BAD = Path(__file__).parent / "fixtures" / "bad"
@@ -81,6 +83,10 @@ EXPECTED: dict[str, list[str]] = {
     ],
     "peak_not_rate": [
         "FILE:4:9: default.peak: must be a number of tokens per second or 'unlimited' (got 'fast')",
+    ],
+    "peak_null": [
+        f"FILE:6:29: users.alice.peak: {NO_PEAK}",
+        f"FILE:9:10: users.bob.peak: {NO_PEAK}",
     ],
     "peak_on_unlimited": [
         "FILE:6:11: tiers.internal.peak: cannot be set on an unlimited rule: there is no rate "
@@ -498,7 +504,10 @@ def test_bad_durations(written: str, message: str) -> None:
 @pytest.mark.parametrize(
     ("written", "message"),
     [
-        ('"100"', "must be a number of tokens per second or 'unlimited' (got '100')"),
+        ('"-5"', "must be > 0"),
+        ('"0x10"', "must be a number of tokens per second or 'unlimited' (got '0x10')"),
+        ('"1e-400"', "must be at least 0.000001 tokens per second (one token in about 12 days)"),
+        ('"nan"', "must be a number of tokens per second or 'unlimited' (got 'nan')"),
         (
             "1/0",
             "must be a number of tokens per second or 'unlimited' (got '1/0', a division by zero)",
@@ -571,11 +580,60 @@ def test_peaks_load_on_every_kind_of_rule() -> None:
         ("1e7", "must be at most 1000000 tokens per second (use 'unlimited' for no limit)"),
         ("19.99", "must be at least the rate (20 tok/s): the peak is the ceiling above the "
          "rate that borrowing may reach"),
+        ('"19.99"', "must be at least the rate (20 tok/s): the peak is the ceiling above the "
+         "rate that borrowing may reach"),
+        ("null", NO_PEAK),
+        ("~", NO_PEAK),
     ],
 )  # fmt: skip
 def test_bad_peaks(written: str, message: str) -> None:
     problem = _one(f"version: 1\ndefault: 100\nusers:\n  alice: {{rate: 20, peak: {written}}}\n")
     assert problem == Problem("p.yaml", 4, 27, "users.alice.peak", message)
+
+
+def test_an_empty_peak_is_an_error_not_no_peak() -> None:
+    """Beside a tier, `peak:` with nothing used to keep the tier's peak."""
+    text = "version: 1\ndefault: 100\ntiers: {t: {rate: 20, peak: 90}}\nusers:\n  a:\n"
+    problem = _one(text + "    tier: t\n    peak:\n")
+    assert problem == Problem("p.yaml", 7, 10, "users.a.peak", NO_PEAK)
+    for spec in ("{rate: 5, peak: null}", "{tier: t, peak: ~}"):
+        for where in ("default", "anonymous"):
+            head = "version: 1\n" + ("" if where == "default" else "default: 1\n")
+            (problem,) = _problems(f"{head}{where}: {spec}\ntiers: {{t: 20}}\n")
+            assert problem.field == f"{where}.peak" and problem.message == NO_PEAK
+    (problem,) = _problems("version: 1\ndefault: 1\ntiers: {t: {rate: 20, peak: null}}\n")
+    assert problem.field == "tiers.t.peak" and problem.message == NO_PEAK
+
+
+@pytest.mark.parametrize(
+    ("quoted", "plain"),
+    [('"200"', "200"), ('"2/3"', "2/3"), ('"unlimited"', "unlimited"), ("'0.1'", "0.1"),
+     ('" 1e3 "', "1e3"), ("'+7'", "7")],
+)  # fmt: skip
+def test_a_rate_means_the_same_quoted_or_not(quoted: str, plain: str) -> None:
+    """`peak: "200"` was refused while `peak: "2/3"` and `"unlimited"` were
+    accepted: quotes change no rate now, as peak, as rate, everywhere."""
+
+    def limits(written: str) -> tuple[object, ...]:
+        policy = parse_policy(
+            f"version: 1\ndefault: {written}\nanonymous: {{rate: 0.05, peak: {written}}}\n"
+            f"tiers: {{t: {{rate: {written}}}}}\n"
+            f"users:\n  a: {{rate: 0.05, peak: {written}}}\n  b: {written}\n",
+            "p.yaml",
+        )
+        assert policy.anonymous is not None
+        return (
+            policy.default.rate, policy.anonymous.peak, policy.tiers["t"].rate,
+            policy.users["a"].peak, policy.users["b"].rate,
+        )  # fmt: skip
+
+    assert limits(quoted) == limits(plain)
+
+
+def test_a_quoted_rate_in_the_flags_json() -> None:
+    """JSON can only quote: `{"a": {"rate": "20", "peak": "200"}}` as 20 and 200."""
+    flags = policy_from_flags(None, '{"a": {"rate": "20", "peak": "200"}}')
+    assert (flags.users["a"].rate, flags.users["a"].peak) == (20, 200)
 
 
 def test_a_peak_below_its_tier_is_reported_with_every_other_problem() -> None:

@@ -158,8 +158,9 @@ class CompiledPolicy:
         identity = (
             "" if self.identity.source == "body" else f"; identity {self.identity.describe()}"
         )
-        # default's and anonymous's peaks are in their own descriptions
-        peaks = [p for p in self.peak_rules if not p.startswith(("default ", "anonymous "))]
+        # default's and anonymous's peaks too: the list is where a reader looks
+        # for who borrows (they also show in their own descriptions)
+        peaks = self.peak_rules
         if len(peaks) > _SUMMARY_PEAKS:
             peaks = [*peaks[:_SUMMARY_PEAKS], f"... and {len(peaks) - _SUMMARY_PEAKS} more"]
         borrowing = f"; borrowing: {', '.join(peaks)}" if peaks else ""

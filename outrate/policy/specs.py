@@ -95,13 +95,19 @@ Shadow = Annotated[
 ]
 
 
+def _no_default(schema: dict[str, Any]) -> None:
+    schema.pop("default", None)
+
+
 Peak = Annotated[
     Rate | None,
+    WithJsonSchema(RATE_SCHEMA),  # no null: `peak: null` is an error (_written_peak)
     Field(
         description="Work-conserving limit: above its committed 'rate' a user may borrow "
         "capacity no committed request can use, up to this many tokens per second, or "
         "'unlimited'. At least 'rate' (equal: no borrowing); not on an unlimited rule. "
-        "Default: no borrowing (a tier's peak passes to the users and patterns that use it)."
+        "Default: no borrowing (a tier's peak passes to the users and patterns that use it).",
+        json_schema_extra=_no_default,  # the default is "not written", and null is refused
     ),
 ]
 
@@ -122,6 +128,20 @@ def peak_problem(rate: RateValue, peak: RateValue, tier: str | None = None) -> s
             "ceiling above the rate that borrowing may reach"
         )
     return None
+
+
+NO_PEAK = (
+    "must be a number of tokens per second or 'unlimited' (got nothing): leave 'peak' out "
+    "for the default (no borrowing, or the tier's peak), or set it to the rate to borrow nothing"
+)
+
+
+def _written_peak(value: Any) -> Any:
+    """`peak: null` (or an empty `peak:`) is an error, not "no peak": beside a
+    tier it would keep the tier's peak where the writer may have meant none."""
+    if value is None:
+        raise problem(NO_PEAK)
+    return value
 
 
 def _check_peak(peak: RateValue | None, info: ValidationInfo) -> RateValue | None:
@@ -160,6 +180,11 @@ class TierRule(_Spec):
     max_streams: Streams = None
     shadow: Shadow = None
 
+    @field_validator("peak", mode="before")
+    @classmethod
+    def _peak_written(cls, value: Any) -> Any:
+        return _written_peak(value)
+
     @field_validator("peak", mode="after")
     @classmethod
     def _peak_above_rate(cls, peak: RateValue | None, info: ValidationInfo) -> RateValue | None:
@@ -183,6 +208,11 @@ class LimitRule(_Spec):
     burst: Burst = None
     max_streams: Streams = None
     shadow: Shadow = None
+
+    @field_validator("peak", mode="before")
+    @classmethod
+    def _peak_written(cls, value: Any) -> Any:
+        return _written_peak(value)
 
     @field_validator("peak", mode="after")
     @classmethod

@@ -64,6 +64,10 @@ def shown(value: object) -> str:
 # -- rates ------------------------------------------------------------------
 
 _FRACTION = re.compile(r"\s*(\d+)\s*/\s*(\d+)\s*")
+_QUOTED_NUMBER = re.compile(r"\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*")
+"""A number written in quotes (`peak: "200"`): a rate means the same quoted or
+not, as `"2/3"` and `"unlimited"` always did (JSON has no other way to write
+those two)."""
 _RATE_EXPECTED = "must be a number of tokens per second or 'unlimited'"
 _TOO_FAST = f"must be at most {MAX_RATE} tokens per second (use 'unlimited' for no limit)"
 _TOO_SLOW = "must be at least 0.000001 tokens per second (one token in about 12 days)"
@@ -89,6 +93,9 @@ def parse_rate(value: object) -> RateValue:
     elif isinstance(value, str):
         if value == UNLIMITED:
             return UNLIMITED
+        number = _QUOTED_NUMBER.fullmatch(value)
+        if number is not None:
+            return parse_rate(Decimal(number.group(1)))
         m = _FRACTION.fullmatch(value)
         if m is None:
             raise problem(f"{_RATE_EXPECTED} (got {shown(value)})")
@@ -136,11 +143,12 @@ def _dump_rate(rate: RateValue) -> int | float | str:
 
 RATE_SCHEMA: dict[str, Any] = {
     "description": "Output tokens per second (> 0, at most 1000000; a fraction "
-    "like 0.5 or '1/3' is kept exact) or 'unlimited'.",
+    "like 0.5 or '1/3' is kept exact) or 'unlimited'; quoted or not, the same rate.",
     "anyOf": [
         {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_RATE},
         {"const": UNLIMITED},
         {"type": "string", "pattern": r"^\s*\d+\s*/\s*[1-9]\d*\s*$"},
+        {"type": "string", "pattern": r"^\s*\+?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*$"},
     ],
 }
 
