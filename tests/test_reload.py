@@ -623,6 +623,16 @@ TWO_PATTERNS = "  - {pattern: 'a*', rate: 10}\n  - {pattern: 'team-*', rate: 10}
         ("'team-*', rate: 10", "'team-*', rate: 10, peak: unlimited",
          "pattern team-* 10 tok/s -> 10 tok/s peak unlimited"),
         ("  - {pattern: 'team-*', rate: 10}", TWO_PATTERNS, "pattern a* added (10 tok/s)"),
+        # issue 42: a user turned to shadow logged "bob 30 tok/s -> 30 tok/s peak 40"
+        ("bob: 30", "bob: {rate: 30, shadow: true}", "bob 30 tok/s -> 30 tok/s shadow"),
+        ("bob: 30", "bob: {rate: 30, peak: 40, shadow: true}",
+         "bob 30 tok/s -> 30 tok/s peak 40 shadow"),
+        ("alice: 20", "alice: {rate: 20, shadow: false}", "no effective change"),
+        ("default: 100", "default: 100\nmode: shadow",
+         "default 100 tok/s -> 100 tok/s shadow; tier gold 50 tok/s max_streams 4 -> 50 tok/s "
+         "max_streams 4 shadow; pattern team-* 10 tok/s -> 10 tok/s shadow; alice 20 tok/s -> "
+         "20 tok/s shadow; bob 30 tok/s -> 30 tok/s shadow; carol 50 tok/s max_streams 4 -> "
+         "50 tok/s max_streams 4 shadow"),
     ],
 )  # fmt: skip
 def test_describe_changes(old: str, new: str, expected: str) -> None:

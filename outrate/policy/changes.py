@@ -18,7 +18,7 @@ _MAX_ITEMS = 5
 def describe_changes(old: CompiledPolicy | None, new: CompiledPolicy) -> str:
     """One line saying what an operator's edit changed, for the reload log.
 
-    Compares effective limits (rate, burst, peak, stream cap), not spelling: moving a
+    Compares effective limits (rate, burst, peak, stream cap, shadow), not spelling: moving a
     user into a tier with the same numbers is "no effective change", and a new
     policy-wide burst is reported once, not once per user that inherits it.
     """
@@ -95,7 +95,7 @@ def _same(a: Limit, b: Limit, old: CompiledPolicy, new: CompiledPolicy) -> bool:
     if a == b:
         return True
     return (
-        (a.rate, a.max_streams, a.peak) == (b.rate, b.max_streams, b.peak)
+        (a.rate, a.max_streams, a.peak, a.shadow) == (b.rate, b.max_streams, b.peak, b.shadow)
         and a.burst_ns == old.burst_ns
         and b.burst_ns == new.burst_ns
     )
@@ -108,7 +108,8 @@ def _cap(items: list[str]) -> list[str]:
 
 
 def _tail(limit: Limit, policy: CompiledPolicy) -> str:
-    """Burst (only where it is not the policy's), peak and stream cap."""
+    """Burst (only where it is not the policy's), peak, stream cap, and
+    `shadow` for a limit counted but not enforced."""
     text = ""
     if limit.rate is not None and limit.burst_ns != policy.burst_ns:
         text += f" burst {format_duration(limit.burst_ns)}"
@@ -116,6 +117,8 @@ def _tail(limit: Limit, policy: CompiledPolicy) -> str:
         text += f" peak {peak_text(limit.peak)}"
     if limit.max_streams is not None:
         text += f" max_streams {limit.max_streams}"
+    if limit.shadow and (limit.rate is not None or limit.max_streams is not None):
+        text += " shadow"
     return text
 
 
