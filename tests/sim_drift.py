@@ -1,31 +1,57 @@
-"""The step-length drift rule the simulate tests against a real engine share
-(test_simulate_oos.py, test_simulate_e2e.py's lending case): a step model
-fitted on one run, judged on another run's own steps (`stepmodel.time_error`)."""
+"""What the simulate tests against a real engine share (test_simulate_oos.py,
+test_simulate_e2e.py): how a run's step length is judged, and what happens
+when the machine itself moved.
+
+Two different things move a run's step length away from a step model:
+- **the machine**: other processes on two shared cores slow every step
+  (measured here: -3% to -49% beside other work);
+- **the model**: fitted on one workload, it misjudges another's steps (that
+  is what the out-of-sample test exists to judge).
+
+They are told apart by a probe: the workload the model was fitted on,
+played again for PROBE_S right after the run, is in sample, so the model's
+error there is the machine's alone. Past MACHINE_BOUND the machine moved:
+the run is played once more; past it again, the case fails under CI and is
+skipped elsewhere (`unjudgeable`), never passed green. The model's own error
+on the run is its error there against the probe's (`model_error`).
+"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
+
+import pytest
 
 from outrate.simulate.stepmodel import StepModel
 
-DRIFT = 0.05
-"""Past this, the engine's steps were not the length the model says on this
-run's own steps: the neighbours' load on 2 shared cores moved (up to a third
-here between two runs a minute apart). The scheduling is then judged at the
-measured step length (the model scaled to it), the raw error printed beside."""
-UNSTEADY = 0.20
-"""Past this, the machine is not the one the model was fitted on (measured:
--3% to -15% on quieter runs; +34%, -24%, -42% in one run beside other test
-runs, where the engine could not hold chat at its cap and a stall stops
-every user at once, which no scaling gives back; -27% on the lending case
-beside a one-core spin loop, dave's rate 8% off at the scaled length). Such
-a case is printed, not judged."""
+PROBE_S = 5
+MACHINE_BOUND = 0.10
+"""The probe's step length off the model by more than this: the machine is
+not the one the model was fitted on (quiet runs here: within +-5%)."""
 
 
-def at_measured_length(model: StepModel, drift: float) -> StepModel:
+def model_error(run_error: float, probe_error: float) -> float:
+    """The model's own step-length error on a run: its error on the run
+    (`stepmodel.time_error`) against its error on the probe played right
+    after it, which is the machine's."""
+    return (1 + run_error) / (1 + probe_error) - 1
+
+
+def unjudgeable(why: str) -> None:
+    """A case the machine kept from judging, after one rerun: fail under CI
+    (`CI` set, as `.ci/run` runs), skip elsewhere; never a green pass."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{why}; CI requires every case judged", pytrace=False)
+    pytest.skip(why)
+
+
+def at_measured_length(model: StepModel, error: float) -> StepModel:
     """`model` with every step cost scaled to the length a run measured
-    (`drift`: the model's time error on that run's steps)."""
-    k = 1 / (1 + drift)
+    (`error`: the model's time error on that run's steps). The scheduling
+    is judged at the measured length, so that the step model's own error,
+    judged on its own, does not count twice."""
+    k = 1 / (1 + error)
     return replace(
         model,
         fixed_us=model.fixed_us * k,

@@ -18,19 +18,30 @@ finished request: for a request cut after its first token, the client's
 time to first token less this run's median API-server delay (client minus
 engine, over the finished requests; about 20 ms here).
 
-KNOWN lists the checks that fail today, each with its reason and figures
-(docs/simulate.md, "Out of sample"): they are printed, not asserted, and
-the list is the work left. Every other check is asserted, in the cases where
-this machine stayed the one the model was fitted on: the step length is
-checked on each run's own steps (stepmodel.time_error); off by more than
-DRIFT, the case is simulated again at the measured step length and judged
-there; off by more than UNSTEADY, it is printed and not judged.
+Two kinds of check, each case its own test:
+- the step model carries over: its step-length error on the case's own
+  steps, against the machine's (sim_drift: a probe of the calibration
+  workload right after the case), within CARRY_BOUND. Out by more today on
+  every case (-21% to -29% on quiet runs: the model has no term for what
+  these workloads add; issue 40 fixes the step model), so within
+  CARRY_KNOWN it is an expected failure with its figures, past that a
+  failure;
+- the scheduling agrees: the case simulated with the model scaled to the
+  step length the case measured (so the model's error, judged above, does
+  not count twice), every user's tok/s and time to first token within the
+  bounds. KNOWN lists the checks that fail today, each with its reason and
+  figures (docs/simulate.md, "Out of sample"): they are printed, not
+  asserted, and the list is the work left.
+Where the probe finds the machine itself moved (sim_drift.MACHINE_BOUND),
+the case and its probe are played once more; moved again, the case fails
+under CI and is skipped elsewhere.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -39,12 +50,18 @@ pytest.importorskip("vllm")
 
 from build_tiny_model import build  # noqa: E402
 from serverproc import ServerProcess, outrate_serve_argv  # noqa: E402
-from sim_drift import DRIFT, UNSTEADY, at_measured_length  # noqa: E402
+from sim_drift import (  # noqa: E402
+    MACHINE_BOUND,
+    PROBE_S,
+    at_measured_length,
+    model_error,
+    unjudgeable,
+)
 from workload_player import Played, Player  # noqa: E402
 
 from outrate.observe.trace import engine_rate, read_trace, user_tokens  # noqa: E402
 from outrate.simulate.engine import engine_from_flags  # noqa: E402
-from outrate.simulate.stepmodel import calibrate, time_error  # noqa: E402
+from outrate.simulate.stepmodel import Calibration, calibrate, time_error  # noqa: E402
 from outrate.simulate.workload import load_workload  # noqa: E402
 from vllm_integration.offline.simulator import simulate  # noqa: E402
 
@@ -58,6 +75,15 @@ KV_TOKENS = 256 * 1024 * 1024 // 512  # --kv-cache-memory-bytes 256M at 512 byte
 RATE_BOUND = 0.10
 TTFT_BOUND, TTFT_SLACK_S = 0.30, 0.050
 CASES = ("oos-hog", "oos-interactive", "oos-mix")
+CARRY_BOUND = 0.10
+"""The step model's step-length error on a workload it was not fitted on."""
+CARRY_KNOWN = 0.35
+CARRY_REASON = (
+    "the step model fitted on e2e-agree.yaml misjudges the step length of a "
+    "workload it never saw (-21% to -29% on quiet runs here): it has no term for "
+    "what these workloads add (context length in attention, prefix-cache hits or "
+    "the API server's share); issue 40 finds the missing term"
+)
 
 _SLOTS = (
     "its requests queue for a slot (max_streams, or --max-num-seqs full of held "
@@ -150,54 +176,113 @@ def engine_ttfts(played: list[Played]) -> dict[str, list[float]]:
     return out
 
 
-def test_the_simulator_predicts_workloads_it_was_not_calibrated_on(server):
+@dataclass
+class CaseRun:
+    workload: object
+    played: list[Played]
+    steps: list[dict]
+    run_error: float
+    """The model's step-length error on the case's own steps."""
+    probe_error: float
+    """Its error on the probe played right after: the machine's."""
+    tries: int
+
+    @property
+    def steady(self) -> bool:
+        return abs(self.probe_error) <= MACHINE_BOUND
+
+    def describe(self, case: str) -> str:
+        return (
+            f"{case}: step length off the model by {self.run_error:+.1%} on the case, "
+            f"{self.probe_error:+.1%} on the probe (the machine), so the model's own error "
+            f"{model_error(self.run_error, self.probe_error):+.1%}; played {self.tries}x"
+        )
+
+
+@pytest.fixture(scope="module")
+def calibrated(server) -> Calibration:
     workload, _, steps = play(server, "e2e-agree", seconds=15)
     cal = calibrate(steps, workload, source="15 s of e2e-agree.yaml on the server's trace")
-    engine = engine_from_flags(ENGINE_FLAGS, kv_cache_tokens=KV_TOKENS)
-    report = [cal.describe()]
-    failures, known, unjudged = [], [], []
-    for case in CASES:
-        workload, played, steps = play(server, case)
-        result = simulate(workload, engine, str(POLICY), cal.model)
-        ttfts = engine_ttfts(played)
-        drift = time_error(cal.model, steps, workload)
-        report.append(f"{case}: the step model's time error on this run's own steps {drift:+.1%}")
-        raw = result
-        if abs(drift) > DRIFT:
-            scaled = at_measured_length(cal.model, drift)
-            result = simulate(workload, engine, str(POLICY), scaled)
-        for user, stats in result.users.items():
-            real_rate = engine_rate(user_tokens(steps, user))
-            real_ttft = statistics.median(ttfts.get(user, [0.0]))
-            sim_ttft = (stats.ttft_p50 or 0) / 1e9
-            rate_ok = abs(stats.rate - real_rate) <= RATE_BOUND * real_rate
-            ttft_ok = abs(real_ttft - sim_ttft) <= max(TTFT_BOUND * real_ttft, TTFT_SLACK_S)
-            row = (
-                f"{case} {user}: tok/s engine {real_rate:.1f}, simulated {stats.rate:.1f} "
-                f"({(stats.rate - real_rate) / real_rate:+.0%}); TTFT p50 engine "
-                f"{real_ttft * 1000:.0f} ms, simulated {sim_ttft * 1000:.0f} ms; first tokens "
-                f"engine {len(ttfts.get(user, []))}, simulated {stats.started}"
-            )
-            if raw is not result:
-                r = raw.users[user]
-                row += (
-                    f" (at the modelled step length: {r.rate:.1f} tok/s, "
-                    f"TTFT p50 {(r.ttft_p50 or 0) / 1e6:.0f} ms)"
+    print(cal.describe())
+    return cal
+
+
+@pytest.fixture(scope="module")
+def runs(server, calibrated) -> dict[str, CaseRun]:
+    """Each case played once (lazily, by the first test that asks), with its
+    probe; played again once if the probe says the machine moved."""
+
+    class Runs(dict):
+        def __missing__(self, case: str) -> CaseRun:
+            for tries in (1, 2):
+                workload, played, steps = play(server, case)
+                probe, _, probe_steps = play(server, "e2e-agree", seconds=PROBE_S)
+                run = CaseRun(
+                    workload,
+                    played,
+                    steps,
+                    time_error(calibrated.model, steps, workload),
+                    time_error(calibrated.model, probe_steps, probe),
+                    tries,
                 )
-            for check, ok in (("rate", rate_ok), ("ttft", ttft_ok)):
-                reason = KNOWN.get((case, user, check))
-                if abs(drift) > UNSTEADY:
-                    continue
-                if reason is not None:
-                    known.append(
-                        f"{case} {user} {check} ({'within' if ok else 'outside'}): {reason}"
-                    )
-                elif not ok:
-                    failures.append(f"{case} {user}: {check}")
-            report.append(row)
-        if abs(drift) > UNSTEADY:
-            unjudged.append(f"{case} (step length {drift:+.0%} from the model)")
-    print("\n".join([*report, "known divergences:", *known, "not judged:", *unjudged]))
+                if run.steady:
+                    break
+            self[case] = run
+            return run
+
+    return Runs()
+
+
+def judge_steady(run: CaseRun, case: str) -> None:
+    if not run.steady:
+        unjudgeable(f"the machine moved: {run.describe(case)}")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_step_model_carries_over_to_a_workload_it_never_saw(runs, case):
+    run = runs[case]
+    print(run.describe(case))
+    judge_steady(run, case)
+    error = model_error(run.run_error, run.probe_error)
+    if abs(error) <= CARRY_BOUND:
+        return
+    assert abs(error) <= CARRY_KNOWN, run.describe(case)
+    pytest.xfail(f"{run.describe(case)}: over {CARRY_BOUND:.0%}; {CARRY_REASON}")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_simulator_schedules_a_workload_it_never_saw_as_the_engine_does(
+    server, calibrated, runs, case
+):
+    run = runs[case]
+    judge_steady(run, case)
+    engine = engine_from_flags(ENGINE_FLAGS, kv_cache_tokens=KV_TOKENS)
+    raw = simulate(run.workload, engine, str(POLICY), calibrated.model)
+    scaled = at_measured_length(calibrated.model, run.run_error)
+    result = simulate(run.workload, engine, str(POLICY), scaled)
+    ttfts = engine_ttfts(run.played)
+    report = [run.describe(case)]
+    failures, known = [], []
+    for user, stats in result.users.items():
+        real_rate = engine_rate(user_tokens(run.steps, user))
+        real_ttft = statistics.median(ttfts.get(user, [0.0]))
+        sim_ttft = (stats.ttft_p50 or 0) / 1e9
+        rate_ok = abs(stats.rate - real_rate) <= RATE_BOUND * real_rate
+        ttft_ok = abs(real_ttft - sim_ttft) <= max(TTFT_BOUND * real_ttft, TTFT_SLACK_S)
+        r = raw.users[user]
+        report.append(
+            f"{case} {user}: tok/s engine {real_rate:.1f}, simulated {stats.rate:.1f} "
+            f"({(stats.rate - real_rate) / real_rate:+.0%}); TTFT p50 engine "
+            f"{real_ttft * 1000:.0f} ms, simulated {sim_ttft * 1000:.0f} ms; first tokens "
+            f"engine {len(ttfts.get(user, []))}, simulated {stats.started} (with the "
+            f"model's own step length: {r.rate:.1f} tok/s, TTFT p50 "
+            f"{(r.ttft_p50 or 0) / 1e6:.0f} ms)"
+        )
+        for check, ok in (("rate", rate_ok), ("ttft", ttft_ok)):
+            reason = KNOWN.get((case, user, check))
+            if reason is not None:
+                known.append(f"{case} {user} {check} ({'within' if ok else 'outside'}): {reason}")
+            elif not ok:
+                failures.append(f"{case} {user}: {check}")
+    print("\n".join([*report, "known divergences:", *known]))
     assert not failures, "\n".join([*failures, *report])
-    if len(unjudged) == len(CASES):
-        pytest.skip(f"the machine's step length moved too far to judge: {', '.join(unjudged)}")
