@@ -108,6 +108,7 @@ class RedisServer:
         users: dict[str, str] | None = None,
         args: list[str] | None = None,
         port: int | None = None,
+        acl: dict[str, list[str]] | None = None,
     ) -> None:
         binary = redis_server_binary()
         if binary is None:
@@ -121,6 +122,8 @@ class RedisServer:
         """More redis-server arguments (cluster or replica settings)."""
         self.users = users or {}
         """ACL users (name: password), made again at each start."""
+        self.acl = acl or {}
+        """A user's ACL rules (`["~*", "-@scripting"]`); without: every key and command."""
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -161,9 +164,8 @@ class RedisServer:
                 client = self.client()
                 client.ping()
                 for user, password in self.users.items():
-                    client.execute_command(
-                        "ACL", "SETUSER", user, "on", f">{password}", "~*", "+@all"
-                    )
+                    rules = self.acl.get(user, ["~*", "+@all"])
+                    client.execute_command("ACL", "SETUSER", user, "on", f">{password}", *rules)
                 return self
             except Exception:
                 if self.proc.poll() is not None or time.monotonic() > deadline:

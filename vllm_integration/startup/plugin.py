@@ -247,7 +247,8 @@ def add_outrate_args(parser: Any) -> None:
         "while one is cut off past the hold. "
         "pause: the same for the hold, then limited users get no tokens (held, never cut) "
         "until the store answers, and at once on an engine that never reached it; at most "
-        "B + N in every fault. "
+        "B + N in every fault (a user with a peak still borrows up to peak - rate on each "
+        "engine: borrowing is local). "
         "full: the full rate on each engine; up to N x rate in total. "
         "('share' is the old name of pause.) A store that refuses the engine at start (a "
         "wrong password) stops the start, unless full.",

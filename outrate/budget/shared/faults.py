@@ -40,6 +40,15 @@ answer on a loaded machine (a starved process, not a slow store) is
 retried at the next round instead of switching modes."""
 
 
+FIX = "fix the URL, the password or the user's rights on the store (ACL)"
+"""What mends a store that refuses the engine (a configuration error)."""
+BORROWERS = (
+    "users with a peak still borrow up to peak - rate on this engine (borrowing is "
+    "local to each engine, never shared through the store)"
+)
+"""What `pause` leaves running: the store holds committed budgets only."""
+
+
 class StoreRefused(OutrateError):
     """The store answered at start but will not serve this engine as
     configured (outrate.budget.shared.nodes.refused): the engine does not start."""
@@ -101,6 +110,19 @@ class Faults:
             c.reg = False  # Redis forgets demand by itself (TTL)
         if not first:
             self.metrics.transitions["down"] += 1
+        if first and refused(e):
+            if self.budget.fallback != "full":
+                return  # `refuse` says it, and stops the start
+            self.log.warning(
+                "outrate: budget store %s refused this engine at start (%s: %s): %s, as "
+                "--outrate-store-fallback full asks, and retrying; %s",
+                self.url,
+                type(e).__name__,
+                e,
+                self._describe(first),
+                FIX,
+            )
+            return
         self.log.warning(
             "outrate: budget store %s %s (%s: %s): %s",
             self.url,
@@ -119,7 +141,7 @@ class Faults:
             return (
                 "limited users wait for it (--outrate-store-fallback pause: an engine that "
                 "never joined does not know its share; the default, local, serves them at "
-                "rate/N meanwhile)"
+                f"rate/N meanwhile); {BORROWERS}"
             )
         n = self.peers.n
         if first:
@@ -131,7 +153,7 @@ class Faults:
         if fallback == "pause":
             return (
                 f"enforcing rate/{n} on each engine, at most each user's last share (engines: "
-                f"{n}), for up to {hold}; then limited users wait for it"
+                f"{n}), for up to {hold}; then limited users wait for it ({BORROWERS})"
             )
         return (
             f"enforcing rate/{n} on each engine, at most each user's last share (engines: "
@@ -160,9 +182,10 @@ class Faults:
         self._wait()
         self.log.warning(
             "outrate: budget store %s still lost after %g s: limited users wait for it "
-            "now (the other engines stop keeping this engine's part)",
+            "now (the other engines stop keeping this engine's part); %s",
             self.url,
             self.hold_ns / NS_PER_S,
+            BORROWERS,
         )
         return True
 
@@ -175,8 +198,8 @@ class Faults:
             f"outrate: budget store {self.url} refused this engine at start "
             f"({type(e).__name__}: {e}): not starting, since this is a configuration "
             "error, not an outage: waiting would not mend it, and an engine that never "
-            "joined would enforce its limits apart from the others for as long as it runs. "
-            "Fix the URL or the password, or pass --outrate-store-fallback full to start at "
+            f"joined would enforce its limits apart from the others for as long as it runs. "
+            f"{FIX[0].upper()}{FIX[1:]}, or pass --outrate-store-fallback full to start at "
             "the full rate"
         )
         self.log.error(msg)
