@@ -230,3 +230,16 @@ def test_lint_lints_the_policy_the_serve_flags_name(tmp_path: Path) -> None:
     assert f"{bad}:2:10: default: must be > 0" in result.stderr
     same = runner.invoke(app, ["lint", DEMO, "--", *MODEL, "--outrate-policy", DEMO])
     assert same.exit_code == 0 and same.stdout.count("\nok") + same.stdout.startswith("ok") == 1
+
+
+def test_lint_json_says_why_as_json() -> None:
+    """Where JSON was asked for, a refused flag is a JSON error object too."""
+    import json
+
+    argv = ["lint", DEMO, "--format", "json", "--", *MODEL, "--outrate-store-engines", "3"]
+    result = runner.invoke(app, argv)
+    assert result.exit_code == 1
+    assert json.loads(result.stdout) == {
+        "ok": False,
+        "errors": [{"message": "--outrate-store-engines needs --outrate-store"}],
+    }
