@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "examples"))
 
-from e2e_support import POLICY  # noqa: E402
+from e2e_support import POLICY, use_policy  # noqa: E402
 from loadgen import client  # noqa: E402
 
 from outrate.errors import PolicyError  # noqa: E402
@@ -120,8 +120,6 @@ def test_bombs_on_a_live_reload_are_refused_and_the_engine_serves_on(server) -> 
             replace_policy(path, (POLICY + edit).encode())
             log.wait_for(lambda text, s=said: f"policy reloaded: {s}" in text, said, 30)
     finally:
-        log = ServerLog(Path(server.log_path))
-        replace_policy(path, POLICY.encode())  # the next tests share this server and its policy
-        log.wait_for(lambda text: f"{path}: policy reloaded: " in text, "the policy restored", 30)
+        use_policy(server, POLICY)  # the next tests share this server and its policy
     print("refused after: " + ", ".join(f"{k} {v:.2f} s" for k, v in took.items()))
     assert served(server) == 4
