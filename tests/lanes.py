@@ -1,15 +1,18 @@
 """`make test`'s runner: the suite in two lanes at once, one per core.
 
-The end-to-end tests (`-m e2e`) start real servers one module after another
-and judge pacing on what each engine recorded; they run in one lane, in
-order, as they always did. Everything else (`-m "not e2e"`: the scheduler
-on fabricated outputs, the limiter's properties, the CLI) needs no server
-and runs beside them in the other lane. On two cores that is the second
-core's work while the first waits on an engine; the end-to-end tests already
-hold beside a one-core busy loop (docs/development.md, "Test time").
+The paced lane (`-m "e2e and not beside"`) holds the end-to-end tests that
+judge pacing on what an engine recorded: they start real servers one module
+after another and run in order, as they always did. The other lane runs
+beside them: every test that needs no server (the scheduler on fabricated
+outputs, the limiter's properties, the CLI), and the end-to-end tests marked
+`beside`, whose judgments hold beside another engine's load (a server that
+starts, answers or refuses; limits far under what the tiny model makes). On
+two cores that is the second core's work while the first waits on an engine;
+the paced tests hold beside a one-core busy loop (docs/development.md, "Test
+time").
 
-The e2e lane prints as it goes; the other lane's output is kept in a file
-and printed when the e2e lane ends. Each lane ends with its seconds per
+The paced lane prints as it goes; the other lane's output is kept in a file
+and printed when the paced lane ends. Each lane ends with its seconds per
 module (tests/durations.py). The last line sums both lanes in the plain
 form `N passed, N failed, N skipped`. The exit status is the first non-zero
 lane status (pytest's own codes; a lane that selected no test is fine
@@ -28,7 +31,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-LANES = {"unit": ["-m", "not e2e"], "e2e": ["-m", "e2e"]}
+LANES = {"beside": ["-m", "not e2e or beside"], "paced": ["-m", "e2e and not beside"]}
 
 
 def counts(junit: Path) -> tuple[int, int, int]:
@@ -53,7 +56,7 @@ def main(args: list[str]) -> int:
     logs = {}
     for name, marks in LANES.items():
         cmd = [sys.executable, "-m", "pytest", "-q", *marks, f"--junitxml={out / name}.xml", *args]
-        if name == "e2e":
+        if name == "paced":
             procs[name] = subprocess.Popen(cmd, cwd=REPO)
         else:
             logs[name] = open(out / f"{name}.log", "wb")  # noqa: SIM115 - closed below

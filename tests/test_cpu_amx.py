@@ -135,6 +135,7 @@ def test_outrate_serve_sleeps_in_vllms_busy_wait_by_default_on_cpu(
 
 
 @pytest.mark.e2e
+@pytest.mark.beside
 def test_a_fresh_server_answers_its_very_first_request(tmp_path: Path) -> None:
     """The issue's reproduction: a fresh `outrate serve`, nothing run before,
     one short completion. On a CPU with AMX it was HTTP 500 and a worker dead

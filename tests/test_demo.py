@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.e2e
+@pytest.mark.beside  # limits of 20-100 tok/s; a stall is a gap over 1 s
 def test_demo_passes_and_draws_its_plot(tmp_path):
     png = tmp_path / "demo.png"
     run = subprocess.run(

@@ -221,6 +221,7 @@ def wait_rejected(server: ServerProcess, lines: list[str]) -> None:
 # -- lint and startup ------------------------------------------------------------
 
 
+@pytest.mark.beside
 def test_lint_refuses_every_case_with_its_message(tmp_path: Path) -> None:
     """One `outrate lint` over every case: a FIFO or /dev/zero used to hang it
     or take gigabytes; deep nesting gave a 3,000-line RecursionError."""
@@ -244,6 +245,7 @@ def test_lint_refuses_every_case_with_its_message(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.beside
 @pytest.mark.parametrize("case", list(CASES))
 def test_startup_refuses_every_case_with_its_message(case: str, tmp_path: Path, monkeypatch):
     """What `vllm serve --outrate-policy` runs before anything starts."""
@@ -263,6 +265,7 @@ def test_startup_refuses_every_case_with_its_message(case: str, tmp_path: Path, 
     assert exc.value.code == "outrate: " + "\n".join(expected_lines(case, path))
 
 
+@pytest.mark.beside
 @pytest.mark.parametrize("case", ["fifo", "nesting-500"])
 def test_a_real_startup_exits_at_once_with_the_message(case: str, tmp_path: Path) -> None:
     """`outrate serve` on a FIFO hung silently; on deep nesting it printed a
@@ -306,6 +309,7 @@ TRACE_EXIT_S = 30
 after that plus 35 s of model loading, a FIFO never. No engine core may start."""
 
 
+@pytest.mark.beside
 @pytest.mark.parametrize("case", list(TRACE_CASES))
 def test_a_real_startup_refuses_a_bad_trace_path_before_the_model_loads(
     case: str, tmp_path: Path

@@ -203,6 +203,7 @@ def test_a_test_using_a_dead_server_says_so_and_does_not_run(
 
 
 @pytest.mark.e2e
+@pytest.mark.beside
 @needs_vllm
 def test_stock_vllm_serves_tiny_model(tmp_path: Path) -> None:
     import openai
