@@ -1,22 +1,26 @@
-"""`make test`'s runner: the suite in two lanes at once, one per core.
+"""`make test`'s runner: the suite in two lanes at once, one per core, then
+the tests that need the machine to themselves.
 
-The paced lane (`-m "e2e and not beside"`) holds the end-to-end tests that
-judge pacing on what an engine recorded: they start real servers one module
-after another and run in order, as they always did. The other lane runs
-beside them: every test that needs no server (the scheduler on fabricated
-outputs, the limiter's properties, the CLI), and the end-to-end tests marked
-`beside`, whose judgments hold beside another engine's load (a server that
-starts, answers or refuses; limits far under what the tiny model makes). On
-two cores that is the second core's work while the first waits on an engine;
-the paced tests hold beside a one-core busy loop (docs/development.md, "Test
-time").
+First, two lanes at once:
+- **paced** (`-m "e2e and not beside and not quiet"`): the end-to-end tests
+  that judge pacing on what an engine recorded. They start real servers one
+  module after another and run in order, as they always did; they hold
+  beside one core's worth of other work (docs/development.md, "Test time").
+- **beside** (`-m "not e2e or beside"`): every test that needs no server
+  (the scheduler on fabricated outputs, the limiter's properties, the CLI),
+  and the end-to-end tests marked `beside`, whose judgments hold beside
+  another engine's load (a server that starts, answers or refuses).
+Then, once both have ended, alone:
+- **quiet** (`-m quiet`): the simulator against a real engine, judged
+  against a step model fitted on this machine moments before: another lane
+  beside them moves every step's length (tests/sim_drift.py).
 
-The paced lane prints as it goes; the other lane's output is kept in a file
-and printed when the paced lane ends. Each lane ends with its seconds per
-module (tests/durations.py). The last line sums both lanes in the plain
-form `N passed, N failed, N skipped`. The exit status is the first non-zero
-lane status (pytest's own codes; a lane that selected no test is fine
-while the other ran some), else 0.
+The paced and quiet lanes print as they go; the beside lane's output is kept
+in a file and printed when the paced lane ends. Each lane ends with its
+seconds per module (tests/durations.py). The last line sums all lanes in the
+plain form `N passed, N failed, N skipped`. The exit status is the first
+non-zero lane status (pytest's own; a lane that selected no test is fine
+while another ran some), else 0.
 
     python tests/lanes.py [pytest args...]     # what `make test` runs
 """
@@ -31,7 +35,15 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-LANES = {"beside": ["-m", "not e2e or beside"], "paced": ["-m", "e2e and not beside"]}
+PHASES: list[dict[str, list[str]]] = [
+    {
+        "beside": ["-m", "not e2e or beside"],
+        "paced": ["-m", "e2e and not beside and not quiet"],
+    },
+    {"quiet": ["-m", "quiet"]},
+]
+SHOWN_LIVE = ("paced", "quiet")
+NO_TESTS = 5  # pytest's exit status when a selection collected nothing
 
 
 def counts(junit: Path) -> tuple[int, int, int]:
@@ -49,28 +61,28 @@ def counts(junit: Path) -> tuple[int, int, int]:
     return total - failed - skipped, failed, skipped
 
 
-def main(args: list[str]) -> int:
-    out = Path(tempfile.mkdtemp(prefix="outrate-lanes-"))
-    started = time.monotonic()
+def run_phase(
+    lanes: dict[str, list[str]], args: list[str], out: Path
+) -> dict[str, tuple[int, float]]:
+    """Run the lanes at once; each one's exit status and seconds."""
     procs: dict[str, subprocess.Popen[bytes]] = {}
     logs = {}
-    for name, marks in LANES.items():
+    for name, marks in lanes.items():
         cmd = [sys.executable, "-m", "pytest", "-q", *marks, f"--junitxml={out / name}.xml", *args]
-        if name == "paced":
+        if name in SHOWN_LIVE:
             procs[name] = subprocess.Popen(cmd, cwd=REPO)
         else:
             logs[name] = open(out / f"{name}.log", "wb")  # noqa: SIM115 - closed below
             procs[name] = subprocess.Popen(
                 cmd, cwd=REPO, stdout=logs[name], stderr=subprocess.STDOUT
             )
-    ended: dict[str, float] = {}
-    codes: dict[str, int] = {}
+    started = time.monotonic()
+    ended: dict[str, tuple[int, float]] = {}
     try:
-        while len(codes) < len(procs):
+        while len(ended) < len(procs):
             for name, proc in procs.items():
-                if name not in codes and proc.poll() is not None:
-                    codes[name] = proc.returncode
-                    ended[name] = time.monotonic() - started
+                if name not in ended and proc.poll() is not None:
+                    ended[name] = (proc.returncode, time.monotonic() - started)
             time.sleep(0.5)
     finally:
         for proc in procs.values():
@@ -78,22 +90,31 @@ def main(args: list[str]) -> int:
                 proc.terminate()
     for name, log in logs.items():
         log.close()
-        print(f"\n===== lane {name} ({' '.join(LANES[name])}), its output =====", flush=True)
+        print(f"\n===== lane {name} ({' '.join(lanes[name])}), its output =====", flush=True)
         sys.stdout.write((out / f"{name}.log").read_text(errors="replace"))
+    return ended
+
+
+def main(args: list[str]) -> int:
+    out = Path(tempfile.mkdtemp(prefix="outrate-lanes-"))
+    started = time.monotonic()
+    codes: dict[str, int] = {}
+    took: dict[str, float] = {}
+    for lanes in PHASES:
+        for name, (code, seconds) in run_phase(lanes, args, out).items():
+            codes[name], took[name] = code, seconds
     print()
     passed = failed = skipped = 0
-    for name in procs:
+    for name, code in codes.items():
         p, f, s = counts(out / f"{name}.xml")
         passed, failed, skipped = passed + p, failed + f, skipped + s
-        print(f"lane {name}: exit {codes[name]}, {ended[name]:.0f} s, {p} passed, {f} failed")
-    print(f"both lanes: {time.monotonic() - started:.0f} s")
+        print(f"lane {name}: exit {code}, {took[name]:.0f} s, {p} passed, {f} failed")
+    print(f"all lanes: {time.monotonic() - started:.0f} s")
     print(f"{passed} passed, {failed} failed, {skipped} skipped", flush=True)
-    # 5 is pytest's "no tests collected": fine for one lane of a selection
-    # (`make test ARGS=tests/test_limiter.py`), not for both.
-    bad = [c for c in codes.values() if c not in (0, 5)]
+    bad = [c for c in codes.values() if c not in (0, NO_TESTS)]
     if bad:
         return bad[0]
-    return 5 if all(c == 5 for c in codes.values()) else 0
+    return NO_TESTS if all(c == NO_TESTS for c in codes.values()) else 0
 
 
 if __name__ == "__main__":

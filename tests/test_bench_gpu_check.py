@@ -13,7 +13,6 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.e2e
-@pytest.mark.beside  # limits of 20 and 100 tok/s: a fifth of what the tiny model makes
 def test_gpu_check_prints_its_table_on_cpu() -> None:
     pytest.importorskip("vllm")
     done = subprocess.run(

@@ -49,7 +49,7 @@ from outrate.simulate.stepmodel import StepModel, calibrate, time_error  # noqa:
 from outrate.simulate.workload import load_workload  # noqa: E402
 from vllm_integration.offline.simulator import simulate  # noqa: E402
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.quiet]
 
 REPO = Path(__file__).resolve().parent.parent
 WORKLOADS = REPO / "examples" / "workloads"
