@@ -18,11 +18,16 @@ on the run is its error there against the probe's (`model_error`).
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
+from workload_player import Played, Player
 
+from outrate.observe.trace import read_trace
 from outrate.simulate.stepmodel import StepModel
+from outrate.simulate.workload import load_workload
 
 PROBE_S = 5
 MACHINE_BOUND = 0.10
@@ -58,3 +63,19 @@ def at_measured_length(model: StepModel, error: float) -> StepModel:
         per_decode_us=model.per_decode_us * k,
         per_prefill_us=model.per_prefill_us * k,
     )
+
+
+def play(server, path: Path, seconds: int = 0) -> tuple[object, list[Played], list[dict]]:
+    """Play a workload file on a server with a trace (its first `seconds`:
+    0, all of it); (workload, requests, the trace's steps meanwhile)."""
+    workload = load_workload(path).workload
+    if seconds:
+        workload = workload.model_copy(update={"duration": seconds * 1_000_000_000})
+    since = time.monotonic_ns()
+    played = Player(server.base_url, workload).play()
+    until = time.monotonic_ns()
+    time.sleep(0.5)  # the trace is written every 100 ms
+    steps = [r for r in read_trace(server.trace_path) if "step" in r and since <= r["t"] <= until]
+    for p in played:
+        assert p.error is None, p.error
+    return workload, played, steps

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import statistics
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,17 +29,20 @@ pytest.importorskip("vllm")
 
 from build_tiny_model import build  # noqa: E402
 from serverproc import ServerProcess, outrate_serve_argv  # noqa: E402
-from sim_drift import (  # noqa: E402
+from sim_drift import (
     MACHINE_BOUND,
     PROBE_S,
     at_measured_length,
     model_error,
     unjudgeable,
 )
+from sim_drift import (  # noqa: E402
+    play as play_file,
+)
 from workload_player import Played, Player  # noqa: E402
 
 from outrate.errors import OutrateError  # noqa: E402
-from outrate.observe.trace import engine_rate, read_trace, user_tokens  # noqa: E402
+from outrate.observe.trace import engine_rate, user_tokens  # noqa: E402
 from outrate.simulate.counters import Reading, scrape_engine  # noqa: E402
 from outrate.simulate.engine import engine_from_flags  # noqa: E402
 from outrate.simulate.metricsfit import calibrate_metrics  # noqa: E402
@@ -93,19 +95,8 @@ def sim_server(tmp_path_factory):
 
 
 def play(server, name: str, seconds: int = 0) -> tuple[object, list[Played], list[dict]]:
-    """Play a workload (its first `seconds`: 0, all of it); (workload,
-    requests, the trace's steps meanwhile)."""
-    workload = load_workload(WORKLOADS / name).workload
-    if seconds:
-        workload = workload.model_copy(update={"duration": seconds * 1_000_000_000})
-    since = time.monotonic_ns()
-    played = Player(server.base_url, workload).play()
-    until = time.monotonic_ns()
-    time.sleep(0.5)  # the trace is written every 100 ms
-    steps = [r for r in read_trace(server.trace_path) if "step" in r and since <= r["t"] <= until]
-    for p in played:
-        assert p.error is None, p.error
-    return workload, played, steps
+    """Play a workload of examples/workloads (sim_drift.play)."""
+    return play_file(server, WORKLOADS / name, seconds)
 
 
 @contextmanager
