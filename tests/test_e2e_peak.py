@@ -10,8 +10,9 @@ each read from the engine's own trace (`borrowed` marks borrowed tokens):
 - no harm: `committed` {rate: 100} with 1 stream, and `roomy` {rate: 5000,
   which 12 streams on this engine stay within} with 12 (every active slot),
   each beside the borrower's 48 streams (3x --max-num-seqs), starting within
-  its committed rate: engine tok/s past the burst at least 0.9x alone (or
-  what the engine's steps allowed), and the engine's time to first token
+  its committed rate: tokens per scheduler step, while all its streams are
+  in the engine, at least 0.9x alone (its tok/s is printed: a fuller batch
+  makes each step longer, which issue 40 sizes), and the engine's time to first token
   (arrival to first token, in steps: the trace's `arrived` and `first`) p50
   at most one step more than alone. The client's first token is printed,
   not asserted: it includes the API server, which shares two cores with 48
@@ -49,6 +50,7 @@ from loadgen import run_concurrently  # noqa: E402
 from outrate.observe.trace import engine_rate, max_window_excess  # noqa: E402
 
 ACTIVE = 12  # the shared server's --max-num-active-seqs (e2e_support.start_server)
+COMMITTED = {"committed": 100, "roomy": 5000}  # their rates in e2e_support.POLICY
 SEQS = 16
 
 
@@ -143,18 +145,37 @@ def _steady_rate(server, user: str, since: int, skip: int = 20) -> float:
     return 0.0
 
 
-def _run(server, user: str, streams: int) -> tuple[float, float, float, float]:
-    """Of `user`'s streams: (engine tok/s past the burst, what the engine's
-    steps allowed it, engine time to first token p50 in steps, client time
-    to first token p50 in seconds)."""
+def _all_in(lines: list[dict], user: str, streams: int, tokens: int) -> tuple[float, float, int]:
+    """`user`'s tokens per scheduler step while all its `streams` were in the
+    engine, the steps per second then, and how many steps that was: from the
+    step that gave the last of them its first token to `tokens - 1` steps
+    after the first one's first token (no stream can have finished before:
+    each needs `tokens - 1` more steps)."""
+    firsts = sorted(r["step"] for r in lines for _ in range(r.get("first", {}).get(user, 0)))
+    assert len(firsts) == streams, firsts
+    lo, hi = firsts[-1], firsts[0] + tokens - 1
+    inside = [r for r in lines if lo <= r["step"] < hi]
+    got = sum(
+        r.get("charged", {}).get(user, 0) - r.get("refunded", {}).get(user, 0) for r in inside
+    )
+    if hi - lo < 2 or len(inside) < 2:
+        return 0.0, 0.0, max(0, hi - lo)
+    per_s = (inside[-1]["step"] - inside[0]["step"]) / ((inside[-1]["t"] - inside[0]["t"]) / 1e9)
+    return got / (hi - lo), per_s, hi - lo
+
+
+def _run(server, user: str, streams: int) -> tuple[float, tuple, float, float]:
+    """Of `user`'s streams of 150 tokens: (engine tok/s past the burst,
+    `_all_in`, engine time to first token p50 in steps, client time to first
+    token p50 in seconds)."""
     since = time.monotonic_ns()
     done = run_concurrently(server.base_url, [(user, streams, 150)])
     assert_complete(done)
     ttft = _engine_ttft_steps(server, user, since)
     assert len(ttft) == streams
     client = statistics.median(s.token_times[0] - s.started for s in done)
-    capacity = streams * step_rate(trace_steps(server, since), user)
-    return _steady_rate(server, user, since), capacity, statistics.median(ttft), client
+    all_in = _all_in(trace_steps(server, since), user, streams, 150)
+    return _steady_rate(server, user, since), all_in, statistics.median(ttft), client
 
 
 def test_a_committed_user_is_not_harmed_by_a_borrower(server):
@@ -177,18 +198,28 @@ def test_a_committed_user_is_not_harmed_by_a_borrower(server):
     assert_complete(hog)
     borrowed = sum(r.get("borrowed", {}).get("borrower", 0) for r in trace_steps(server, t0))
     assert borrowed > 0
-    for (user, n), (ra, _, ta, ca), (rb, cap, tb, cb) in zip(
+    for (user, n), (ra, _, ta, ca), (rb, (sb, per_s, wb), tb, cb) in zip(
         runs, alone.values(), beside.values(), strict=True
     ):
+        due = min(n, COMMITTED[user] / per_s) if per_s else n
         print(
-            f"{user}, {n} stream(s): engine {ra:.1f} tok/s alone, {rb:.1f} beside the "
-            f"borrower (its steps allowed {cap:.0f}); engine first token p50 {ta:g} steps "
-            f"after arrival alone, {tb:g} beside (client: {ca * 1000:.0f} / {cb * 1000:.0f} ms)"
+            f"{user}, {n} stream(s): {sb:.2f} tokens a step beside the borrower over the "
+            f"{wb} steps all its streams were in, at {per_s:.0f} steps/s: due {due:.2f} (its "
+            f"streams, or its rate at that step rate); engine {ra:.1f} tok/s past the burst "
+            f"alone, {rb:.1f} beside; engine first token p50 {ta:g} steps after arrival alone, "
+            f"{tb:g} beside (client: {ca * 1000:.0f} / {cb * 1000:.0f} ms)"
         )
-        # At 0.9x its rate alone, or at what the engine's steps allow once a
-        # dozen sequences share each step (on two CPU cores a batch of 12 is
-        # slower than one; a GPU's decode step grows little with the batch).
-        assert rb >= 0.9 * min(ra, cap)
+        # The scheduler's part: while all its streams are in, each step gives
+        # it a token per stream, or as much as its committed rate comes to at
+        # that step rate. Its tok/s is judged through that, not against its
+        # tok/s alone: beside 48 borrowed streams each step is longer (a
+        # fuller batch), and on two cores shared with the other test lane the
+        # step length moves by a third between runs (in one CI run, 12
+        # streams made 1,055 tok/s alone and 374 past the burst beside, while
+        # the steps of that whole run allowed 549). Sizing borrowing by step
+        # time, so that a committed rate holds in tok/s, is issue 40.
+        assert wb >= 50, f"its streams were all in for only {wb} steps"
+        assert sb >= 0.9 * due
         # Within its committed rate, a newcomer is scheduled in the step it
         # would be without the borrower: a borrower gives its seat back at once.
         assert tb <= ta + 1
