@@ -17,7 +17,8 @@ Then, once both have ended, alone:
 
 The paced and quiet lanes print as they go; the beside lane's output is kept
 in a file and printed when the paced lane ends. Each lane ends with its
-seconds per module (tests/durations.py). The last line sums all lanes in the
+seconds per module (tests/durations.py); the run ends with how busy the
+machine's cores were throughout. The last line sums all lanes in the
 plain form `N passed, N failed, N skipped`. The exit status is the first
 non-zero lane status (pytest's own; a lane that selected no test is fine
 while another ran some), else 0.
@@ -27,6 +28,7 @@ while another ran some), else 0.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -59,6 +61,16 @@ def counts(junit: Path) -> tuple[int, int, int]:
         failed += int(s.get("failures", 0)) + int(s.get("errors", 0))
         skipped += int(s.get("skipped", 0))
     return total - failed - skipped, failed, skipped
+
+
+def busy_seconds() -> tuple[float, float]:
+    """(CPU seconds busy, CPU seconds in all) over every core since boot,
+    from /proc/stat: what a run used of what the machine had."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    hz = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields) - idle) / hz, sum(fields) / hz
 
 
 def run_phase(
@@ -98,6 +110,7 @@ def run_phase(
 def main(args: list[str]) -> int:
     out = Path(tempfile.mkdtemp(prefix="outrate-lanes-"))
     started = time.monotonic()
+    busy0, all0 = busy_seconds()
     codes: dict[str, int] = {}
     took: dict[str, float] = {}
     for lanes in PHASES:
@@ -109,7 +122,13 @@ def main(args: list[str]) -> int:
         p, f, s = counts(out / f"{name}.xml")
         passed, failed, skipped = passed + p, failed + f, skipped + s
         print(f"lane {name}: exit {code}, {took[name]:.0f} s, {p} passed, {f} failed")
-    print(f"all lanes: {time.monotonic() - started:.0f} s")
+    busy1, all1 = busy_seconds()
+    print(
+        f"all lanes: {time.monotonic() - started:.0f} s; the machine's {os.cpu_count()} "
+        f"cores were busy {busy1 - busy0:.0f} of {all1 - all0:.0f} CPU seconds "
+        f"({(busy1 - busy0) / max(all1 - all0, 1e-9):.0%}): more lanes cannot help "
+        "a run near 100%"
+    )
     print(f"{passed} passed, {failed} failed, {skipped} skipped", flush=True)
     bad = [c for c in codes.values() if c not in (0, NO_TESTS)]
     if bad:
