@@ -99,20 +99,25 @@ def use_policy(server, text: str, timeout_s: float = 30) -> None:
     path: Path = server.policy_path
     if path.is_file() and not path.is_symlink() and path.read_text() == text:
         return
-    log = Path(server.log_path)
-    offset = log.stat().st_size
+    offset = Path(server.log_path).stat().st_size
     tmp = path.with_name(f".{path.name}.next")
     tmp.write_text(text)
     os.replace(tmp, path)
-    applied = f"{path}: policy reloaded: "
+    wait_reloaded(server, offset, timeout_s)
+
+
+def wait_reloaded(server, offset: int, timeout_s: float = 30) -> int:
+    """Wait until the server's log, from byte `offset` on, says the engine
+    applied its policy file; returns when it was seen (monotonic ns)."""
+    applied = f"{server.policy_path}: policy reloaded: ".encode()
     deadline = time.monotonic() + timeout_s
     while True:
-        with open(log, "rb") as f:
+        with open(server.log_path, "rb") as f:
             f.seek(offset)
-            if applied.encode() in f.read():
-                return
+            if applied in f.read():
+                return time.monotonic_ns()
         if time.monotonic() > deadline:
-            raise AssertionError(f"not reloaded within {timeout_s} s:\n{text}")
+            raise AssertionError(f"{server.policy_path} not reloaded within {timeout_s} s")
         time.sleep(0.02)
 
 
