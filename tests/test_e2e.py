@@ -39,10 +39,28 @@ from loadgen import (  # noqa: E402
 )
 from serverproc import cpu_seconds  # noqa: E402
 
-from outrate.observe.trace import engine_rate  # noqa: E402
+from outrate.observe.trace import engine_rate, read_trace  # noqa: E402
 from outrate.observe.trace import max_window_excess as engine_excess  # noqa: E402
 
 S_NS = 1_000_000_000
+
+
+def wait_swapped(server, since_ns: int, timeout_s: float = 30) -> int:
+    """When the scheduler swapped to a reloaded policy, at a step's start:
+    the trace's first policy line from `since_ns` on (the reloader's log
+    line is when it handed the policy over)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        swaps = [
+            r["t"]
+            for r in read_trace(server.trace_path)
+            if "policy" in r and "trace" not in r and r["t"] >= since_ns  # not the header
+        ]
+        if swaps:
+            return swaps[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no policy swap in the trace within {timeout_s} s")
+
 
 pytestmark = pytest.mark.e2e
 
@@ -273,6 +291,7 @@ def test_editing_the_policy_changes_a_running_users_rate(server):
         offset = Path(server.log_path).stat().st_size
         path.write_text(POLICY.replace("edit-me: 20", "edit-me: 60"))
         applied_at = wait_reloaded(server, offset)
+        swapped_at = wait_swapped(server, edited_at)
         time.sleep(2.5)
         broken_at = time.monotonic_ns()
         path.write_text(POLICY.replace("edit-me: 20", "edit-me: [60"))  # broken edit
@@ -296,14 +315,17 @@ def test_editing_the_policy_changes_a_running_users_rate(server):
             )
 
         before, _ = rate(edited_at - 15 * S_NS // 10, edited_at)
-        # From a quarter second after the engine said it applied the edit
-        # (the file is watched; under load the reload is not instant).
-        after_edit, cap_edit = rate(applied_at + S_NS // 4, broken_at)
+        # From a quarter second after the scheduler swapped (the file is
+        # watched; under load neither the reload nor the swap is instant).
+        after_edit, cap_edit = rate(swapped_at + S_NS // 4, broken_at)
         after_broken, cap_broken = rate(broken_at + S_NS // 2, broken_at + 2 * S_NS)
         print(
             f"edit-me (engine): {before:.1f} tok/s, after the edit {after_edit:.1f} (its steps "
-            f"allowed {cap_edit:.0f}), after a broken edit {after_broken:.1f} ({cap_broken:.0f})"
+            f"allowed {cap_edit:.0f}), after a broken edit {after_broken:.1f} ({cap_broken:.0f}); "
+            f"the reload logged {(applied_at - edited_at) / 1e6:.0f} ms after the write, the "
+            f"scheduler swapped at {(swapped_at - edited_at) / 1e6:.0f} ms"
         )
+        assert swapped_at - edited_at <= 2 * S_NS  # the edit applies within seconds
         assert before <= 20 * 1.1
         assert after_edit >= 0.95 * min(60, cap_edit)
         assert after_broken >= 0.95 * min(60, cap_broken)
