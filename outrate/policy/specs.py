@@ -210,6 +210,8 @@ class PromptRule(_Spec):
 
 
 PromptSpec = Annotated[PromptRule, _ScalarOrMapping()]
+
+
 class _NotNull:
     """Schema hook: an optional field whose `null` the loader refuses (the
     default is "not written")."""
