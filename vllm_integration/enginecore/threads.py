@@ -23,7 +23,7 @@ from outrate.policy.compiler import CompiledPolicy
 from outrate.policy.reload import Reloader
 from vllm_integration.common.settings import EngineSettings, dp_suffix, rank_path
 from vllm_integration.common.versions import is_supported, vllm_version
-from vllm_integration.enginecore.store import Store
+from vllm_integration.enginecore.store import Store, refuse_shared_prompts
 
 logger = logging.getLogger("vllm.outrate")
 
@@ -54,6 +54,8 @@ def start_engine_threads(
         from vllm_integration.common.config import load_checked
 
         def publish(new: CompiledPolicy) -> None:
+            if store is not None:
+                refuse_shared_prompts(new)  # raises: the reload is rejected, old policy kept
             box.current = new  # read by schedule() at the next step boundary
 
         threads.reloader = Reloader(

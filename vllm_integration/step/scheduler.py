@@ -50,6 +50,7 @@ from vllm_integration.step.holdback import Holdback
 from vllm_integration.step.kv import HeldFirstAllocation
 from vllm_integration.step.ledger import Ledger
 from vllm_integration.step.lending import Lending, lends
+from vllm_integration.step.prompts import PromptPacer
 from vllm_integration.step.recorder import StepRecorder
 from vllm_integration.step.roster import Roster
 from vllm_integration.step.state import ATTR, PolicyBox, RequestState, StepScratch
@@ -119,7 +120,14 @@ class OutrateMixin:
         self.lending = Lending(self.limiter, self.metrics, self.holdback, self._st)
         self.admission.lending = self.ledger.lending = self.lending
         self._lends = lends(_limits(self._policy))  # any rule with a peak: lending runs
-        self.roster = Roster(self.limiter, self.metrics)
+        # Prompt budgets: a second table over the rules' prompt limits (prompts.py).
+        self.prompt_table = Limiter(self._policy.prompts, clock=clock)
+        self.prompts = PromptPacer(
+            self.prompt_table, self.metrics, self._st, bool(sc.enable_chunked_prefill)
+        )
+        self.ledger.prompts = self.prompts
+        self._pace_prompts(self._policy)
+        self.roster = Roster(self.limiter, self.metrics, self.prompt_table)
         self._users = self.roster.users  # users with live requests, by id
         self._step = 0
         self._now = 0
@@ -145,6 +153,8 @@ class OutrateMixin:
         trace notes it."""
         self._policy = policy
         self.limiter.set_policy(policy, now)
+        self.prompt_table.set_policy(policy.prompts, now)
+        self._pace_prompts(policy)
         self._lends = lends(_limits(policy))
         logger.debug("outrate: scheduler switched to %s", policy.summary())
         users = self._users.values()
@@ -153,6 +163,12 @@ class OutrateMixin:
             self.ledger.relabel(u, policy)
         if self.recorder is not None:
             self.recorder.event(now, policy=policy.sha256, source=policy.source)
+
+    def _pace_prompts(self, policy: CompiledPolicy) -> None:
+        """Prefill is paced only while some rule limits prompts: without one
+        the hook and admission run as before, step by step."""
+        self._prompts = bool(policy.prompt_rules)
+        self.admission.prompts = self.prompts if self._prompts else None
 
     @property
     def charged(self) -> int:
@@ -199,7 +215,7 @@ class OutrateMixin:
         if rs is not None:
             self._leave_slot(rs, request)
             rs.preempted_step = self._step
-            if rs.charged_step == self._step:
+            if rs.charged_step == self._step or rs.prompt_step == self._step:
                 self._st.preempted_charged.append(request)  # refunded after the step
         super()._preempt_request(request, timestamp, drop_stale_output)  # type: ignore[misc]
 
@@ -222,6 +238,31 @@ class OutrateMixin:
     def _reserve_prefill_lookahead(
         self, request: Request, num_computed_tokens: int, num_new_tokens: int
     ) -> int:
+        if self._prompts and num_new_tokens and num_computed_tokens < request.num_prompt_tokens:
+            return self._pace_prompt(request, num_computed_tokens, num_new_tokens)
+        return self._charge(request, num_computed_tokens, num_new_tokens)
+
+    def _pace_prompt(self, request: Request, nc: int, n: int) -> int:
+        """A chunk with prompt positions, under prompt limits (prompts.py):
+        cut to the prompt budget, then charged for output as any chunk; what
+        the output logic cuts off goes back. A running request with no prompt
+        budget is skipped and takes no active seat this step."""
+        rs: RequestState = request._outrate  # type: ignore[attr-defined]
+        step = self._step
+        n = self.prompts.pace(request, rs, nc, n, step, self._now)
+        if not n:
+            if request.status == _RUNNING:  # skipped: its seat goes to a waiting request
+                self.metrics.prompt_skips += 1
+                if self.max_num_active_reqs < self.max_num_running_reqs - len(self.holdback):
+                    self.max_num_active_reqs += 1
+            return 0
+        m = self._charge(request, nc, n)
+        if m != n:
+            self.prompts.trim(rs, nc, m, request.num_prompt_tokens, step, self._now)
+        return m
+
+    def _charge(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """The output charge of a dispatch that samples (the seed's rule)."""
         # `_all_token_ids`: request.num_tokens without a property call.
         if num_computed_tokens + num_new_tokens < len(request._all_token_ids) or not num_new_tokens:
             return num_new_tokens  # nothing sampled: middle prefill chunks are free

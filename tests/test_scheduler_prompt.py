@@ -1,0 +1,153 @@
+"""Prompt limits on the real vLLM Scheduler and AsyncScheduler (issue 40,
+docs/prompt-limits.md): what is charged, the per-step cap, refunds, and that a
+user out of prompt budget holds nobody back. Real scheduler and KV cache
+manager; fake clock and fabricated outputs (vllm_harness)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm_harness import MS, Driver, FakeClock, S, make_request, make_scheduler  # noqa: E402
+
+from outrate.policy.compiler import compile_policy  # noqa: E402
+from outrate.policy.loader import parse_policy  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+KINDS = ["sync", "async"]
+
+
+def policy(users: str):
+    text = f"version: 1\ndefault: unlimited\nusers:\n{users}"
+    return compile_policy(parse_policy(text, "test.yaml"), "test.yaml")
+
+
+def prompt_of(sched, user: str) -> int:
+    return sched.metrics.labels[user].prompt
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_computed_prompt_tokens_are_charged_chunk_by_chunk(kind):
+    clock = FakeClock()
+    s = make_scheduler(kind, policy("  a: {rate: 100, prompt: 100000}\n"), clock,
+                       max_num_batched_tokens=32)  # fmt: skip
+    d = Driver(s, clock, step_ns=10 * MS)
+    d.add(make_request("a", prompt_len=100, max_tokens=2))
+    seen = []
+    for _ in range(4):
+        d.step()
+        seen.append(prompt_of(s, "a"))
+    assert seen == [32, 64, 96, 100]
+    d.run_until_done()
+    assert prompt_of(s, "a") == 100  # decodes charge no prompt
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefix_cache_hits_are_free(kind):
+    clock = FakeClock()
+    s = make_scheduler(kind, policy("  a: {rate: 100, prompt: 100000}\n"), clock)
+    d = Driver(s, clock, step_ns=10 * MS)
+    prompt = list(range(3, 36))  # 33 tokens: two full blocks can hit
+    d.add(make_request("a", prompt=prompt, max_tokens=1))
+    d.run_until_done()
+    assert prompt_of(s, "a") == 33
+    d.add(make_request("a", prompt=prompt, max_tokens=1))
+    d.run_until_done()
+    assert prompt_of(s, "a") == 33 + 1  # 32 hit, the last position computed
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_chunk_is_at_most_the_prompt_budget_and_long_prompts_finish(kind):
+    """rate 1000/s, burst 100 ms: at most 101 tokens at once, then ~10 per
+    10 ms step; every window obeys (W + burst) * rate + 1. A 600-token
+    prompt, 6x the burst, is computed over time, never refused."""
+    clock = FakeClock()
+    s = make_scheduler(kind, policy("  a: {rate: 100, prompt: 1000}\n"), clock)
+    d = Driver(s, clock, step_ns=10 * MS)
+    req = d.add(make_request("a", prompt_len=600, max_tokens=1))
+    per_step = []
+    while req.request_id not in d.finished and d.steps < 500:
+        before = prompt_of(s, "a")
+        t = clock.now
+        out = d.step()
+        n = prompt_of(s, "a") - before
+        assert out.num_scheduled_tokens.get(req.request_id, 0) >= n
+        per_step.append((t, n))
+    d.drain()
+    assert req.request_id in d.finished and prompt_of(s, "a") == 600
+    assert per_step[0][1] == 101
+    for i in range(len(per_step)):
+        total = 0
+        for j in range(i, len(per_step)):
+            total += per_step[j][1]
+            window = per_step[j][0] - per_step[i][0]
+            assert (total - 1) * S <= (window + 100 * MS) * 1000, (i, j)
+    took = per_step[-1][0] - per_step[0][0]
+    assert 0.45 * S <= took <= 0.55 * S  # (600 - 101) / 1000 s
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_user_out_of_prompt_budget_holds_nobody_back(kind):
+    """mallory's prompts wait for prompt budget; bob's requests behind hers
+    in the queue are admitted, and bob decodes every step. Her running
+    prefills skipped for budget take no active seat."""
+    clock = FakeClock()
+    s = make_scheduler(
+        kind,
+        policy("  mallory: {rate: 20, prompt: 200}\n  bob: 1000\n"),
+        clock,
+        max_num_seqs=8,
+        max_num_active_seqs=4,
+    )
+    d = Driver(s, clock, step_ns=10 * MS)
+    mal = [d.add(make_request("mallory", prompt_len=1000, max_tokens=1)) for _ in range(6)]
+    bobs = [d.add(make_request("bob", prompt_len=8, max_tokens=50)) for _ in range(2)]
+    d.run(3)
+    for _ in range(20):
+        out = d.step()
+        for b in bobs:
+            assert out.num_scheduled_tokens.get(b.request_id) == 1  # a decode every step
+    assert s.metrics.deferred["prompt"] >= 1
+    assert sum(r.num_computed_tokens for r in mal) <= 21 + 200 * 0.23 + 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_kv_allocation_failure_refunds_the_prompt_charge(kind):
+    clock = FakeClock()
+    s = make_scheduler(kind, policy("  a: {rate: 100, prompt: 100000}\n  b: 100\n"), clock,
+                       num_blocks=12)  # fmt: skip
+    d = Driver(s, clock, step_ns=10 * MS)
+    d.add(make_request("b", prompt_len=150, max_tokens=40))
+    d.step()
+    big = d.add(make_request("a", prompt_len=100, max_tokens=1))  # fits no free blocks
+    out = d.step()
+    assert big.request_id not in out.num_scheduled_tokens
+    assert s.metrics.labels["a"].prompt == 0
+    assert s.metrics.prompt_refunded >= 100  # charged at dispatch, given back
+    assert s.prompt_table.stats("a", clock.now).remaining == 10001  # the whole burst back
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_without_prompt_limits_nothing_is_counted_or_paced(kind):
+    clock = FakeClock()
+    s = make_scheduler(kind, policy("  a: 100\n"), clock, max_num_batched_tokens=32)
+    d = Driver(s, clock, step_ns=10 * MS)
+    req = d.add(make_request("a", prompt_len=100, max_tokens=1))
+    out = d.step()
+    assert out.num_scheduled_tokens[req.request_id] == 32
+    assert s.metrics.labels["a"].prompt == 0 and not s._prompts
+
+
+def test_a_shared_store_refuses_prompt_limits_with_their_location():
+    from outrate.errors import OutrateError
+    from vllm_integration.enginecore.store import refuse_shared_prompts
+
+    refuse_shared_prompts(policy("  a: 100\n"))  # no prompt limit: fine
+    with pytest.raises(OutrateError) as info:
+        refuse_shared_prompts(policy("  a: 100\n  b: {rate: 20, prompt: 500}\n"))
+    assert str(info.value) == (
+        "test.yaml:5:25: users.b.prompt: prompt limits cannot be shared through "
+        "--outrate-store yet (each engine would enforce the whole prompt rate); run without "
+        "--outrate-store or remove 'prompt' from: users.b"
+    )
