@@ -47,17 +47,19 @@ class PromptPacer:
         if want <= 0:
             return n  # recomputation or output positions: free
         u = rs.user
+        pb = u.pbucket
+        assert pb is not None  # pinned with the user (roster.py)
         table = self.table
-        k = table.take_upto(u.pbucket, now, want)
+        k = table.take_upto(pb, now, want)
         counted = k
         if k < want:
-            if table.limit_of(u.pbucket, now).shadow:
+            if table.limit_of(pb, now).shadow:
                 counted = want  # computed and counted, never enforced
                 u.m.prompt_over += want - k
             else:
                 self._blocked(u, now)
                 if not self.chunked and k:
-                    table.give_back(u.pbucket, now, k)  # the whole prompt or nothing
+                    table.give_back(pb, now, k)  # the whole prompt or nothing
                     k = counted = 0
                 n = start + k - nc if self.chunked else 0
         if counted:
@@ -83,9 +85,11 @@ class PromptPacer:
         if extra <= 0:
             return
         u = rs.user
+        pb = u.pbucket
+        assert pb is not None
         back = extra if extra < rs.prompt_taken else rs.prompt_taken
         if back:
-            self.table.give_back(u.pbucket, now, back)
+            self.table.give_back(pb, now, back)
             rs.prompt_taken -= back
         rs.prompt_counted -= extra
         rs.prompt_done = floor
@@ -97,8 +101,10 @@ class PromptPacer:
         if rs is None or rs.prompt_step != step:
             return
         u = rs.user
+        pb = u.pbucket
+        assert pb is not None
         if rs.prompt_taken:
-            self.table.give_back(u.pbucket, now, rs.prompt_taken)
+            self.table.give_back(pb, now, rs.prompt_taken)
         u.m.prompt -= rs.prompt_counted
         rs.prompt_done = rs.prompt_prev
         rs.prompt_step = -1
@@ -112,11 +118,13 @@ class PromptPacer:
         if left <= 0:
             return True
         u = rs.user
+        pb = u.pbucket
+        assert pb is not None
         table = self.table
-        lim = table.limit_of(u.pbucket, now)
+        lim = table.limit_of(pb, now)
         if lim.rate is None or lim.shadow:
             return True
-        avail = table.available(u.pbucket, now)
+        avail = table.available(pb, now)
         if avail >= (1 if self.chunked else left):
             return True
         self._blocked(u, now)
@@ -125,6 +133,7 @@ class PromptPacer:
     def _blocked(self, u: UserState, now: int) -> None:
         """The engine's idle wait ends by the time `u` has prompt budget again."""
         st = self.st
+        assert u.pbucket is not None
         ready = self.table.ready_at(u.pbucket, now)
         if st.blocked_ready == 0 or ready < st.blocked_ready:
             st.blocked_ready = ready
