@@ -128,7 +128,8 @@ class CompiledPolicy:
             for lim in limits
         )
 
-    def _all_limits(self) -> list[Limit]:
+    def all_limits(self) -> list[Limit]:
+        """Every limit a user can resolve to (the scheduler asks whether any lends)."""
         limits = [self.default, self.anonymous, *self.tiers.values(), *self.users.values()]
         return limits + [lim for _, lim in self.patterns]
 
@@ -137,7 +138,7 @@ class CompiledPolicy:
         """Rules whose prompt tokens are limited (a finite prompt rate), in
         shadow or not: the scheduler paces prefill only when there is one."""
         seen: dict[str, None] = {}
-        for lim in self._all_limits():
+        for lim in self.all_limits():
             if lim.prompt is not None and lim.prompt.rate is not None:
                 seen.setdefault(lim.rule)
         return list(seen)

@@ -6,9 +6,11 @@ is dispatched: prefix-cache hits are never in a chunk, and recomputation after
 a preemption (positions below `RequestState.prompt_done`) is free. A chunk is
 cut to what the user's prompt budget allows (`pace`); what the output logic
 then cuts off goes back (`trim`); the one refund point gives a missed step's
-tokens back (`refund`). Admission defers a waiting request whose user has no
+tokens back (`refund`). `dispatch` is the charging hook's whole prompt path,
+those steps in order. Admission defers a waiting request whose user has no
 prompt budget (`can_start`), so the hook never returns 0 in stock's waiting
-loop, which would stop admission for everyone.
+loop, which would stop admission for everyone; a running request skipped for
+prompt budget gives its active seat to a waiting one.
 
 Plain Python over the scheduler's records (state.py) and a `Limiter` whose
 policy is `CompiledPolicy.prompts`: no vLLM import. Single engine only: a
@@ -18,7 +20,8 @@ shared store (`--outrate-store`) with prompt limits is refused at start
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sized
+from typing import TYPE_CHECKING, Protocol
 
 from outrate.budget.limiter import Limiter
 from outrate.observe.metrics import Metrics
@@ -28,12 +31,56 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+class Host(Protocol):
+    """What the pacer needs of the scheduler (scheduler.py's `OutrateMixin`):
+    the output charge of a chunk, and stock's caps on seats this step."""
+
+    max_num_active_reqs: int
+    max_num_running_reqs: int
+
+    @property
+    def holdback(self) -> Sized: ...
+
+    def _charge(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int: ...
+
+
 class PromptPacer:
-    def __init__(self, table: Limiter, metrics: Metrics, st: StepScratch, chunked: bool) -> None:
+    def __init__(
+        self,
+        table: Limiter,
+        metrics: Metrics,
+        st: StepScratch,
+        chunked: bool,
+        host: Host,
+        running: object,
+    ) -> None:
         self.table = table  # the prompt budgets (policy: CompiledPolicy.prompts)
         self.metrics = metrics
         self.st = st
         self.chunked = chunked  # chunked prefill: a prompt may be computed over several steps
+        self.host = host
+        self.running = running  # vLLM's RequestStatus.RUNNING (no vLLM import here)
+
+    def dispatch(self, request: Request, nc: int, n: int, step: int, now: int) -> int:
+        """A chunk `[nc, nc + n)` with prompt positions, under prompt limits:
+        cut to the prompt budget, then charged for output as any chunk; what
+        the output logic cuts off goes back. A running request with no prompt
+        budget is skipped (0) and takes no active seat this step: stock's
+        waiting loop may admit one more (never above `max_num_seqs` less the
+        held, stock's own assert); `schedule()` restores the cap after the step."""
+        rs: RequestState = request.__dict__[ATTR]
+        host = self.host
+        n = self.pace(request, rs, nc, n, step, now)
+        if not n:
+            if request.status == self.running:
+                self.metrics.prompt_skips += 1
+                if host.max_num_active_reqs < host.max_num_running_reqs - len(host.holdback):
+                    host.max_num_active_reqs += 1
+            return 0
+        m = host._charge(request, nc, n)
+        if m != n:
+            self.trim(rs, nc, m, request.num_prompt_tokens, step, now)
+        return m
 
     def pace(self, request: Request, rs: RequestState, nc: int, n: int, step: int, now: int) -> int:
         """The chunk `[nc, nc + n)` cut to what the user's prompt budget

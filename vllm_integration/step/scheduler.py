@@ -40,7 +40,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.sched.utils import remove_all
 from vllm.v1.request import Request, RequestStatus
 
-from outrate.budget.limiter import Limit, Limiter
+from outrate.budget.limiter import Limiter
 from outrate.budget.store import BudgetStore
 from outrate.identity.core import Stamper, resolve_identity
 from outrate.observe.metrics import Metrics
@@ -119,11 +119,12 @@ class OutrateMixin:
         )
         self.lending = Lending(self.limiter, self.metrics, self.holdback, self._st)
         self.admission.lending = self.ledger.lending = self.lending
-        self._lends = lends(_limits(self._policy))  # any rule with a peak: lending runs
+        self._lends = lends(self._policy.all_limits())  # any rule with a peak: lending runs
         # Prompt budgets: a second table over the rules' prompt limits (prompts.py).
         self.prompt_table = Limiter(self._policy.prompts, clock=clock)
+        chunked = bool(sc.enable_chunked_prefill)
         self.prompts = PromptPacer(
-            self.prompt_table, self.metrics, self._st, bool(sc.enable_chunked_prefill)
+            self.prompt_table, self.metrics, self._st, chunked, self, _RUNNING
         )
         self.ledger.prompts = self.prompts
         self._pace_prompts(self._policy)
@@ -155,7 +156,7 @@ class OutrateMixin:
         self.limiter.set_policy(policy, now)
         self.prompt_table.set_policy(policy.prompts, now)
         self._pace_prompts(policy)
-        self._lends = lends(_limits(policy))
+        self._lends = lends(policy.all_limits())
         logger.debug("outrate: scheduler switched to %s", policy.summary())
         users = self._users.values()
         self.holdback.rearm(users, now)
@@ -239,27 +240,9 @@ class OutrateMixin:
         self, request: Request, num_computed_tokens: int, num_new_tokens: int
     ) -> int:
         if self._prompts and num_new_tokens and num_computed_tokens < request.num_prompt_tokens:
-            return self._pace_prompt(request, num_computed_tokens, num_new_tokens)
+            n = num_new_tokens  # a chunk with prompt positions (prompts.py)
+            return self.prompts.dispatch(request, num_computed_tokens, n, self._step, self._now)
         return self._charge(request, num_computed_tokens, num_new_tokens)
-
-    def _pace_prompt(self, request: Request, nc: int, n: int) -> int:
-        """A chunk with prompt positions, under prompt limits (prompts.py):
-        cut to the prompt budget, then charged for output as any chunk; what
-        the output logic cuts off goes back. A running request with no prompt
-        budget is skipped and takes no active seat this step."""
-        rs: RequestState = request._outrate  # type: ignore[attr-defined]
-        step = self._step
-        n = self.prompts.pace(request, rs, nc, n, step, self._now)
-        if not n:
-            if request.status == _RUNNING:  # skipped: its seat goes to a waiting request
-                self.metrics.prompt_skips += 1
-                if self.max_num_active_reqs < self.max_num_running_reqs - len(self.holdback):
-                    self.max_num_active_reqs += 1
-            return 0
-        m = self._charge(request, nc, n)
-        if m != n:
-            self.prompts.trim(rs, nc, m, request.num_prompt_tokens, step, self._now)
-        return m
 
     def _charge(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
         """The output charge of a dispatch that samples (the seed's rule)."""
@@ -407,14 +390,3 @@ class OutrateScheduler(OutrateMixin, Scheduler):
 
 class OutrateAsyncScheduler(OutrateMixin, AsyncScheduler):
     """Rate-limited async scheduler (used when vLLM enables async scheduling)."""
-
-
-def _limits(policy: CompiledPolicy) -> list[Limit]:
-    """Every limit a policy can resolve to."""
-    return [
-        policy.default,
-        policy.anonymous,
-        *policy.users.values(),
-        *policy.tiers.values(),
-        *(lim for _, lim in policy.patterns),
-    ]
