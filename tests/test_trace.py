@@ -20,13 +20,8 @@ from pathlib import Path
 import pytest
 
 from outrate.errors import OutrateError
-from outrate.observe.trace import (
-    TRACE_START,
-    TraceWriter,
-    check_trace_path,
-    open_trace_file,
-    read_trace,
-)
+from outrate.observe.trace import TraceWriter, read_trace
+from outrate.observe.tracefile import TRACE_START, check_trace_path, open_trace_file
 
 PRECIOUS = "someone's notes\n"
 
