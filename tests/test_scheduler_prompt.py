@@ -11,6 +11,7 @@ pytest.importorskip("vllm")
 
 from vllm_harness import MS, Driver, FakeClock, S, make_request, make_scheduler  # noqa: E402
 
+from outrate.observe.trace import TraceWriter, read_trace  # noqa: E402
 from outrate.policy.compiler import compile_policy  # noqa: E402
 from outrate.policy.loader import parse_policy  # noqa: E402
 
@@ -41,6 +42,46 @@ def test_computed_prompt_tokens_are_charged_chunk_by_chunk(kind):
     assert seen == [32, 64, 96, 100]
     d.run_until_done()
     assert prompt_of(s, "a") == 100  # decodes charge no prompt
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_trace_records_prompt_tokens_net_of_refunds(kind, tmp_path):
+    """A prompt charged and refunded while its KV does not fit (each step
+    until b finishes) appears in the trace once, when it is computed: the
+    trace's sum is the net counter, not the gross charges."""
+    clock = FakeClock()
+    s = make_scheduler(kind, policy("  a: {rate: 100, prompt: 100000}\n  b: 100\n"), clock,
+                       num_blocks=12)  # fmt: skip
+    trace = TraceWriter(str(tmp_path / "t.jsonl"))
+    s.outrate_trace(trace)
+    d = Driver(s, clock, step_ns=10 * MS)
+    d.add(make_request("b", prompt_len=150, max_tokens=10))  # 10 of the 11 usable blocks
+    d.step()
+    big = d.add(make_request("a", prompt_len=100, max_tokens=1))  # fits once b is done
+    d.run_until_done()
+    trace.stop()
+    assert big.request_id in d.finished and s.metrics.prompt_refunded >= 100
+    lines = read_trace(tmp_path / "t.jsonl")
+    assert [r["prompt"]["a"] for r in lines if "a" in r.get("prompt", {})] == [100]
+    assert prompt_of(s, "a") == 100
+    # b has no prompt limit: counted (while some rule limits prompts), never cut
+    assert [r["prompt"]["b"] for r in lines if "b" in r.get("prompt", {})] == [150]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_trace_records_each_chunks_prompt_tokens(kind, tmp_path):
+    clock = FakeClock()
+    s = make_scheduler(kind, policy("  a: {rate: 100, prompt: 100000}\n"), clock,
+                       max_num_batched_tokens=32)  # fmt: skip
+    trace = TraceWriter(str(tmp_path / "t.jsonl"))
+    s.outrate_trace(trace)
+    d = Driver(s, clock, step_ns=10 * MS)
+    d.add(make_request("a", prompt_len=100, max_tokens=3))
+    d.run_until_done()
+    trace.stop()
+    lines = read_trace(tmp_path / "t.jsonl")
+    assert [r["prompt"]["a"] for r in lines if "prompt" in r] == [32, 32, 32, 4]
+    assert [r["step"] for r in lines if "prompt" in r] == [1, 2, 3, 4]  # no output charged in 1-3
 
 
 @pytest.mark.parametrize("kind", KINDS)

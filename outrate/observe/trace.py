@@ -6,7 +6,8 @@ decided, not where the API server delivers it. Format (docs/trace.md):
 
     {"trace": "outrate", "version": 1, "pid": 1234, "clock": "monotonic_ns", ...}
     {"t": 81234567890, "step": 17, "charged": {"alice": 2}, "refunded": {"alice": 1}}
-    {"t": 81284567890, "step": 18, "held": {"alice": 2}, "over": {"bob": 1}}
+    {"t": 81244567890, "step": 18, "prompt": {"mallory": 101}}
+    {"t": 81284567890, "step": 19, "held": {"alice": 2}, "over": {"bob": 1}}
     {"t": 81300000000, "policy": "<sha256>", "source": "/etc/policy.yaml"}
     {"t": 81400000000, "dropped": 120}
 
@@ -14,7 +15,8 @@ decided, not where the API server delivers it. Format (docs/trace.md):
 the step was dispatched at `t`. Per user id: `charged` tokens (shadow
 over-limit tokens included), `refunded` (charged but not scheduled: net is
 charged - refunded), `held` and `released` requests, `over` (tokens a shadow
-limit would have refused). Keys with nothing to say are left out.
+limit would have refused), `prompt` (prompt tokens computed and charged to a
+prompt limit, net of refunds). Keys with nothing to say are left out.
 
 The scheduler only appends a tuple to a bounded deque; a daemon thread formats
 and writes, and stops writing at `max_bytes` (a last line says so). If the
@@ -46,10 +48,21 @@ FLUSH_INTERVAL_S = 0.1
 MAX_PENDING = 200_000
 
 Counts = dict[str, int]
-Step = tuple[int, int, int, Counts, Counts, Counts, Counts, Counts, Counts, Counts, Counts]
-"""(t, step, running, charged, refunded, held, released, over, borrowed, first, arrived)."""
+Step = tuple[int, int, int, Counts, Counts, Counts, Counts, Counts, Counts, Counts, Counts, Counts]
+"""(t, step, running, charged, refunded, held, released, over, borrowed, first,
+arrived, prompt)."""
 
-_KEYS = ("charged", "refunded", "held", "released", "over", "borrowed", "first", "arrived")
+_KEYS = (
+    "charged",
+    "refunded",
+    "held",
+    "released",
+    "over",
+    "borrowed",
+    "first",
+    "arrived",
+    "prompt",
+)
 
 
 class TraceWriter:
