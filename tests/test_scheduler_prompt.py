@@ -11,6 +11,7 @@ pytest.importorskip("vllm")
 
 from vllm_harness import MS, Driver, FakeClock, S, make_request, make_scheduler  # noqa: E402
 
+from outrate.observe.publish import snapshot  # noqa: E402
 from outrate.observe.trace import TraceWriter, read_trace  # noqa: E402
 from outrate.policy.compiler import compile_policy  # noqa: E402
 from outrate.policy.loader import parse_policy  # noqa: E402
@@ -82,6 +83,8 @@ def test_the_trace_records_each_chunks_prompt_tokens(kind, tmp_path):
     lines = read_trace(tmp_path / "t.jsonl")
     assert [r["prompt"]["a"] for r in lines if "prompt" in r] == [32, 32, 32, 4]
     assert [r["step"] for r in lines if "prompt" in r] == [1, 2, 3, 4]  # no output charged in 1-3
+    row = snapshot(s.metrics, s._policy, now=clock.now)["labels"]["a"]
+    assert (row["prompt"], row["prompt_rate"]) == (100, 100000)  # what /metrics shows
 
 
 @pytest.mark.parametrize("kind", KINDS)
