@@ -183,15 +183,73 @@ def test_without_prompt_limits_nothing_is_counted_or_paced(kind):
     assert s.metrics.labels["a"].prompt == 0 and not s._prompts
 
 
-def test_a_shared_store_refuses_prompt_limits_with_their_location():
-    from outrate.errors import OutrateError
-    from vllm_integration.enginecore.store import refuse_shared_prompts
+SHARED = (
+    "test.yaml:5:25: users.b.prompt: prompt limits cannot be shared through "
+    "--outrate-store yet (each engine would enforce the whole prompt rate); run without "
+    "--outrate-store or remove 'prompt' from: users.b"
+)
 
-    refuse_shared_prompts(policy("  a: 100\n"))  # no prompt limit: fine
-    with pytest.raises(OutrateError) as info:
-        refuse_shared_prompts(policy("  a: 100\n  b: {rate: 20, prompt: 500}\n"))
+
+def test_a_shared_store_refuses_prompt_limits_with_their_location():
+    """OR119, the engine's side (start and reload): lint's message, located."""
+    from outrate.errors import PolicyError
+    from vllm_integration.common.config import refuse_prompt_limits
+
+    refuse_prompt_limits(policy("  a: 100\n"), True, True, 2048)  # no prompt limit: fine
+    limited = policy("  a: 100\n  b: {rate: 20, prompt: 500}\n")
+    refuse_prompt_limits(limited, False, True, 2048)  # no store: fine
+    with pytest.raises(PolicyError) as info:
+        refuse_prompt_limits(limited, True, True, 2048)
+    assert str(info.value) == SHARED
+
+
+def test_without_chunked_prefill_a_prompt_burst_below_the_longest_prompt_is_refused():
+    """OR118, the engine's side: a whole prompt waits for a bucket that holds
+    all of it, so a bucket smaller than max_model_len would be a refusal in
+    all but name. 500/s at the policy's 100 ms holds 51 tokens; 3000/s for
+    1 s holds 3001; shadow limits are never enforced."""
+    from outrate.errors import PolicyError
+    from vllm_integration.common.config import refuse_prompt_limits
+
+    short = policy("  a: 100\n  b: {rate: 20, prompt: 500}\n")
+    refuse_prompt_limits(short, False, True, 2048)  # chunked prefill: fine
+    with pytest.raises(PolicyError) as info:
+        refuse_prompt_limits(short, False, False, 2048)
     assert str(info.value) == (
-        "test.yaml:5:25: users.b.prompt: prompt limits cannot be shared through "
-        "--outrate-store yet (each engine would enforce the whole prompt rate); run without "
-        "--outrate-store or remove 'prompt' from: users.b"
+        "test.yaml:5:25: users.b.prompt: without chunked prefill a prompt is computed "
+        "whole, so a prompt limit must hold the longest prompt (max_model_len 2048 tokens), "
+        "but its burst holds 51 (rate x burst + 1): such prompts would wait forever; enable "
+        "chunked prefill, or raise the prompt's rate or burst, in: users.b"
     )
+    refuse_prompt_limits(short, False, False, 51)  # holds the longest prompt
+    for fits in ("{rate: 3000, burst: 1s}", "500\n    shadow: true"):
+        refuse_prompt_limits(
+            policy(f"  b:\n    rate: 20\n    prompt: {fits}\n"), False, False, 2048
+        )
+
+
+def test_a_reload_the_engine_cannot_enforce_is_rejected_and_the_old_policy_kept(tmp_path):
+    """Without chunked prefill the engine core's reloader rejects a prompt
+    limit below max_model_len (OR118), located, and keeps serving the old
+    policy; a prompt limit that holds it applies."""
+    from outrate.policy.pipeline import load_compiled
+    from vllm_integration.common.settings import EngineSettings
+    from vllm_integration.enginecore.threads import start_engine_threads
+
+    path = tmp_path / "policy.yaml"
+    path.write_text("version: 1\ndefault: 100\n")
+    clock = FakeClock()
+    s = make_scheduler("sync", load_compiled(path), clock, chunked=False,
+                       max_num_batched_tokens=2048)  # fmt: skip
+    threads = start_engine_threads(s, EngineSettings(policy=str(path), reload="poll"))
+    try:
+        assert threads.reloader is not None
+        old = s.policy_box.current
+        path.write_text("version: 1\ndefault: {rate: 100, prompt: 500}\n")
+        assert threads.reloader.wait_rejected(1, timeout=5)
+        assert s.policy_box.current is old
+        path.write_text("version: 1\ndefault: {rate: 100, prompt: {rate: 4000, burst: 1s}}\n")
+        assert threads.reloader.wait_applied(1, timeout=5)
+        assert s.policy_box.current.default.prompt is not None
+    finally:
+        threads.stop()

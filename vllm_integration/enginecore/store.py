@@ -22,7 +22,6 @@ from outrate.budget.shared.credit import LEASE_INTERVAL_S, SharedBudget
 from outrate.budget.shared.lease import RedisLink
 from outrate.budget.shared.peers import HOLD_S
 from outrate.budget.shared.runner import TIMEOUT_S, LeaseRunner
-from outrate.errors import OutrateError
 from outrate.policy.compiler import CompiledPolicy
 from vllm_integration.common.settings import EngineSettings
 
@@ -45,34 +44,11 @@ class Store:
         self.runner.stop()
 
 
-def refuse_shared_prompts(policy: CompiledPolicy) -> None:
-    """Prompt budgets are per engine for now (docs/prompt-limits.md): a policy
-    with a prompt limit and `--outrate-store` would give each engine the
-    whole prompt rate. Refused, located at the first prompt limit."""
-    rules = policy.prompt_rules
-    if not rules:
-        return
-    where = policy.source
-    validated = policy.policy
-    if validated is not None:
-        for path, rule in validated.rules():
-            if rule.prompt is not None:
-                pos = validated.position(*path, "prompt") or (1, 1)
-                where = f"{policy.source}:{pos[0]}:{pos[1]}: " + ".".join(map(str, path))
-                break
-    raise OutrateError(
-        f"{where}.prompt: prompt limits cannot be shared through --outrate-store yet "
-        "(each engine would enforce the whole prompt rate); run without --outrate-store "
-        "or remove 'prompt' from: " + ", ".join(rules)
-    )
-
-
 def open_store(policy: CompiledPolicy, settings: EngineSettings, vllm_config: Any) -> Store | None:
     """None without `--outrate-store`: the engine keeps today's `Limiter`."""
     url = settings.store
     if not url:
         return None
-    refuse_shared_prompts(policy)
     # vLLM resets data_parallel_size to 1 in each non-MoE engine core: the
     # plugin recorded the size asked for (engines_expected reads it).
     n, expected_from = engines_expected(settings)
