@@ -72,7 +72,7 @@ def test_lint_missing_policy_file_is_a_policy_error(tmp_path: Path) -> None:
 
 def test_lint_warnings_and_strict(tmp_path: Path) -> None:
     path = tmp_path / "p.yaml"
-    path.write_text("version: 1\ndefault: 5\nburst: 10ms\n")
+    path.write_text("version: 1\ndefault: {rate: 5, prompt: 100}\nburst: 10ms\n")
     code, out, err = run("lint", path)
     assert code == 0
     assert err.startswith(f"{path}:3:8: OR001 warning: burst 10ms is shorter than an engine step")

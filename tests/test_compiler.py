@@ -404,3 +404,49 @@ def test_compile_never_fails_on_a_loaded_policy(users: dict[str, int]) -> None:
     c = compile_policy(Policy.model_validate({"version": 1, "default": 1, "users": users}), "p")
     assert all(isinstance(v, Limit) for v in c.users.values())
     assert len(c.users) == len(users)
+
+
+# -- prompt limits (issue 40) ---------------------------------------------------
+
+
+def test_prompt_limits_compile_with_inheritance() -> None:
+    from outrate.policy.compiler import UNLIMITED_PROMPT, compile_policy
+    from outrate.policy.loader import parse_policy
+
+    policy = compile_policy(
+        parse_policy(
+            "version: 1\nburst: 200ms\ndefault: {rate: 20, prompt: 2000}\n"
+            "tiers:\n  free: {rate: 20, prompt: {rate: 1000, burst: 1s}}\n"
+            "users:\n  alice: {tier: free}\n  bob: {tier: free, prompt: 500}\n"
+            "  carol: {tier: free, prompt: unlimited}\n  dave: 30\n",
+            "p.yaml",
+        ),
+        "p.yaml",
+    )
+    d = policy.default.prompt
+    assert d is not None and d.rate == 2000 and d.burst_ns == 200_000_000
+    assert d.rule == "default.prompt" and d.label == "default"
+    alice = policy.limit_for("alice").prompt
+    assert alice is not None and alice.rate == 1000 and alice.burst_ns == 1_000_000_000
+    bob = policy.limit_for("bob").prompt
+    assert bob is not None and bob.rate == 500
+    assert policy.limit_for("carol").prompt is None
+    assert policy.limit_for("dave").prompt is None
+    assert policy.prompts.limit_for("dave") is UNLIMITED_PROMPT
+    assert policy.prompts.limit_for("bob") is bob
+    assert policy.anonymous.prompt is d  # the default's, shared
+    assert "default.prompt" not in policy.prompt_rules and "default" in policy.prompt_rules
+    assert "users.dave" not in policy.prompt_rules
+    assert "prompt 2000 tok/s" in policy.default.describe()
+
+
+def test_a_prompt_edit_changes_the_limit() -> None:
+    from outrate.policy.compiler import compile_policy
+    from outrate.policy.loader import parse_policy
+
+    def build(prompt: str) -> object:
+        text = f"version: 1\ndefault: {{rate: 20, prompt: {prompt}}}\n"
+        return compile_policy(parse_policy(text, "p.yaml"), "p.yaml").default
+
+    assert build("500") == build("500")
+    assert build("500") != build("600")

@@ -381,8 +381,11 @@ def test_bad_config_files(tmp_path: Path) -> None:
 # -- policy rules ------------------------------------------------------------------
 
 
-def lint_text(text: str) -> list[Finding]:
-    return lint_policy(compile_policy(parse_policy(text, "p.yaml"), "p.yaml"))
+def lint_text(text: str, prompts: bool = False) -> list[Finding]:
+    """The policy's findings. OR011 (output capped, prompts unlimited: nearly
+    every small policy here) only with `prompts`: it has tests of its own."""
+    found = lint_policy(compile_policy(parse_policy(text, "p.yaml"), "p.yaml"))
+    return found if prompts else [f for f in found if f.code != "OR011"]
 
 
 def test_short_burst() -> None:
@@ -414,7 +417,7 @@ def test_short_burst_on_a_hand_built_policy() -> None:
         10**8,
         users={"x": fast},
     )  # noqa: E501
-    (finding,) = lint_policy(c)
+    (finding,) = [f for f in lint_policy(c) if f.code != "OR011"]  # OR011: its own tests
     assert finding.code == "OR001" and finding.location == "built"
     assert finding.message.startswith("users.x: burst 1ms is shorter")
 
@@ -555,7 +558,8 @@ def test_anonymous_unlimited() -> None:
     assert finding.location == "p.yaml:2:10"
     assert "'anonymous' is not set and the default is unlimited" in finding.message
     assert lint_text("version: 1\ndefault: unlimited\n") == []
-    assert codes(lint_policy(policy_from_flags(None, {"a": 5}))) == ["OR005"]
+    # the flags limit output only: OR011 too
+    assert codes(lint_policy(policy_from_flags(None, {"a": 5}))) == ["OR005", "OR011"]
 
 
 def test_anonymous_borrowing_without_a_cap() -> None:
@@ -587,6 +591,112 @@ def test_anonymous_borrowing_without_a_cap() -> None:
     assert lint_text("version: 1\ndefault: 5\nanonymous: {rate: 5, peak: 9}\n") == []
     shadow = "{rate: 5, peak: unlimited, shadow: true}"
     assert lint_text(f"version: 1\ndefault: 5\nanonymous: {shadow}\n") == []
+
+
+OPEN_PROMPTS = (
+    ": output capped, prompts unlimited: a user inside its output rate can fill every "
+    "step with prefill; add prompt: RATE (size it with outrate simulate), or write "
+    "prompt: unlimited where that is meant"
+)
+
+
+def test_output_capped_and_prompts_unlimited_is_one_warning() -> None:
+    """OR011 names every rule with the hole, once: a user of a tier is its
+    tier's; `prompt: unlimited` written, an unlimited rate and a shadow rule
+    are no hole."""
+    findings = lint_text(
+        "version: 1\n"
+        "default: 5\n"
+        "anonymous: {rate: 5, prompt: 100}\n"
+        "tiers:\n"
+        "  free: 20\n"
+        "  gold: {rate: 50, prompt: 1000}\n"
+        "  open: unlimited\n"
+        "users:\n"
+        "  a: {tier: free}\n"
+        "  b: {tier: gold, burst: 1s}\n"
+        "  c: {rate: 5, prompt: unlimited}\n"
+        "  d: {rate: 1, shadow: true}\n"
+        "  e: {tier: open}\n"
+        "match:\n"
+        "  - pattern: 'x-*'\n"
+        "    rate: 3\n",
+        prompts=True,
+    )
+    assert findings == [
+        Finding("OR011", "warning", "default, tiers.free, match[0]" + OPEN_PROMPTS, "p.yaml:2:10")
+    ]
+    assert lint_text("version: 1\ndefault: unlimited\nanonymous: unlimited\n", prompts=True) == []
+    assert lint_text("version: 1\nmode: shadow\ndefault: 5\n", prompts=True) == []
+    assert lint_text("version: 1\ndefault: {rate: 5, prompt: 50}\n", prompts=True) == []
+
+
+def test_output_capped_and_prompts_unlimited_on_a_hand_built_policy() -> None:
+    five = Limit(5, 10**8, rule="default")
+    c = CompiledPolicy("built", five, Limit(5, 10**8, rule="anonymous"), 10**8)
+    assert lint_policy(c) == [
+        Finding("OR011", "warning", "default, anonymous" + OPEN_PROMPTS, "built")
+    ]
+
+
+PROMPT_POLICY = "version: 1\ndefault: {rate: 20, prompt: 500}\nusers:\n  u: 5\n"
+QUIET = [*CAPPED, "--host", "::1"]  # silences OR111 and OR113
+
+
+def test_a_store_with_prompt_limits_is_the_engines_error(tmp_path: Path) -> None:
+    """OR119: prompt budgets are per engine; lint says what the engine says
+    when it refuses to start or to reload (outrate/check/prompts.py)."""
+    path = tmp_path / "p.yaml"
+    path.write_text(PROMPT_POLICY)
+    store = ["--outrate-store", "redis://h:6379/0", "--outrate-store-engines", "2"]
+    report = lint_all(path, deployment_from_args([*QUIET, *store]))
+    assert [(f.code, f.severity, f.location, f.message) for f in report.errors] == [
+        (
+            "OR119",
+            "error",
+            f"{path}:2:29",
+            "default.prompt: prompt limits cannot be shared through --outrate-store yet "
+            "(each engine would enforce the whole prompt rate); run without --outrate-store "
+            "or remove 'prompt' from: default, anonymous (default)",
+        )
+    ]
+    assert codes(list(lint_all(path, deployment_from_args(QUIET)).findings)) == ["OR011"]
+    assert lint_all(POLICIES / "demo.yaml", deployment_from_args([*QUIET, *store])).ok()
+
+
+def test_without_chunked_prefill_a_prompt_burst_below_max_model_len_is_an_error(
+    tmp_path: Path,
+) -> None:
+    """OR118: a whole prompt waits for a bucket that holds all of it. Lint
+    knows max_model_len only from --max-model-len (the engine knows it
+    always, and checks it at start and on reload)."""
+    path = tmp_path / "p.yaml"
+    path.write_text(PROMPT_POLICY)
+    off = [*QUIET, "--no-enable-chunked-prefill"]
+    report = lint_all(path, deployment_from_args([*off, "--max-model-len", "2048"]))
+    assert [(f.code, f.location, f.message) for f in report.errors] == [
+        (
+            "OR118",
+            f"{path}:2:29",
+            "default.prompt: without chunked prefill a prompt is computed whole, so a prompt "
+            "limit must hold the longest prompt (max_model_len 2048 tokens), but its burst "
+            "holds 51 (rate x burst + 1): such prompts would wait forever; enable chunked "
+            "prefill, or raise the prompt's rate or burst, in: default",
+        )
+    ]
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        "host: 127.0.0.1\nmax-num-seqs: 8\nmax-num-active-seqs: 6\n"
+        "enable-chunked-prefill: false\nmax-model-len: 4096\n"
+    )
+    assert codes(list(lint_all(path, deployment_from_config(config)).errors)) == ["OR118"]
+    for fine in (
+        [*off, "--max-model-len", "51"],  # the bucket holds the longest prompt
+        [*off, "--max-model-len", "1k"],  # vLLM's spelling: unknown here, the engine checks
+        off,  # the model's own: unknown here
+        [*QUIET, "--max-model-len", "2048"],  # chunked prefill
+    ):
+        assert lint_all(path, deployment_from_args(fine)).errors == (), fine
 
 
 def test_lookalike_user_ids() -> None:
@@ -643,7 +753,7 @@ def test_user_ids_with_whitespace_at_an_end() -> None:
 
 def test_lint_policy_takes_a_policy_too() -> None:
     policy = parse_policy("version: 1\ndefault: 5\nburst: 1ms\n", "p.yaml")
-    assert lint_policy(policy) == lint_text("version: 1\ndefault: 5\nburst: 1ms\n")
+    assert lint_policy(policy) == lint_text("version: 1\ndefault: 5\nburst: 1ms\n", prompts=True)
 
 
 @pytest.mark.parametrize("path", sorted(POLICIES.glob("*.yaml")), ids=lambda p: p.name)
@@ -696,7 +806,10 @@ KEY = "sha256:" + "a" * 64
 
 def identity_policy(tmp_path: Path, identity: str, keys: str | None = None) -> Path:
     path = tmp_path / "policy.yaml"
-    path.write_text(f"version: 1\ndefault: 10\nanonymous: 5\nidentity:\n{identity}")
+    path.write_text(
+        "version: 1\ndefault: {rate: 10, prompt: 1000}\nanonymous: {rate: 5, prompt: 500}\n"
+        f"identity:\n{identity}"
+    )
     if keys is not None:
         (tmp_path / "keys.yaml").write_text(keys)
     return path

@@ -17,7 +17,7 @@ from outrate.errors import OutrateError, PolicyError, Problem
 from outrate.policy import compose
 from outrate.policy.loader import field_path, load_policy, parse_policy
 from outrate.policy.pipeline import policy_from_flags
-from outrate.policy.specs import NO_PEAK
+from outrate.policy.specs import NO_PEAK, NO_PROMPT
 from outrate.policy.values import UNLIMITED
 
 BAD = Path(__file__).parent / "fixtures" / "bad"
@@ -73,6 +73,11 @@ EXPECTED: dict[str, list[str]] = {
     "shadow_not_bool": [
         "FILE:4:29: users.alice.shadow: must be true or false (got 'yes')",
     ],
+    "prompt_peak_below_rate": [
+        "FILE:4:47: users.alice.prompt.peak: must be at least the rate (500 tok/s): the peak "
+        "is the ceiling above the rate that borrowing may reach",
+    ],
+    "prompt_zero": ["FILE:2:29: default.prompt: must be > 0"],
     "peak_below_rate": [
         "FILE:4:27: users.alice.peak: must be at least the rate (20 tok/s): the peak is the "
         "ceiling above the rate that borrowing may reach",
@@ -1006,3 +1011,55 @@ def test_names_follow_the_identity_rules() -> None:
         "p.yaml:6:15: match[0].pattern: pattern must not contain format characters "
         "(U+202E at index 1): 'a\\u202e*'",
     ]
+
+
+# -- prompt limits (issue 40) ---------------------------------------------------
+
+
+def test_prompt_limits_load_on_every_kind_of_rule() -> None:
+    policy = parse_policy(
+        "version: 1\n"
+        "default: {rate: 20, prompt: 2000}\n"
+        "anonymous: {rate: 5, prompt: unlimited}\n"
+        "tiers:\n"
+        "  free: {rate: 20, prompt: {rate: 1000, burst: 1s, peak: unlimited}}\n"
+        "users:\n"
+        "  alice: {tier: free, prompt: 500}\n"
+        "match:\n"
+        "  - {pattern: 'trial-*', rate: 10, prompt: '1/2'}\n",
+        "p.yaml",
+    )
+    assert policy.default.prompt is not None and policy.default.prompt.rate == 2000
+    assert policy.anonymous is not None and policy.anonymous.prompt is not None
+    assert policy.anonymous.prompt.rate == UNLIMITED
+    free = policy.tiers["free"].prompt
+    assert free is not None and free.peak == UNLIMITED and free.burst == 1_000_000_000
+    assert policy.users["alice"].prompt is not None
+    assert policy.match[0].prompt is not None and policy.match[0].prompt.rate == Fraction(1, 2)
+
+
+@pytest.mark.parametrize(
+    ("written", "col", "where", "message"),
+    [
+        ("0", 29, "prompt", "must be > 0"),
+        ("-5", 29, "prompt", "must be > 0"),
+        (".nan", 29, "prompt", "must be a finite number; use 'unlimited' for no limit (got .nan)"),
+        (".inf", 29, "prompt", "must be a finite number; use 'unlimited' for no limit (got .inf)"),
+        ("true", 29, "prompt",
+         "must be a number of tokens per second or 'unlimited' (got true)"),
+        ("fast", 29, "prompt",
+         "must be a number of tokens per second or 'unlimited' (got 'fast')"),
+        ("null", 29, "prompt", NO_PROMPT),
+        ("{rate: 10, peak: 5}", 46, "prompt.peak",
+         "must be at least the rate (10 tok/s): the peak is the ceiling above the rate that "
+         "borrowing may reach"),
+        ("{rate: unlimited, peak: 10}", 53, "prompt.peak",
+         "cannot be set on an unlimited rule: there is no rate to borrow above"),
+        ("{rate: 10, peek: 20}", 40, "prompt", "unknown key 'peek' (did you mean 'peak'?)"),
+        ("{burst: 1s}", 29, "prompt.rate",
+         "missing; a prompt limit needs a 'rate' (prompt tokens per second or 'unlimited')"),
+    ],
+)  # fmt: skip
+def test_bad_prompt_limits(written: str, col: int, where: str, message: str) -> None:
+    problem = _one(f"version: 1\ndefault: 100\nusers:\n  alice: {{rate: 20, prompt: {written}}}\n")
+    assert problem == Problem("p.yaml", 4, col, f"users.alice.{where}", message)

@@ -149,3 +149,61 @@ def test_a_snapshot_without_the_new_keys_still_renders() -> None:
     assert not any(n == "outrate_limit_peak_tokens_per_second" for n, _ in samples)
     merged = merge_snapshots([old, data])
     assert merged is not None and merged["labels"]["alice"]["borrowed"] == 60
+
+
+PROMPTS = """\
+version: 1
+default: {rate: 10, prompt: 500}
+tiers:
+  free: {rate: 20, prompt: {rate: 1000, burst: 1s}}
+users:
+  alice: {tier: free, prompt: unlimited}
+  bob: 30
+  peek: {rate: 5, shadow: true, prompt: 50}
+"""
+
+
+def test_prompt_tokens_and_prompt_rates_render_per_limit() -> None:
+    m = Metrics()
+    for user in ("alice", "bob", "peek"):
+        m.record(user)
+    m.labels["alice"].prompt, m.labels["bob"].prompt, m.labels["peek"].prompt = 1900, 40, 7
+    m.deferred["prompt"] = 3
+    samples = page(snapshot(m, policy(PROMPTS), now=0))
+    counted = {
+        dict(labels)["limit"]: v
+        for (name, labels), v in samples.items()
+        if name == "outrate_prompt_tokens_total"
+    }
+    assert counted == {
+        "alice": 1900,
+        "bob": 40,
+        "peek": 7,
+        "default": 0,
+        "anonymous": 0,
+        "tier:free": 0,
+    }
+    rates = {
+        (dict(labels)["limit"], dict(labels)["mode"]): v
+        for (name, labels), v in samples.items()
+        if name == "outrate_limit_prompt_tokens_per_second"
+    }
+    assert rates == {
+        ("alice", "enforce"): math.inf,  # prompt: unlimited overrides its tier's
+        ("bob", "enforce"): math.inf,  # no prompt anywhere on its rule
+        ("peek", "shadow"): 50,  # a shadow rule's prompt limit is shadow too
+        ("default", "enforce"): 500,
+        ("anonymous", "enforce"): 500,  # anonymous takes the default's
+        ("tier:free", "enforce"): 1000,
+    }
+    assert samples["outrate_deferred_total", (("reason", "prompt"),)] == 3
+
+
+def test_data_parallel_ranks_add_their_prompt_tokens() -> None:
+    pol = policy(PROMPTS)
+    one, two = Metrics(), Metrics()
+    one.record("bob").prompt, two.record("bob").prompt = 40, 60
+    merged = merge_snapshots([snapshot(one, pol, now=0), snapshot(two, pol, now=0)])
+    assert merged is not None
+    assert merged["labels"]["bob"]["prompt"] == 100
+    assert merged["labels"]["default"]["prompt_rate"] == 500  # a configured value, not a count

@@ -662,6 +662,21 @@ def test_describe_a_peak_that_moves_or_stays() -> None:
     assert describe_changes(old, compiled(head + "burst: 1s\n")) == "burst 100ms -> 1s"
 
 
+def test_describe_a_prompt_limit_that_comes_moves_or_goes() -> None:
+    head = "version: 1\ndefault: 100\nusers:\n  alice: 20\n"
+    with_prompt = head.replace("alice: 20", "alice: {rate: 20, prompt: 500}")
+    old, limited = compiled(head), compiled(with_prompt)
+    assert describe_changes(old, limited) == "alice 20 tok/s -> 20 tok/s prompt 500 tok/s"
+    wider = compiled(with_prompt.replace("prompt: 500", "prompt: {rate: 500, burst: 1s}"))
+    assert describe_changes(limited, wider) == (
+        "alice 20 tok/s prompt 500 tok/s -> 20 tok/s prompt 500 tok/s burst 1s"
+    )
+    assert describe_changes(limited, old) == "alice 20 tok/s prompt 500 tok/s -> 20 tok/s"
+    # the prompt burst follows the policy's: a new policy burst is reported once
+    new_burst = compiled(with_prompt + "burst: 1s\n")
+    assert describe_changes(limited, new_burst) == "burst 100ms -> 1s"
+
+
 def test_describe_reordered_patterns() -> None:
     two = "match:\n  - {pattern: 'a*', rate: 1}\n  - {pattern: 'ab*', rate: 2}\n"
     swapped = "match:\n  - {pattern: 'ab*', rate: 2}\n  - {pattern: 'a*', rate: 1}\n"

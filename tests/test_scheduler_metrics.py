@@ -318,4 +318,4 @@ def test_deferred_admission_is_counted_once_per_deferral():
     d.run_until_done()
     # The 2nd and 3rd wait behind the first; the 3rd keeps waiting behind the
     # 2nd without being counted again.
-    assert s.metrics.deferred == {"max_streams": 2, "budget": 0}
+    assert s.metrics.deferred == {"max_streams": 2, "budget": 0, "prompt": 0}

@@ -20,13 +20,8 @@ from pathlib import Path
 import pytest
 
 from outrate.errors import OutrateError
-from outrate.observe.trace import (
-    TRACE_START,
-    TraceWriter,
-    check_trace_path,
-    open_trace_file,
-    read_trace,
-)
+from outrate.observe.trace import TraceWriter, read_trace
+from outrate.observe.tracefile import TRACE_START, check_trace_path, open_trace_file
 
 PRECIOUS = "someone's notes\n"
 
@@ -211,11 +206,27 @@ def test_the_engine_open_rewrites_a_trace_from_the_start(tmp_path: Path) -> None
     path = tmp_path / "trace.jsonl"
     for run in (1, 2):
         writer = TraceWriter(str(path), header={"run": run})
-        writer.step((run, run, 1, {"a": 1}, {}, {}, {}, {}, {}, {}, {}))
+        writer.step((run, run, 1, {"a": 1}, {}, {}, {}, {}, {}, {}, {}, {}))
         writer.stop()
     lines = read_trace(path)
     assert [line.get("run") for line in lines] == [2, None]
     assert lines[1] == {"t": 2, "step": 2, "running": 1, "charged": {"a": 1}}
+
+
+def test_prompt_tokens_are_a_step_field_left_out_when_empty(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    writer = TraceWriter(str(path))
+    writer.step((5, 5, 2, {}, {}, {}, {}, {}, {}, {}, {}, {"mallory": 101}))
+    writer.step((6, 6, 2, {"bob": 1}, {}, {}, {}, {}, {}, {}, {}, {}))
+    writer.stop()
+    lines = read_trace(path)[1:]
+    assert lines == [
+        {"t": 5, "step": 5, "running": 2, "prompt": {"mallory": 101}},
+        {"t": 6, "step": 6, "running": 2, "charged": {"bob": 1}},
+    ]
+    path.write_text(path.read_text() + '{"t":7,"step":7,"prompt":{"mallory":1.5}}\n')
+    with pytest.raises(OutrateError, match=r":4:1: <line>: not a trace line: prompt: expected"):
+        read_trace(path)
 
 
 # -- a disk that refuses writes: said once, never raised into the engine --------
@@ -231,7 +242,7 @@ _FULL_DISK = textwrap.dedent(
     writer = TraceWriter(sys.argv[1], header={"pad": "p" * 100})
     writer.start()
     for step in range(5000):
-        writer.step((step, step, 1, {"alice": 1}, {}, {}, {}, {}, {}, {}, {}))
+        writer.step((step, step, 1, {"alice": 1}, {}, {}, {}, {}, {}, {}, {}, {}))
     writer.stop()
     print("served on")
     """

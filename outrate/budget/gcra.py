@@ -105,6 +105,7 @@ class Limit:
         "peak",
         "excess",
         "token_s",
+        "prompt",
     )
 
     def __init__(
@@ -116,6 +117,7 @@ class Limit:
         shadow: bool = False,
         label: str = "",
         peak: Fraction | int | float | str | None = None,
+        prompt: Limit | None = None,
     ) -> None:
         if rate is not None:
             rate = exact_rate(rate)
@@ -147,6 +149,9 @@ class Limit:
         """None: no borrowing (peak = rate); `PEAK_UNLIMITED`; or the peak rate."""
         self.excess: Limit | None = None
         """The bucket borrowed tokens are charged to (rate `peak - rate`)."""
+        self.prompt: Limit | None = prompt
+        """The rule's limit on prompt tokens computed (its own bucket, in a
+        second table: docs/prompt-limits.md); None: prompts unlimited."""
         if peak is not None and rate is not None:
             extra = None if peak == PEAK_UNLIMITED else Fraction(peak) - rate
             self.excess = Limit(extra, self.burst_ns, rule=rule, label=label)
@@ -172,10 +177,11 @@ class Limit:
         # Borrowing is decided per engine (spare capacity is local): each
         # engine keeps the whole excess rate, not a share of it.
         scaled.peak, scaled.excess = self.peak, self.excess
+        scaled.prompt = self.prompt
         return scaled
 
-    def _key(self) -> tuple[Fraction | None, int, int | None, bool, Fraction | str | None]:
-        return (self.rate, self.burst_ns, self.max_streams, self.shadow, self.peak)
+    def _key(self) -> tuple[object, ...]:
+        return (self.rate, self.burst_ns, self.max_streams, self.shadow, self.peak, self.prompt)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Limit) and self._key() == other._key()
@@ -195,6 +201,8 @@ class Limit:
             text += f" peak {format_rate(Fraction(self.peak))}"
         if self.max_streams is not None:
             text += f" max_streams {self.max_streams}"
+        if self.prompt is not None:
+            text += f" prompt {self.prompt.describe()}"
         if self.shadow:
             text += " (shadow)"
         return text

@@ -61,6 +61,8 @@ class Deployment:
     max_num_seqs: int | None = None
     max_num_active_seqs: int | None = None
     chunked_prefill: bool | None = None
+    max_model_len: int | None = None
+    """`--max-model-len`; None: the model's own (unknown without the model)."""
     async_scheduling: bool | None = None
     store: bool = False
     """`--outrate-store` given: budgets are shared between engines."""

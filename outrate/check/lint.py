@@ -16,6 +16,7 @@ Codes are stable (tools and CI filter on them); never renumber, only add:
 - OR009 warning  a user id with whitespace at an end (`alice `): no request can carry it
 - OR010 warning  anonymous requests borrow without a cap (peak unlimited) while an
                  identified user's borrowing is capped
+- OR011 warning  rules that cap output but leave prompts unlimited (one line)
 - OR101 error    speculative decoding
 - OR102 error    data parallel size > 1 without a budget store (--outrate-store)
 - OR103 error    pipeline parallel size > 1
@@ -34,6 +35,9 @@ Codes are stable (tools and CI filter on them); never renumber, only add:
 - OR116 warning  --outrate-store without --outrate-store-engines (and no data parallel):
                  an engine started while the store is unreachable enforces the full rate
 - OR117 warning  --outrate-store-fallback share: the deprecated name of pause
+- OR118 error    chunked prefill off and a prompt limit whose burst holds fewer
+                 tokens than max_model_len (checked where --max-model-len is known)
+- OR119 error    --outrate-store with a prompt limit (prompt budgets are per engine)
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from typing import Any
 
 from outrate.budget.gcra import PEAK_UNLIMITED
 from outrate.check.deployment import Deployment
+from outrate.check.prompts import open_prompts_message, open_prompts_rules, prompt_refusals
 from outrate.check.rules import Finding, lint_deployment, lint_exposure
 from outrate.errors import PolicyError, Problem
 from outrate.identity.core import padding_error
@@ -301,6 +306,17 @@ def _keys_finding(compiled: CompiledPolicy, where: _Where) -> list[Finding]:
     ]
 
 
+def _prompt_finding(compiled: CompiledPolicy, where: _Where) -> list[Finding]:
+    """OR011, one line for the policy: the hole of a prompt flood (a user
+    inside its output rate fills every step with prefill)."""
+    rules = open_prompts_rules(compiled)
+    if not rules:
+        return []
+    names = [name for _, name in rules]
+    first = rules[0][0]
+    return [Finding("OR011", "warning", open_prompts_message(names), where(*first))]
+
+
 def lint_policy(compiled_or_policy: CompiledPolicy | Policy) -> list[Finding]:
     """Warnings about a policy that loads but probably does not do what was meant."""
     if isinstance(compiled_or_policy, CompiledPolicy):
@@ -322,6 +338,7 @@ def lint_policy(compiled_or_policy: CompiledPolicy | Policy) -> list[Finding]:
     out += _anonymous_finding(policy, compiled, where)
     out += _anonymous_peak_finding(policy, compiled, where)
     out += _keys_finding(compiled, where)
+    out += _prompt_finding(compiled, where)
     return out
 
 
@@ -394,4 +411,11 @@ def lint_all(
         findings += lint_deployment(deployment)
         if compiled is not None:
             findings += lint_exposure(compiled.identity, deployment)
+            refused = prompt_refusals(
+                compiled, deployment.store, deployment.chunked_prefill, deployment.max_model_len
+            )
+            findings += [
+                Finding(code, "error", f"{p.field}: {p.message}", f"{p.path}:{p.line}:{p.col}")
+                for code, p in refused
+            ]
     return LintReport(source, compiled, problems, tuple(findings))

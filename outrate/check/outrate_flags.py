@@ -20,7 +20,7 @@ from typing import Any
 from outrate.budget.shared.credit import DEPRECATED_FALLBACKS, FALLBACKS, fallback_named
 from outrate.budget.shared.lease import check_url
 from outrate.errors import OutrateError, PolicyError
-from outrate.observe.trace import check_trace_path, rank_path
+from outrate.observe.tracefile import check_trace_path, rank_path
 from outrate.policy.pipeline import DEFAULT_FLAG, USERS_FLAG, policy_from_flags
 
 POLICY = "--outrate-policy"

@@ -52,6 +52,16 @@ def _int(value: Any) -> int:
         raise ValueError(f"expected an integer (got {value!r})") from e
 
 
+def _model_len(value: Any) -> int | None:
+    """`--max-model-len`: a plain number of tokens; vLLM's other spellings
+    (`1k`, `-1`, `auto`: from the model) are left to vLLM, as unknown here."""
+    try:
+        n = _int(value)
+    except ValueError:
+        return None
+    return n if n > 0 else None
+
+
 def _present(value: Any) -> bool:
     """A JSON/dict config given at all (not null) switches its feature on."""
     return _json(value) is not None
@@ -179,6 +189,7 @@ _FLAGS: dict[str, _Flag] = {
     "max-num-seqs": _Flag("max_num_seqs", _int),
     "max-num-active-seqs": _Flag("max_num_active_seqs", _int),
     "enable-chunked-prefill": _Flag("chunked_prefill", boolean=True),
+    "max-model-len": _Flag("max_model_len", _model_len),
     "async-scheduling": _Flag("async_scheduling", boolean=True),
     "diffusion-config": _Flag("model_kind", _diffusion),
     "host": _Flag("host", _str),

@@ -35,7 +35,7 @@ SNAPSHOT_FILE = "engine-metrics.json"
 """One engine's snapshot; with data parallel, rank r writes `engine-metrics.dp<r>.json`."""
 PUBLISH_INTERVAL_S = 0.5
 
-DEFERRED_REASONS = ("max_streams", "budget")
+DEFERRED_REASONS = ("max_streams", "budget", "prompt")
 
 
 class LabelMetrics:
@@ -53,6 +53,8 @@ class LabelMetrics:
         "wait",
         "interval",
         "borrowed",
+        "prompt",
+        "prompt_over",
     )
 
     def __init__(self, label: str) -> None:
@@ -60,6 +62,8 @@ class LabelMetrics:
         self.tokens = 0  # charged, net of refunds (borrowed ones included)
         self.borrowed = 0  # of those, borrowed: between rate and peak, from spare capacity
         self.shadow_over = 0  # tokens a shadow limit would have refused
+        self.prompt = 0  # prompt tokens charged (computed), net of refunds
+        self.prompt_over = 0  # of those, beyond a shadow prompt limit
         self.live = 0  # requests in the engine (running, held or waiting)
         self.held = 0  # requests held for budget now
         self.held_since_sum = 0  # sum of their hold start times (ns)
@@ -103,6 +107,8 @@ class Metrics:
         self.refunded = 0  # tokens charged and not scheduled, given back
         self.reclaimed = 0  # borrowing requests held because a committed one needed the room
         self.lent = 0  # held requests released to borrow spare capacity
+        self.prompt_refunded = 0  # prompt tokens charged and not scheduled, given back
+        self.prompt_skips = 0  # running prefills skipped a step for prompt budget
 
     def record(self, label: str) -> LabelMetrics:
         m = self.labels.get(label)

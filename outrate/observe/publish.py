@@ -91,7 +91,17 @@ def _row(m: LabelMetrics, lim: Limit | None, now: int) -> dict[str, Any]:
         "rate": None if lim is None else (-1 if lim.rate is None else float(lim.rate)),
         "peak": None if lim is None else _peak(lim),
         "mode": None if lim is None else ("shadow" if lim.shadow else "enforce"),
+        "prompt": m.prompt,
+        "prompt_rate": None if lim is None else _prompt_rate(lim),
     }
+
+
+def _prompt_rate(lim: Limit) -> float:
+    """The rule's prompt rate: -1 for unlimited (no `prompt`, or `prompt:
+    unlimited`). Its mode is the rule's (a shadow rule's prompt limit is
+    shadow too)."""
+    prompt = lim.prompt
+    return -1 if prompt is None or prompt.rate is None else float(prompt.rate)
 
 
 def _peak(lim: Limit) -> float:
@@ -196,7 +206,15 @@ def merge_snapshots(snaps: list[dict[str, Any]]) -> dict[str, Any] | None:
             if mine is None:
                 out["labels"][label] = row
                 continue
-            for k in ("tokens", "borrowed", "shadow_over", "live", "held", "throttled_ns"):
+            for k in (
+                "tokens",
+                "borrowed",
+                "shadow_over",
+                "live",
+                "held",
+                "throttled_ns",
+                "prompt",
+            ):
                 mine[k] = mine.get(k, 0) + row.get(k, 0)
             for k in ("wait", "interval"):
                 mine[k] = add_json(mine[k], row[k])
@@ -258,6 +276,17 @@ def families(data: dict[str, Any] | None) -> Iterator[Any]:
         "(equal to the rate: no peak; +Inf: unlimited).",
         labels=["limit", "mode"],
     )
+    prompt = CounterMetricFamily(
+        "outrate_prompt_tokens",
+        "Prompt tokens computed and charged to the limit, net of refunds (prefix-cache "
+        "hits and recomputation free; counted while some rule limits prompts).",
+        labels=["limit"],
+    )
+    prompt_rate = GaugeMetricFamily(
+        "outrate_limit_prompt_tokens_per_second",
+        "The configured prompt rate of the limit (+Inf: prompts unlimited).",
+        labels=["limit", "mode"],
+    )
     wait = HistogramMetricFamily(
         "outrate_budget_wait_seconds",
         "How long a request was held for budget, per hold.",
@@ -281,9 +310,14 @@ def families(data: dict[str, Any] | None) -> Iterator[Any]:
         if v.get("peak") is not None:
             p = float("inf") if v["peak"] < 0 else v["peak"]
             peak.add_metric([label, v["mode"]], p)
+        prompt.add_metric([label], v.get("prompt", 0))
+        if v.get("prompt_rate") is not None:
+            r = float("inf") if v["prompt_rate"] < 0 else v["prompt_rate"]
+            prompt_rate.add_metric([label, v["mode"]], r)
         for fam, (counts, sum_ns) in ((wait, v["wait"]), (interval, v["interval"])):
             fam.add_metric([label], cumulative(counts, BUCKETS_S), sum_ns / NS_PER_S)
-    yield from (tokens, borrowed, over, held, live, throttled, rate, peak, wait, interval)
+    yield from (tokens, borrowed, over, held, live, throttled, rate, peak, prompt, prompt_rate)
+    yield from (wait, interval)
     for name, doc in (
         ("displaced", "Held requests preempted so a user with budget could run."),
         ("lent", "Held requests released to borrow spare capacity (over the rate, to the peak)."),

@@ -6,7 +6,8 @@ decided, not where the API server delivers it. Format (docs/trace.md):
 
     {"trace": "outrate", "version": 1, "pid": 1234, "clock": "monotonic_ns", ...}
     {"t": 81234567890, "step": 17, "charged": {"alice": 2}, "refunded": {"alice": 1}}
-    {"t": 81284567890, "step": 18, "held": {"alice": 2}, "over": {"bob": 1}}
+    {"t": 81244567890, "step": 18, "prompt": {"mallory": 101}}
+    {"t": 81284567890, "step": 19, "held": {"alice": 2}, "over": {"bob": 1}}
     {"t": 81300000000, "policy": "<sha256>", "source": "/etc/policy.yaml"}
     {"t": 81400000000, "dropped": 120}
 
@@ -14,36 +15,32 @@ decided, not where the API server delivers it. Format (docs/trace.md):
 the step was dispatched at `t`. Per user id: `charged` tokens (shadow
 over-limit tokens included), `refunded` (charged but not scheduled: net is
 charged - refunded), `held` and `released` requests, `over` (tokens a shadow
-limit would have refused). Keys with nothing to say are left out.
+limit would have refused), `prompt` (prompt tokens computed and charged to a
+prompt limit, net of refunds). Keys with nothing to say are left out.
 
 The scheduler only appends a tuple to a bounded deque; a daemon thread formats
 and writes, and stops writing at `max_bytes` (a last line says so). If the
 writer falls behind by more than `max_pending` steps, the oldest steps are
 dropped and a `dropped` line counts them: the scheduler never waits on disk.
 
-The path is checked where the flags are parsed (`check_trace_path`, before the
-model loads) and opened by `open_trace_file` in the engine core, which cannot
-block or follow a link even if the path was swapped in between: outrate
-writes only to a regular file that is new, empty or already a trace.
+Where a trace may be written, and how the engine core opens it, is
+tracefile.py's.
 """
 
 from __future__ import annotations
 
 import collections
-import errno
 import json
 import logging
 import os
-import stat
 import threading
 import time
-from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from outrate.env import MAX_TRACE_BYTES
-from outrate.errors import OutrateError, Problem
-from outrate.filekind import file_kind
+from outrate.errors import Problem
 from outrate.fileread import MIB, FileLimit, FileReadError, read_lines
+from outrate.observe.tracefile import open_trace_file
 
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 MAX_TRACE_LINE_BYTES = MIB
@@ -51,133 +48,21 @@ FLUSH_INTERVAL_S = 0.1
 MAX_PENDING = 200_000
 
 Counts = dict[str, int]
-Step = tuple[int, int, int, Counts, Counts, Counts, Counts, Counts, Counts, Counts, Counts]
-"""(t, step, running, charged, refunded, held, released, over, borrowed, first, arrived)."""
+Step = tuple[int, int, int, Counts, Counts, Counts, Counts, Counts, Counts, Counts, Counts, Counts]
+"""(t, step, running, charged, refunded, held, released, over, borrowed, first,
+arrived, prompt)."""
 
-_KEYS = ("charged", "refunded", "held", "released", "over", "borrowed", "first", "arrived")
-
-TRACE_START = b'{"trace":"outrate"'
-"""How every trace's first line begins (the header, written compact). A file
-that begins otherwise is someone else's and is never overwritten."""
-
-_NEVER_BLOCK = (
-    os.O_NONBLOCK
-    | getattr(os, "O_NOFOLLOW", 0)
-    | getattr(os, "O_CLOEXEC", 0)
-    | getattr(os, "O_NOCTTY", 0)
+_KEYS = (
+    "charged",
+    "refunded",
+    "held",
+    "released",
+    "over",
+    "borrowed",
+    "first",
+    "arrived",
+    "prompt",
 )
-"""A FIFO or device opens at once (and is then refused), a symlink fails."""
-
-
-def _not_regular(where: str, mode: int) -> OutrateError:
-    if stat.S_ISLNK(mode):
-        return OutrateError(
-            f"{where}: is a symbolic link (outrate does not follow links: name the file itself)"
-        )
-    if stat.S_ISDIR(mode):
-        return OutrateError(f"{where}: is a directory")
-    return OutrateError(f"{where}: is not a regular file ({file_kind(mode)})")
-
-
-def _not_a_trace(where: str) -> OutrateError:
-    return OutrateError(f"{where}: is not an outrate trace; refusing to overwrite it")
-
-
-def _starts_as_trace(fd: int) -> bool:
-    """Whether an open regular file is empty or begins like a trace (a header
-    torn by a full disk included: shorter than TRACE_START, but its start)."""
-    return TRACE_START.startswith(os.pread(fd, len(TRACE_START), 0))
-
-
-def rank_path(path: str, suffix: str) -> str:
-    """`trace.jsonl` -> `trace.dp1.jsonl`: where each data-parallel rank writes."""
-    if not suffix:
-        return path
-    root, ext = os.path.splitext(path)
-    return f"{root}{suffix}{ext}"
-
-
-def check_trace_path(path: str | os.PathLike[str]) -> Path:
-    """The absolute path, if the trace may be written there; OutrateError
-    `PATH: why` if not. Startup and `outrate lint` run it, so a bad path fails
-    in a second with one line, not after the model loads (or never: a FIFO
-    blocked the engine core in open()).
-
-    Allowed: a path that does not exist, in an existing directory outrate can
-    write to, or an existing regular file that is empty or an outrate trace
-    (rewritten, as every start does). Refused: a symbolic link (not followed:
-    the trace would replace whatever it points to), a directory, a FIFO, a
-    socket or a device (/dev/full too), a missing parent (not created), a
-    file that is not a trace. Links among the parent directories are
-    followed, as in any path. "Can write" is `os.access`: the real user's
-    permission, so root passes every mode bit, as its open() would."""
-    abspath = Path(os.path.abspath(path))
-    where, parent = str(abspath), abspath.parent
-    try:
-        parent_mode = os.stat(parent).st_mode
-    except FileNotFoundError:
-        raise OutrateError(f"{where}: directory {parent} does not exist") from None
-    except NotADirectoryError:
-        raise OutrateError(f"{where}: {parent} is not a directory") from None
-    except OSError as e:
-        raise OutrateError(f"{where}: cannot reach {parent}: {e.strerror or e}") from e
-    if not stat.S_ISDIR(parent_mode):
-        raise OutrateError(f"{where}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise OutrateError(f"{where}: directory {parent} is not writable")
-    try:
-        st = os.lstat(abspath)
-    except FileNotFoundError:
-        return abspath
-    except OSError as e:
-        raise OutrateError(f"{where}: {e.strerror or e}") from e
-    if not stat.S_ISREG(st.st_mode):
-        raise _not_regular(where, st.st_mode)
-    if not os.access(abspath, os.W_OK):
-        raise OutrateError(f"{where}: is not writable")
-    if st.st_size:
-        try:
-            fd = os.open(abspath, os.O_RDONLY | _NEVER_BLOCK)
-            try:
-                trace = _starts_as_trace(fd)
-            finally:
-                os.close(fd)
-        except OSError as e:
-            raise OutrateError(f"{where}: cannot read: {e.strerror or e}") from e
-        if not trace:
-            raise _not_a_trace(where)
-    return abspath
-
-
-def open_trace_file(path: str) -> TextIO:
-    """Open the trace for writing from the start, in the engine core. The
-    path was checked at startup; this open holds the same rules whatever the
-    path has become since: it never blocks (O_NONBLOCK), never follows a
-    link (O_NOFOLLOW), and truncates only a regular file that is empty or a
-    trace (checked on the open file, fstat and its first bytes)."""
-    flags = os.O_RDWR | os.O_CREAT | _NEVER_BLOCK
-    try:
-        fd = os.open(path, flags, 0o644)
-    except OSError as e:
-        kind = {errno.ELOOP: stat.S_IFLNK, errno.EISDIR: stat.S_IFDIR}.get(e.errno or 0)
-        if kind is not None:
-            raise _not_regular(path, kind) from e
-        raise OutrateError(f"{path}: cannot open: {e.strerror or e}") from e
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise _not_regular(path, st.st_mode)
-        if not _starts_as_trace(fd):
-            raise _not_a_trace(path)
-        os.ftruncate(fd, 0)
-    except OutrateError:
-        os.close(fd)
-        raise
-    except OSError as e:
-        os.close(fd)
-        raise OutrateError(f"{path}: cannot open: {e.strerror or e}") from e
-    # O_NONBLOCK stays set: it changes nothing for a regular file.
-    return open(fd, "w", encoding="utf-8")
 
 
 class TraceWriter:

@@ -18,9 +18,10 @@ _MAX_ITEMS = 5
 def describe_changes(old: CompiledPolicy | None, new: CompiledPolicy) -> str:
     """One line saying what an operator's edit changed, for the reload log.
 
-    Compares effective limits (rate, burst, peak, stream cap, shadow), not spelling: moving a
-    user into a tier with the same numbers is "no effective change", and a new
-    policy-wide burst is reported once, not once per user that inherits it.
+    Compares effective limits (rate, burst, peak, stream cap, prompt,
+    shadow), not spelling: moving a user into a tier with the same numbers is
+    "no effective change", and a new policy-wide burst is reported once, not
+    once per user that inherits it.
     """
     if old is None:
         return f"loaded {brief(new)}"
@@ -98,7 +99,22 @@ def _same(a: Limit, b: Limit, old: CompiledPolicy, new: CompiledPolicy) -> bool:
         (a.rate, a.max_streams, a.peak, a.shadow) == (b.rate, b.max_streams, b.peak, b.shadow)
         and a.burst_ns == old.burst_ns
         and b.burst_ns == new.burst_ns
+        and _prompt(a, old) == _prompt(b, new)
     )
+
+
+def _prompt(limit: Limit, policy: CompiledPolicy) -> str:
+    """The rule's prompt limit as the change line shows it ("": unlimited);
+    its burst only where it is not the policy's."""
+    prompt = limit.prompt
+    if prompt is None or prompt.rate is None:
+        return ""
+    text = f" prompt {format_rate(prompt.rate)} tok/s"
+    if prompt.burst_ns != policy.burst_ns:
+        text += f" burst {format_duration(prompt.burst_ns)}"
+    if prompt.peak is not None:
+        text += f" peak {peak_text(prompt.peak)}"
+    return text
 
 
 def _cap(items: list[str]) -> list[str]:
@@ -108,8 +124,8 @@ def _cap(items: list[str]) -> list[str]:
 
 
 def _tail(limit: Limit, policy: CompiledPolicy) -> str:
-    """Burst (only where it is not the policy's), peak, stream cap, and
-    `shadow` for a limit counted but not enforced."""
+    """Burst (only where it is not the policy's), peak, stream cap, prompt
+    limit, and `shadow` for a limit counted but not enforced."""
     text = ""
     if limit.rate is not None and limit.burst_ns != policy.burst_ns:
         text += f" burst {format_duration(limit.burst_ns)}"
@@ -117,6 +133,7 @@ def _tail(limit: Limit, policy: CompiledPolicy) -> str:
         text += f" peak {peak_text(limit.peak)}"
     if limit.max_streams is not None:
         text += f" max_streams {limit.max_streams}"
+    text += _prompt(limit, policy)
     if limit.shadow and (limit.rate is not None or limit.max_streams is not None):
         text += " shadow"
     return text

@@ -20,6 +20,7 @@ from outrate.budget.gcra import PEAK_UNLIMITED
 from outrate.budget.limiter import Limit
 from outrate.identity.core import ANONYMOUS, BODY, IdentityConfig, KeyTable
 from outrate.policy.model import LimitRule, Policy, TierRule
+from outrate.policy.specs import PromptRule
 from outrate.policy.values import UNLIMITED
 from outrate.units import format_count, format_rate
 
@@ -57,8 +58,11 @@ class CompiledPolicy:
     _lookup: dict[str, Limit] = field(init=False, repr=False)
     _matchers: tuple[tuple[Any, Limit], ...] = field(init=False, repr=False)
     _cache: dict[str, Limit] = field(init=False, repr=False, default_factory=dict)
+    prompts: PromptSource = field(init=False, repr=False)
+    """What the prompt budgets' table asks (a `LimitSource`): each user's prompt limit."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "prompts", PromptSource(self))
         lookup = dict(self.users)
         object.__setattr__(self, "_lookup", lookup)
         object.__setattr__(self, "users", MappingProxyType(lookup))
@@ -119,7 +123,25 @@ class CompiledPolicy:
         behave exactly like stock vLLM."""
         limits = [self.default, self.anonymous, *self.users.values(), *self.tiers.values()]
         limits += [lim for _, lim in self.patterns]
-        return all((lim.rate is None and lim.max_streams is None) or lim.shadow for lim in limits)
+        return all(
+            (lim.rate is None and lim.max_streams is None and lim.prompt is None) or lim.shadow
+            for lim in limits
+        )
+
+    def all_limits(self) -> list[Limit]:
+        """Every limit a user can resolve to (the scheduler asks whether any lends)."""
+        limits = [self.default, self.anonymous, *self.tiers.values(), *self.users.values()]
+        return limits + [lim for _, lim in self.patterns]
+
+    @property
+    def prompt_rules(self) -> list[str]:
+        """Rules whose prompt tokens are limited (a finite prompt rate), in
+        shadow or not: the scheduler paces prefill only when there is one."""
+        seen: dict[str, None] = {}
+        for lim in self.all_limits():
+            if lim.prompt is not None and lim.prompt.rate is not None:
+                seen.setdefault(lim.rule)
+        return list(seen)
 
     @property
     def shadow_rules(self) -> list[str]:
@@ -175,6 +197,25 @@ _SUMMARY_PEAKS = 5
 """Rules with a peak named in the summary line; the rest are counted."""
 
 
+class PromptSource:
+    """A compiled policy seen by the prompt budgets' table: `limit_for` answers
+    each user's prompt limit (the rule's `Limit.prompt`), unlimited when its
+    rule has none. One per `CompiledPolicy`, so a reload swaps both tables."""
+
+    __slots__ = ("policy",)
+
+    def __init__(self, policy: CompiledPolicy) -> None:
+        self.policy = policy
+
+    def limit_for(self, user_id: str) -> Limit:
+        prompt = self.policy.limit_for(user_id).prompt
+        return UNLIMITED_PROMPT if prompt is None else prompt
+
+
+UNLIMITED_PROMPT = Limit(None, 1, rule="prompt unlimited", label="")
+"""The prompt limit of a rule without one (no state, no pacing)."""
+
+
 def peak_text(peak: Fraction | str) -> str:
     """A Limit's peak as logs and lint show it: `200`, `unlimited`."""
     return "unlimited" if peak == PEAK_UNLIMITED else format_rate(Fraction(peak))
@@ -192,13 +233,14 @@ def _limit(
     shadow = rule.shadow
     if isinstance(rule, LimitRule) and rule.tier is not None:
         base = policy.tiers[rule.tier]
-        overrides = (rule.burst, rule.max_streams, rule.shadow, rule.peak)
+        overrides = (rule.burst, rule.max_streams, rule.shadow, rule.peak, rule.prompt)
         if all(value is None for value in overrides):
             return tier_limits[rule.tier]  # shared: same rule as the tier
         rate = base.rate
         burst = rule.burst or base.burst or policy.burst
         streams = rule.max_streams if rule.max_streams is not None else base.max_streams
         peak = rule.peak if rule.peak is not None else base.peak
+        prompt = rule.prompt if rule.prompt is not None else base.prompt
         if shadow is None:
             shadow = base.shadow
         name = f"{name} (tiers.{rule.tier})"
@@ -207,6 +249,7 @@ def _limit(
         burst = rule.burst or policy.burst
         streams = rule.max_streams
         peak = rule.peak
+        prompt = rule.prompt
     if shadow is None:
         shadow = policy.mode == "shadow"
     return Limit(
@@ -214,6 +257,25 @@ def _limit(
         burst,
         streams,
         rule=name,
+        shadow=shadow,
+        label=label,
+        peak=PEAK_UNLIMITED if peak == UNLIMITED else peak,
+        prompt=_prompt_limit(prompt, name, label, shadow, policy),
+    )
+
+
+def _prompt_limit(
+    rule: PromptRule | None, name: str, label: str, shadow: bool, policy: Policy
+) -> Limit | None:
+    """A rule's prompt limit: its own burst, else the policy's; the rule's
+    shadow and label. None: prompts unlimited (no state)."""
+    if rule is None or rule.rate == UNLIMITED:
+        return None
+    peak = rule.peak
+    return Limit(
+        rule.rate,
+        rule.burst or policy.burst,
+        rule=f"{name}.prompt",
         shadow=shadow,
         label=label,
         peak=PEAK_UNLIMITED if peak == UNLIMITED else peak,
@@ -271,6 +333,7 @@ def compile_policy(
             shadow=d.shadow,
             label="anonymous",
             peak=d.peak,
+            prompt=d.prompt,
         )
     return CompiledPolicy(
         source=source,

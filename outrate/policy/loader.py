@@ -35,6 +35,9 @@ _MISSING = {
     "pattern": "missing; each match entry needs a 'pattern'",
     "rate": "missing; a tier needs a 'rate' (tokens per second or 'unlimited')",
 }
+_MISSING_PROMPT_RATE = (
+    "missing; a prompt limit needs a 'rate' (prompt tokens per second or 'unlimited')"
+)
 
 
 # -- error translation ------------------------------------------------------
@@ -167,7 +170,10 @@ def _translate(err: ValidationError, doc: Doc) -> list[tuple[Path, Pos, str, str
         elif kind == "missing":
             parent = loc[:-1]
             pos = doc.pos.get(parent, (1, 1)) if parent else (1, 1)
-            out.append((loc, pos, field_path(loc), _MISSING.get(str(loc[-1]), "missing")))
+            text = _MISSING.get(str(loc[-1]), "missing")
+            if loc[-2:] == ("prompt", "rate"):
+                text = _MISSING_PROMPT_RATE
+            out.append((loc, pos, field_path(loc), text))
         else:
             where = doc.nearest(loc)
             pos = doc.pos.get(where, (1, 1)) if where else (1, 1)

@@ -9,8 +9,9 @@ user, tier and match entry) in one of these forms::
     {rate: 20, peak: 200}    # or peak: unlimited: borrow idle capacity up to it
     {tier: pro}              # users, match entries, default, anonymous only
     {tier: pro, burst: 1s, max_streams: 2, peak: unlimited}   # a tier with overrides
+    {rate: 20, prompt: 2000}  # and prompt tokens computed per second (`PromptRule`)
 
-With `tier`, only `burst`, `max_streams`, `shadow` and `peak` may be
+With `tier`, only `burst`, `max_streams`, `shadow`, `peak` and `prompt` may be
 overridden: a `rate` beside `tier` would make the tier name a lie, so it is an
 error. A `peak` is checked against the rate it rises above: here when the rule
 has its own rate (`peak_problem`), by the policy when the rate is its tier's.
@@ -171,6 +172,70 @@ class _Spec(Strict):
         return {"rate": data}
 
 
+NO_PROMPT = (
+    "must be a number of prompt tokens per second, 'unlimited', or a mapping (got nothing): "
+    "leave 'prompt' out for the default (unlimited, or the tier's prompt limit)"
+)
+
+
+def _written_prompt(value: Any) -> Any:
+    """`prompt: null` is an error, not "unlimited": beside a tier it would keep
+    the tier's prompt limit where the writer may have meant none."""
+    if value is None:
+        raise problem(NO_PROMPT)
+    return value
+
+
+class PromptRule(_Spec):
+    """A limit on the prompt tokens the engine computes for a user (prefix-cache
+    hits and recomputation after a preemption are free), in the forms of an
+    output limit: a rate, 'unlimited', or `{rate, burst, peak}`. Its own GCRA
+    bucket; streams and shadow are the rule's (docs/prompt-limits.md)."""
+
+    _kind = "a number of prompt tokens per second, 'unlimited', or a mapping"
+
+    rate: Rate = Field(description="Prompt tokens computed per second, or 'unlimited'.")
+    peak: Peak = None
+    burst: Burst = None
+
+    @field_validator("peak", mode="before")
+    @classmethod
+    def _peak_written(cls, value: Any) -> Any:
+        return _written_peak(value)
+
+    @field_validator("peak", mode="after")
+    @classmethod
+    def _peak_above_rate(cls, peak: RateValue | None, info: ValidationInfo) -> RateValue | None:
+        return _check_peak(peak, info)
+
+
+PromptSpec = Annotated[PromptRule, _ScalarOrMapping()]
+
+
+class _NotNull:
+    """Schema hook: an optional field whose `null` the loader refuses (the
+    default is "not written")."""
+
+    def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> dict[str, Any]:
+        schema: dict[str, Any] = handler(core_schema)
+        branches = [b for b in schema.get("anyOf", []) if b.get("type") != "null"]
+        if "anyOf" in schema:
+            schema["anyOf"] = branches
+        return schema
+
+
+Prompt = Annotated[
+    PromptSpec | None,
+    _NotNull(),
+    Field(
+        description="Prompt tokens computed per second: a rate, 'unlimited', or "
+        "{rate, burst, peak}. Default: unlimited (a tier's prompt passes to the users "
+        "and patterns that use it).",
+        json_schema_extra=_no_default,
+    ),
+]
+
+
 class TierRule(_Spec):
     """A named limit users and patterns can refer to. Cannot name another tier."""
 
@@ -179,11 +244,17 @@ class TierRule(_Spec):
     burst: Burst = None
     max_streams: Streams = None
     shadow: Shadow = None
+    prompt: Prompt = None
 
     @field_validator("peak", mode="before")
     @classmethod
     def _peak_written(cls, value: Any) -> Any:
         return _written_peak(value)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_written(cls, value: Any) -> Any:
+        return _written_prompt(value)
 
     @field_validator("peak", mode="after")
     @classmethod
@@ -200,19 +271,25 @@ class LimitRule(_Spec):
 
     tier: Name | None = Field(
         default=None,
-        description="Take rate, peak, burst and max_streams from this tier; peak, burst "
-        "and max_streams may be overridden here, rate may not.",
+        description="Take rate, peak, burst, max_streams and prompt from this tier; all "
+        "but rate may be overridden here.",
     )
     rate: Rate | None = Field(default=None, description=_RATE_DOC)
     peak: Peak = None
     burst: Burst = None
     max_streams: Streams = None
     shadow: Shadow = None
+    prompt: Prompt = None
 
     @field_validator("peak", mode="before")
     @classmethod
     def _peak_written(cls, value: Any) -> Any:
         return _written_peak(value)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_written(cls, value: Any) -> Any:
+        return _written_prompt(value)
 
     @field_validator("peak", mode="after")
     @classmethod

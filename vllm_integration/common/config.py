@@ -32,6 +32,7 @@ from outrate.check.outrate_flags import (
     check_flags,
     given,
 )
+from outrate.check.prompts import prompt_refusals
 from outrate.check.rules import API_KEY_CONFLICT, Finding, lint_deployment, lint_exposure
 from outrate.errors import OutrateError, PolicyError, Problem
 from outrate.identity.core import IdentityConfig
@@ -127,6 +128,26 @@ def load_checked(path: str | os.PathLike[str], vllm_api_key: bool = False) -> Co
         problem = Problem(policy.source, line, col, "identity.source", API_KEY_CONFLICT)
         raise PolicyError([problem], depends_on=policy.depends_on)
     return policy
+
+
+def refuse_prompt_limits(
+    policy: CompiledPolicy, store: bool, chunked: bool | None, max_model_len: int | None
+) -> CompiledPolicy:
+    """The prompt limits this engine cannot enforce, refused with lint's
+    located messages (outrate/check/prompts.py): OR119 with `--outrate-store`,
+    OR118 without chunked prefill. At start (the API server with what its
+    flags say, the engine core with its final config) and on reload (the
+    engine core's loader: the edit is rejected, the old policy kept).
+    Returns `policy`."""
+    refused = prompt_refusals(policy, store, chunked, max_model_len)
+    if refused:
+        raise PolicyError([p for _, p in refused], depends_on=policy.depends_on)
+    return policy
+
+
+def _model_len(value: Any) -> int | None:
+    """vLLM's `max_model_len` as asked for: None when it comes from the model."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def exposure_from_args(args: Any) -> Deployment | None:
@@ -242,6 +263,7 @@ def deployment_from_engine_args(ea: Any, settings: EngineSettings | None = None)
         max_num_seqs=ea.max_num_seqs,
         max_num_active_seqs=ea.max_num_active_seqs,
         chunked_prefill=ea.enable_chunked_prefill,
+        max_model_len=_model_len(ea.max_model_len),
         async_scheduling=ea.async_scheduling,
         source="vllm serve arguments",
     )
@@ -287,6 +309,7 @@ def deployment_from_vllm_config(vc: Any, settings: EngineSettings | None = None)
         max_num_seqs=sc.max_num_seqs,
         max_num_active_seqs=sc.max_num_active_seqs,
         chunked_prefill=sc.enable_chunked_prefill,
+        max_model_len=vc.model_config.max_model_len,
         async_scheduling=sc.async_scheduling,
         model_kind=_model_kind(vc.model_config),
         source="vLLM engine config",

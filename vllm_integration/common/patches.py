@@ -35,7 +35,8 @@ PATCHES: tuple[Patch, ...] = (
         "Scheduler._reserve_prefill_lookahead",
         "step/scheduler.py",
         "charge one token per sampling dispatch; out of budget return 0 (skip) "
-        "or cap a prefill one short of sampling (stock's body, the prefill "
+        "or cap a prefill one short of sampling; under prompt limits, cut a "
+        "prefill chunk to its user's prompt budget (step/prompts.py) (stock's body, the prefill "
         "lookahead of speculative decoding, is not called: outrate refuses "
         "speculative decoding, and the scheduler refuses a lookahead)",
         _HOOK,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from outrate.errors import OutrateError
-from outrate.observe.trace import rank_path
+from outrate.observe.tracefile import rank_path
 
 __all__ = ["CONFIG_KEY", "EngineSettings", "ReloadMode", "dp_suffix", "rank_path"]
 

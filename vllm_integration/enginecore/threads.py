@@ -14,7 +14,7 @@ Each writes from its own daemon thread; the scheduler thread only counts.
 from __future__ import annotations
 
 import logging
-from functools import partial
+import os
 from typing import Any
 
 from outrate.observe.publish import Publisher, snapshot
@@ -51,7 +51,14 @@ def start_engine_threads(
         threads.store = store
         store.start(lambda: box.current.sha256)  # heartbeats the policy in force
     if settings.reload != "off" and settings.policy is not None:
-        from vllm_integration.common.config import load_checked
+        from vllm_integration.common.config import load_checked, refuse_prompt_limits
+
+        sc = scheduler.scheduler_config
+        chunked, max_len = bool(sc.enable_chunked_prefill), scheduler.max_model_len
+
+        def load(path: str | os.PathLike[str]) -> CompiledPolicy:
+            new = load_checked(path, settings.vllm_api_key)
+            return refuse_prompt_limits(new, store is not None, chunked, max_len)
 
         def publish(new: CompiledPolicy) -> None:
             box.current = new  # read by schedule() at the next step boundary
@@ -62,7 +69,7 @@ def start_engine_threads(
             initial=box.current,
             mode=settings.reload,
             logger=logging.getLogger("vllm.outrate.reload"),
-            loader=partial(load_checked, vllm_api_key=settings.vllm_api_key),
+            loader=load,
         )
         threads.reloader.start()
     if settings.trace:

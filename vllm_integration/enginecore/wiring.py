@@ -52,12 +52,14 @@ def wire_engine(sched: Any) -> Any:
     """The engine core put together, in one place and in order, at the
     scheduler's construction: the settings the API server sent (after the
     deployment rules and the connectors the scheduler was built with), the
-    policy they name, the budget store (`--outrate-store`), the scheduler's
-    parts, then the threads (reload, metrics, trace, leases) and the idle
+    policy they name (refused if it has prompt limits this engine cannot
+    enforce), the budget store (`--outrate-store`), the scheduler's parts,
+    then the threads (reload, metrics, trace, leases) and the idle
     wait. Returns the `EngineThreads`."""
     from vllm_integration.common.config import (
         compile_settings,
         refuse_connectors,
+        refuse_prompt_limits,
         settings_from_vllm_config,
     )
     from vllm_integration.enginecore.store import open_store
@@ -66,6 +68,8 @@ def wire_engine(sched: Any) -> Any:
     refuse_connectors(sched)
     settings = settings_from_vllm_config(sched.vllm_config)
     policy = compile_settings(settings)
+    chunked = bool(sched.scheduler_config.enable_chunked_prefill)
+    refuse_prompt_limits(policy, bool(settings.store), chunked, sched.max_model_len)
     store = open_store(policy, settings, sched.vllm_config)
     sched.outrate_configure(policy, limiter=store.limiter if store is not None else None)
     logger.info("outrate: %s", policy.summary())

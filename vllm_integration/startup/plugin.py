@@ -304,6 +304,7 @@ def apply_outrate_args(engine_args: Any, args: argparse.Namespace) -> Any:
         deployment_from_engine_args,
         exposure_from_args,
         outrate_settings,
+        refuse_prompt_limits,
     )
     from vllm_integration.common.settings import CONFIG_KEY
 
@@ -317,7 +318,11 @@ def apply_outrate_args(engine_args: Any, args: argparse.Namespace) -> Any:
             data_parallel_size=engine_args.data_parallel_size or 1,
         )
         policy = compile_settings(settings)
-        findings = check_deployment(deployment_from_engine_args(engine_args, settings))
+        deployment = deployment_from_engine_args(engine_args, settings)
+        findings = check_deployment(deployment)
+        refuse_prompt_limits(
+            policy, deployment.store, deployment.chunked_prefill, deployment.max_model_len
+        )
         for finding in findings + check_exposure(policy.identity, exposure):
             logger.warning("outrate: %s", finding)
     except OutrateError as exc:

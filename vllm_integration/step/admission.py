@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from vllm_integration.step.lending import Lending
+    from vllm_integration.step.prompts import PromptPacer
 
 
 class Admission:
@@ -42,6 +43,7 @@ class Admission:
         self.caching = caching  # prefix caching
         self.block_size = block_size
         self.lending: Lending | None = None  # set by the scheduler: borrowers' new prompts
+        self.prompts: PromptPacer | None = None  # set while the policy limits prompts
 
     def admit(
         self,
@@ -68,6 +70,8 @@ class Admission:
             pass  # computed and counted, never enforced
         elif limit.max_streams is not None and u.resident >= limit.max_streams:
             return self._defer(rs, "max_streams")  # waits without blocking anyone else
+        elif self.prompts is not None and not self.prompts.can_start(request, rs, now):
+            return self._defer(rs, "prompt")  # no prompt budget for a first chunk
         elif u.refused_step == step or u.n_held or not (u.left or limiter.available(u.bucket, now)):
             # (u.left: tokens it took for this step and has not spent: budget too)
             lending = self.lending

@@ -25,6 +25,7 @@ from vllm_integration.step.state import ATTR, RequestState, StepScratch, UserSta
 
 if TYPE_CHECKING:
     from vllm_integration.step.lending import Lending
+    from vllm_integration.step.prompts import PromptPacer
 
 
 class Ledger:
@@ -35,6 +36,7 @@ class Ledger:
         self.metrics = metrics
         self.recorder = recorder  # with --outrate-trace
         self.lending: Lending | None = None  # set by the scheduler: borrowed refunds
+        self.prompts: PromptPacer | None = None  # set by the scheduler: prompt refunds
         self.now = -1  # this step's time (-1: no step yet)
         self.prev_now = -1  # the step before's
         self.period = 0  # their difference: a consecutive token's interval
@@ -83,6 +85,8 @@ class Ledger:
             candidates.clear()
 
     def _refund(self, r: Any, step: int, now: int) -> None:
+        if self.prompts is not None:
+            self.prompts.refund(r, step, now)
         rs = r.__dict__.get(ATTR)
         if rs is None or rs.charged_step != step:
             return  # refunded already (the last charged, preempted too), or finished

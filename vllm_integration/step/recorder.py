@@ -51,15 +51,23 @@ class StepRecorder:
         ones are not among them); per user id, tokens charged this step
         (gross), refunded, shadow over-limit, borrowed (between rate and peak:
         already among the charged) and first tokens of a request; held,
-        released, and requests that arrived since the step before. O(requests
-        scheduled). Steps where nothing happened write nothing."""
+        released, and requests that arrived since the step before; prompt
+        tokens charged (net: the refund point ran, and refunded requests are
+        not scheduled). O(requests scheduled). Steps where nothing happened
+        write nothing."""
         charged: dict[str, int] = {}
         over: dict[str, int] = {}
         borrowed: dict[str, int] = {}
         first: dict[str, int] = {}
+        prompt: dict[str, int] = {}
         for rid in scheduled:
             rs = requests[rid].__dict__.get(ATTR)
-            if rs is None or rs.charged_step != step:
+            if rs is None:
+                continue
+            if rs.prompt_step == step and rs.prompt_counted:
+                pkey = rs.user.key
+                prompt[pkey] = prompt.get(pkey, 0) + rs.prompt_counted
+            if rs.charged_step != step:
                 continue
             key = rs.user.key
             charged[key] = charged.get(key, 0) + 1
@@ -73,7 +81,7 @@ class StepRecorder:
         for key, n in refunded.items():
             charged[key] = charged.get(key, 0) + n
         held, released, arrived = self.held_by, self.released_by, self.arrived_by
-        if charged or held or released or arrived:  # (the writer keeps the dicts)
+        if charged or held or released or arrived or prompt:  # (the writer keeps the dicts)
             self.trace.step(
                 (
                     now,
@@ -87,6 +95,7 @@ class StepRecorder:
                     borrowed,
                     first,
                     arrived,
+                    prompt,
                 )
             )
             self.held_by, self.released_by, self.refunded_by = {}, {}, {}

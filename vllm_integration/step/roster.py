@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from outrate.budget.limiter import Limiter
 from outrate.budget.store import BudgetStore
 from outrate.observe.metrics import Metrics
 from outrate.policy.compiler import CompiledPolicy
@@ -20,9 +21,12 @@ if TYPE_CHECKING:
 
 
 class Roster:
-    def __init__(self, limiter: BudgetStore, metrics: Metrics) -> None:
+    def __init__(
+        self, limiter: BudgetStore, metrics: Metrics, prompts: Limiter | None = None
+    ) -> None:
         self.limiter = limiter
         self.metrics = metrics
+        self.prompts = prompts  # the prompt budgets' table (prompts.py)
         self.users: dict[str, UserState] = {}
 
     def user(self, key: str, policy: CompiledPolicy) -> UserState:
@@ -30,6 +34,8 @@ class Roster:
         if u is None:
             label = self.metrics.label_of(key, policy)
             u = UserState(key, self.limiter.pin(key), self.metrics.record(label))
+            if self.prompts is not None:
+                u.pbucket = self.prompts.pin(key)
             self.users[key] = u
         return u
 
@@ -55,6 +61,8 @@ class Roster:
         if u.live == 0:
             del self.users[u.key]
             self.limiter.unpin(u.bucket)
+            if u.pbucket is not None and self.prompts is not None:
+                self.prompts.unpin(u.pbucket)
 
     def charged(self) -> int:
         """Tokens charged so far, net of refunds: every label's counter."""

@@ -40,7 +40,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.sched.utils import remove_all
 from vllm.v1.request import Request, RequestStatus
 
-from outrate.budget.limiter import Limit, Limiter
+from outrate.budget.limiter import Limiter
 from outrate.budget.store import BudgetStore
 from outrate.identity.core import Stamper, resolve_identity
 from outrate.observe.metrics import Metrics
@@ -50,6 +50,7 @@ from vllm_integration.step.holdback import Holdback
 from vllm_integration.step.kv import HeldFirstAllocation
 from vllm_integration.step.ledger import Ledger
 from vllm_integration.step.lending import Lending, lends
+from vllm_integration.step.prompts import PromptPacer
 from vllm_integration.step.recorder import StepRecorder
 from vllm_integration.step.roster import Roster
 from vllm_integration.step.state import ATTR, PolicyBox, RequestState, StepScratch
@@ -118,8 +119,16 @@ class OutrateMixin:
         )
         self.lending = Lending(self.limiter, self.metrics, self.holdback, self._st)
         self.admission.lending = self.ledger.lending = self.lending
-        self._lends = lends(_limits(self._policy))  # any rule with a peak: lending runs
-        self.roster = Roster(self.limiter, self.metrics)
+        self._lends = lends(self._policy.all_limits())  # any rule with a peak: lending runs
+        # Prompt budgets: a second table over the rules' prompt limits (prompts.py).
+        self.prompt_table = Limiter(self._policy.prompts, clock=clock)
+        chunked = bool(sc.enable_chunked_prefill)
+        self.prompts = PromptPacer(
+            self.prompt_table, self.metrics, self._st, chunked, self, _RUNNING
+        )
+        self.ledger.prompts = self.prompts
+        self._pace_prompts(self._policy)
+        self.roster = Roster(self.limiter, self.metrics, self.prompt_table)
         self._users = self.roster.users  # users with live requests, by id
         self._step = 0
         self._now = 0
@@ -145,7 +154,9 @@ class OutrateMixin:
         trace notes it."""
         self._policy = policy
         self.limiter.set_policy(policy, now)
-        self._lends = lends(_limits(policy))
+        self.prompt_table.set_policy(policy.prompts, now)
+        self._pace_prompts(policy)
+        self._lends = lends(policy.all_limits())
         logger.debug("outrate: scheduler switched to %s", policy.summary())
         users = self._users.values()
         self.holdback.rearm(users, now)
@@ -153,6 +164,12 @@ class OutrateMixin:
             self.ledger.relabel(u, policy)
         if self.recorder is not None:
             self.recorder.event(now, policy=policy.sha256, source=policy.source)
+
+    def _pace_prompts(self, policy: CompiledPolicy) -> None:
+        """Prefill is paced only while some rule limits prompts: without one
+        the hook and admission run as before, step by step."""
+        self._prompts = bool(policy.prompt_rules)
+        self.admission.prompts = self.prompts if self._prompts else None
 
     @property
     def charged(self) -> int:
@@ -199,7 +216,7 @@ class OutrateMixin:
         if rs is not None:
             self._leave_slot(rs, request)
             rs.preempted_step = self._step
-            if rs.charged_step == self._step:
+            if rs.charged_step == self._step or rs.prompt_step == self._step:
                 self._st.preempted_charged.append(request)  # refunded after the step
         super()._preempt_request(request, timestamp, drop_stale_output)  # type: ignore[misc]
 
@@ -222,6 +239,13 @@ class OutrateMixin:
     def _reserve_prefill_lookahead(
         self, request: Request, num_computed_tokens: int, num_new_tokens: int
     ) -> int:
+        if self._prompts and num_new_tokens and num_computed_tokens < request.num_prompt_tokens:
+            n = num_new_tokens  # a chunk with prompt positions (prompts.py)
+            return self.prompts.dispatch(request, num_computed_tokens, n, self._step, self._now)
+        return self._charge(request, num_computed_tokens, num_new_tokens)
+
+    def _charge(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """The output charge of a dispatch that samples (the seed's rule)."""
         # `_all_token_ids`: request.num_tokens without a property call.
         if num_computed_tokens + num_new_tokens < len(request._all_token_ids) or not num_new_tokens:
             return num_new_tokens  # nothing sampled: middle prefill chunks are free
@@ -366,14 +390,3 @@ class OutrateScheduler(OutrateMixin, Scheduler):
 
 class OutrateAsyncScheduler(OutrateMixin, AsyncScheduler):
     """Rate-limited async scheduler (used when vLLM enables async scheduling)."""
-
-
-def _limits(policy: CompiledPolicy) -> list[Limit]:
-    """Every limit a policy can resolve to."""
-    return [
-        policy.default,
-        policy.anonymous,
-        *policy.users.values(),
-        *policy.tiers.values(),
-        *(lim for _, lim in policy.patterns),
-    ]

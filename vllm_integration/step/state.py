@@ -51,6 +51,7 @@ class UserState:
         "armed",
         "n_borrowing",
         "served",
+        "pbucket",
     )
 
     def __init__(self, key: str, bucket: Bucket, m: LabelMetrics) -> None:
@@ -74,6 +75,7 @@ class UserState:
         # the counter spare capacity is shared by (VTC's).
         self.n_borrowing = 0
         self.served = 0.0
+        self.pbucket: Bucket | None = None  # its prompt budget (prompts.py), once pinned
 
     def wakes_at(self, ready: int) -> bool:
         """Whether a wake-heap entry for `ready` is this user's live one."""
@@ -94,6 +96,11 @@ class RequestState:
         "deferred",
         "borrowing",
         "borrowed_step",
+        "prompt_done",
+        "prompt_step",
+        "prompt_prev",
+        "prompt_taken",
+        "prompt_counted",
     )
 
     def __init__(self, user: UserState) -> None:
@@ -111,6 +118,13 @@ class RequestState:
         self.deferred = ""  # why admission is deferred now ("" when it is not)
         self.borrowing = False  # running on spare capacity, out of its committed budget
         self.borrowed_step = -1  # step of a borrowed charge (refunds, the trace)
+        # Prompt charges (prompts.py): positions below `prompt_done` were
+        # charged once (recomputation is free); this step's charge, for refunds.
+        self.prompt_done = 0
+        self.prompt_step = -1  # the step of its last prompt charge
+        self.prompt_prev = 0  # prompt_done before that step
+        self.prompt_taken = 0  # tokens taken from the prompt budget that step
+        self.prompt_counted = 0  # tokens counted that step (shadow: beyond the taken)
 
 
 def is_held(request: Request) -> bool:

@@ -1,0 +1,169 @@
+"""Prompt limits on a real `outrate serve` (issue 40's prompt flood), judged
+from the engine's own trace (`prompt`: computed prompt tokens charged per
+user per step; `arrived`/`first`: a request reaching the engine and its
+first token).
+
+The flood: a user far inside its output rate (`max_tokens: 1`) that keeps 8
+streams of ~1,800-token prompts going, each prompt different (no prefix-cache
+hits). bob {rate: 100} meanwhile runs one long stream (its decode) and short
+requests one after another (its time to first token).
+
+- with `mallory {rate: 20, prompt: 500}`: bob's decode tok/s is at least 0.9x
+  alone, his engine time to first token p50 at most 2x alone plus one step,
+  and mallory's computed prompt tokens obey the GCRA bound at 500 tok/s in
+  every window (+1 token per window, as for output);
+- with `flooder {rate: 20}` (prompts unlimited, as before issue 40) the same
+  run is printed beside it: what the prompt limit saves bob.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import threading
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
+
+pytest.importorskip("vllm")
+
+from e2e_support import (  # noqa: E402
+    BURST_NS,
+    POLICY,
+    engine_steps,
+    trace_steps,
+    use_policy,
+    wait_idle,
+)
+from loadgen import Stream, client, stream_completion  # noqa: E402
+
+from outrate.observe.trace import engine_rate, max_window_excess  # noqa: E402
+
+PROMPT_RATE = 500
+FLOOD = POLICY + f"  mallory: {{rate: 20, prompt: {PROMPT_RATE}}}\n  flooder: 20\n  bob: 100\n"
+STREAMS = 8
+
+
+@pytest.fixture(scope="module")
+def server(server):
+    """The session's server with the flood's users; the base policy back at
+    the end."""
+    wait_idle(server)
+    use_policy(server, FLOOD)
+    yield server
+    wait_idle(server)
+    use_policy(server, POLICY)
+
+
+_NEXT = itertools.count()
+
+
+def _prompt() -> str:
+    # A different first token in each: no block of it is a prefix-cache hit.
+    return f"{next(_NEXT)} " + "rate limits keep engines fair. " * 105  # about 1,790 tokens
+
+
+class Flood:
+    """`user`'s 8 streams, each sending the next long prompt as soon as the
+    last one's single token came back."""
+
+    def __init__(self, server, user: str) -> None:
+        self.api = client(server.base_url)
+        self.user = user
+        self.stop = threading.Event()
+        self.sent = 0
+        self.errors: list[str] = []
+        self.threads = [threading.Thread(target=self._run, args=(k,)) for k in range(STREAMS)]
+        self.current: list[Stream | None] = [None] * STREAMS
+
+    def _run(self, k: int) -> None:
+        while not self.stop.is_set():
+            s = self.current[k] = Stream(self.user, 1)
+            stream_completion(self.api, self.user, 1, prompt=_prompt(), stream=s)
+            if s.error and not s.closed:
+                self.errors.append(s.error)
+            self.sent += 1
+
+    def __enter__(self) -> Flood:
+        for t in self.threads:
+            t.start()
+        time.sleep(2.0)  # the flood is in the engine
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for s in self.current:  # what is still queued is aborted, not waited for
+            if s is not None:
+                s.close()
+        for t in self.threads:
+            t.join(timeout=120)
+
+
+def _bob(server, tokens: int = 300) -> tuple[float, list[float], float]:
+    """bob's decode (engine tok/s of one stream of `tokens` past its first 20
+    tokens), his engine time to first token of 6 short requests one after
+    another (arrival to first token, from the trace), and the mean step
+    length meanwhile (ms)."""
+    api = client(server.base_url)
+    since = time.monotonic_ns()
+    long_run = stream_completion(api, "bob", tokens)
+    assert long_run.error is None, long_run.error
+    decode = engine_steps(server, "bob", since)
+    seen = 0
+    for i, (_, k) in enumerate(decode):
+        seen += k
+        if seen >= 20:
+            decode = decode[i:]
+            break
+    rate = engine_rate(decode)
+    since = time.monotonic_ns()
+    for _ in range(6):
+        s = stream_completion(api, "bob", 2)  # its first token is what is judged
+        assert s.error is None, s.error
+    lines = trace_steps(server, since)
+    arrived = [r["t"] for r in lines for _ in range(r.get("arrived", {}).get("bob", 0))]
+    first = [r["t"] for r in lines for _ in range(r.get("first", {}).get("bob", 0))]
+    assert len(arrived) == len(first) == 6, (arrived, first)
+    ttft = [(f - a) / 1e6 for a, f in zip(arrived, first, strict=True)]
+    steps = [r for r in lines if "step" in r]
+    step_ms = (steps[-1]["t"] - steps[0]["t"]) / 1e6 / max(1, steps[-1]["step"] - steps[0]["step"])
+    return rate, ttft, step_ms
+
+
+def test_a_prompt_limit_keeps_a_prompt_flood_off_others(server):
+    alone_rate, alone_ttft, alone_step = _bob(server)
+    runs = {}
+    for user in ("flooder", "mallory"):
+        since = time.monotonic_ns()
+        with Flood(server, user) as flood:
+            # Beside the unlimited flood bob decodes at a few tok/s: a
+            # shorter stream, printed, not judged.
+            runs[user] = _bob(server, 300 if user == "mallory" else 60)
+        assert not flood.errors, flood.errors[:3]
+        runs[user] += (since, flood.sent)
+    p50_alone = statistics.median(alone_ttft)
+    print(
+        f"bob alone: decode {alone_rate:.1f} tok/s, engine TTFT p50 {p50_alone:.1f} ms, "
+        f"step {alone_step:.1f} ms"
+    )
+    for user, (rate, ttft, step_ms, _, sent) in runs.items():
+        print(
+            f"beside {user}'s flood ({sent} prompts): decode {rate:.1f} tok/s "
+            f"({rate / alone_rate:.2f}x alone), engine TTFT p50 "
+            f"{statistics.median(ttft):.1f} ms, mean step {step_ms:.1f} ms"
+        )
+    rate, ttft, step_ms, since, _ = runs["mallory"]
+    lines = trace_steps(server, since)
+    prompt = [(r["t"], r["prompt"]["mallory"]) for r in lines if "mallory" in r.get("prompt", {})]
+    computed = sum(k for _, k in prompt)
+    excess = max_window_excess(prompt, PROMPT_RATE, BURST_NS)
+    print(
+        f"mallory: {computed} prompt tokens computed at {engine_rate(prompt):.0f} tok/s; "
+        f"worst window against {PROMPT_RATE} tok/s {excess:+.2f}"
+    )
+    assert computed > PROMPT_RATE  # she did flood
+    assert excess <= 1 + 1e-6  # (W + burst) * rate + 1 in every window
+    assert rate >= 0.9 * alone_rate
+    assert statistics.median(ttft) <= 2 * p50_alone + step_ms

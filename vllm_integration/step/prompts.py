@@ -1,0 +1,186 @@
+"""Prompt pacing: each user's prompt tokens computed, charged chunk by chunk
+against a second budget table (docs/prompt-limits.md).
+
+A prompt position is charged once per request, when a step that computes it
+is dispatched: prefix-cache hits are never in a chunk, and recomputation after
+a preemption (positions below `RequestState.prompt_done`) is free. A chunk is
+cut to what the user's prompt budget allows (`pace`); what the output logic
+then cuts off goes back (`trim`); the one refund point gives a missed step's
+tokens back (`refund`). `dispatch` is the charging hook's whole prompt path,
+those steps in order. Admission defers a waiting request whose user has no
+prompt budget (`can_start`), so the hook never returns 0 in stock's waiting
+loop, which would stop admission for everyone; a running request skipped for
+prompt budget gives its active seat to a waiting one.
+
+Plain Python over the scheduler's records (state.py) and a `Limiter` whose
+policy is `CompiledPolicy.prompts`: no vLLM import. Single engine only: a
+shared store (`--outrate-store`) with prompt limits is refused at start
+(vllm_integration/enginecore/store.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sized
+from typing import TYPE_CHECKING, Protocol
+
+from outrate.budget.limiter import Limiter
+from outrate.observe.metrics import Metrics
+from vllm_integration.step.state import ATTR, RequestState, StepScratch, UserState
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+
+class Host(Protocol):
+    """What the pacer needs of the scheduler (scheduler.py's `OutrateMixin`):
+    the output charge of a chunk, and stock's caps on seats this step."""
+
+    max_num_active_reqs: int
+    max_num_running_reqs: int
+
+    @property
+    def holdback(self) -> Sized: ...
+
+    def _charge(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int: ...
+
+
+class PromptPacer:
+    def __init__(
+        self,
+        table: Limiter,
+        metrics: Metrics,
+        st: StepScratch,
+        chunked: bool,
+        host: Host,
+        running: object,
+    ) -> None:
+        self.table = table  # the prompt budgets (policy: CompiledPolicy.prompts)
+        self.metrics = metrics
+        self.st = st
+        self.chunked = chunked  # chunked prefill: a prompt may be computed over several steps
+        self.host = host
+        self.running = running  # vLLM's RequestStatus.RUNNING (no vLLM import here)
+
+    def dispatch(self, request: Request, nc: int, n: int, step: int, now: int) -> int:
+        """A chunk `[nc, nc + n)` with prompt positions, under prompt limits:
+        cut to the prompt budget, then charged for output as any chunk; what
+        the output logic cuts off goes back. A running request with no prompt
+        budget is skipped (0) and takes no active seat this step: stock's
+        waiting loop may admit one more (never above `max_num_seqs` less the
+        held, stock's own assert); `schedule()` restores the cap after the step."""
+        rs: RequestState = request.__dict__[ATTR]
+        host = self.host
+        n = self.pace(request, rs, nc, n, step, now)
+        if not n:
+            if request.status == self.running:
+                self.metrics.prompt_skips += 1
+                if host.max_num_active_reqs < host.max_num_running_reqs - len(host.holdback):
+                    host.max_num_active_reqs += 1
+            return 0
+        m = host._charge(request, nc, n)
+        if m != n:
+            self.trim(rs, nc, m, request.num_prompt_tokens, step, now)
+        return m
+
+    def pace(self, request: Request, rs: RequestState, nc: int, n: int, step: int, now: int) -> int:
+        """The chunk `[nc, nc + n)` cut to what the user's prompt budget
+        allows, its chargeable positions taken from the budget. 0: none allowed
+        (the caller skips the request; admission kept it out of the waiting
+        loop)."""
+        p = request.num_prompt_tokens
+        start = nc if nc > rs.prompt_done else rs.prompt_done
+        end = nc + n if nc + n < p else p
+        want = end - start
+        if want <= 0:
+            return n  # recomputation or output positions: free
+        u = rs.user
+        pb = u.pbucket
+        assert pb is not None  # pinned with the user (roster.py)
+        table = self.table
+        k = table.take_upto(pb, now, want)
+        counted = k
+        if k < want:
+            if table.limit_of(pb, now).shadow:
+                counted = want  # computed and counted, never enforced
+                u.m.prompt_over += want - k
+            else:
+                self._blocked(u, now)
+                if not self.chunked and k:
+                    table.give_back(pb, now, k)  # the whole prompt or nothing
+                    k = counted = 0
+                n = start + k - nc if self.chunked else 0
+        if counted:
+            if rs.prompt_step != step:
+                rs.prompt_step = step
+                rs.prompt_prev = rs.prompt_done
+                rs.prompt_taken = rs.prompt_counted = 0
+            rs.prompt_taken += k
+            rs.prompt_counted += counted
+            rs.prompt_done = start + counted
+            u.m.prompt += counted
+            self.st.last_charge = request  # a refund candidate (state.py)
+        return n
+
+    def trim(self, rs: RequestState, nc: int, m: int, p: int, step: int, now: int) -> None:
+        """The output logic cut the chunk to `m` tokens: prompt positions
+        charged beyond it go back at once."""
+        if rs.prompt_step != step:
+            return
+        end = nc + m if nc + m < p else p
+        floor = end if end > rs.prompt_prev else rs.prompt_prev
+        extra = rs.prompt_done - floor
+        if extra <= 0:
+            return
+        u = rs.user
+        pb = u.pbucket
+        assert pb is not None
+        back = extra if extra < rs.prompt_taken else rs.prompt_taken
+        if back:
+            self.table.give_back(pb, now, back)
+            rs.prompt_taken -= back
+        rs.prompt_counted -= extra
+        rs.prompt_done = floor
+        u.m.prompt -= extra
+
+    def refund(self, r: Request, step: int, now: int) -> None:
+        """`r` was prompt-charged this step and missed it: give it all back."""
+        rs = r.__dict__.get(ATTR)
+        if rs is None or rs.prompt_step != step:
+            return
+        u = rs.user
+        pb = u.pbucket
+        assert pb is not None
+        if rs.prompt_taken:
+            self.table.give_back(pb, now, rs.prompt_taken)
+        u.m.prompt -= rs.prompt_counted
+        rs.prompt_done = rs.prompt_prev
+        rs.prompt_step = -1
+        self.metrics.prompt_refunded += rs.prompt_counted
+
+    def can_start(self, request: Request, rs: RequestState, now: int) -> bool:
+        """Whether a waiting request may be admitted now: its user has prompt
+        budget for a first chunk (without chunked prefill: for all of its
+        prompt not yet charged), or it has nothing left to charge."""
+        left = request.num_prompt_tokens - rs.prompt_done
+        if left <= 0:
+            return True
+        u = rs.user
+        pb = u.pbucket
+        assert pb is not None
+        table = self.table
+        lim = table.limit_of(pb, now)
+        if lim.rate is None or lim.shadow:
+            return True
+        avail = table.available(pb, now)
+        if avail >= (1 if self.chunked else left):
+            return True
+        self._blocked(u, now)
+        return False
+
+    def _blocked(self, u: UserState, now: int) -> None:
+        """The engine's idle wait ends by the time `u` has prompt budget again."""
+        st = self.st
+        assert u.pbucket is not None
+        ready = self.table.ready_at(u.pbucket, now)
+        if st.blocked_ready == 0 or ready < st.blocked_ready:
+            st.blocked_ready = ready
