@@ -345,10 +345,12 @@ def test_heartbeats_list_live_engines_and_their_policies(link, redis_server):
     _, engines = link.round_trip("e1", [], 1, beat=("sha-a", 2_000_000))
     assert engines == [("e1", "sha-a", 0)]
     other = RedisLink(redis_server.url)
-    _, engines = other.round_trip("e2", [], 1, beat=("sha-b", 50_000), hold=(7_000_000, 2))
+    # A heartbeat of 0.5 s: read back at once, then let expire (50 ms had
+    # expired before the read on a loaded machine).
+    _, engines = other.round_trip("e2", [], 1, beat=("sha-b", 500_000), hold=(7_000_000, 2))
     assert sorted(engines) == [("e1", "sha-a", 0), ("e2", "sha-b", 7_000_000)]
     assert redis_server.client().get(engine_key("e2")) == b"sha-b"
-    time.sleep(0.1)  # e2's heartbeat expires
+    time.sleep(0.6)  # e2's heartbeat expires
     _, engines = link.round_trip("e1", [], 1, beat=("sha-a", 2_000_000))
     assert engines == [("e1", "sha-a", 0)]
     _, engines = link.round_trip("e1", [], 1, beat=("sha-a", 0))  # leaving
