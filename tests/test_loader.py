@@ -613,7 +613,7 @@ def test_an_empty_peak_is_an_error_not_no_peak() -> None:
 @pytest.mark.parametrize(
     ("quoted", "plain"),
     [('"200"', "200"), ('"2/3"', "2/3"), ('"unlimited"', "unlimited"), ("'0.1'", "0.1"),
-     ('" 1e3 "', "1e3"), ("'+7'", "7")],
+     ('" 1e3 "', "1e3"), ("'+7'", "7"), ("'1_000'", "1_000"), ('"0.2_5"', "0.2_5")],
 )  # fmt: skip
 def test_a_rate_means_the_same_quoted_or_not(quoted: str, plain: str) -> None:
     """`peak: "200"` was refused while `peak: "2/3"` and `"unlimited"` were

@@ -64,10 +64,11 @@ def shown(value: object) -> str:
 # -- rates ------------------------------------------------------------------
 
 _FRACTION = re.compile(r"\s*(\d+)\s*/\s*(\d+)\s*")
-_QUOTED_NUMBER = re.compile(r"\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*")
+_QUOTED_NUMBER = re.compile(r"\s*([-+]?(?:\d[\d_]*\.?[\d_]*|\.\d[\d_]*)(?:[eE][-+]?\d+)?)\s*")
 """A number written in quotes (`peak: "200"`): a rate means the same quoted or
 not, as `"2/3"` and `"unlimited"` always did (JSON has no other way to write
-those two)."""
+those two). Underscores between digits too (`"1_000"`), as YAML reads
+`1_000` unquoted (outrate.policy.scalars)."""
 _RATE_EXPECTED = "must be a number of tokens per second or 'unlimited'"
 _TOO_FAST = f"must be at most {MAX_RATE} tokens per second (use 'unlimited' for no limit)"
 _TOO_SLOW = "must be at least 0.000001 tokens per second (one token in about 12 days)"
@@ -95,7 +96,7 @@ def parse_rate(value: object) -> RateValue:
             return UNLIMITED
         number = _QUOTED_NUMBER.fullmatch(value)
         if number is not None:
-            return parse_rate(Decimal(number.group(1)))
+            return parse_rate(Decimal(number.group(1).replace("_", "")))
         m = _FRACTION.fullmatch(value)
         if m is None:
             raise problem(f"{_RATE_EXPECTED} (got {shown(value)})")
@@ -148,7 +149,7 @@ RATE_SCHEMA: dict[str, Any] = {
         {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_RATE},
         {"const": UNLIMITED},
         {"type": "string", "pattern": r"^\s*\d+\s*/\s*[1-9]\d*\s*$"},
-        {"type": "string", "pattern": r"^\s*\+?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*$"},
+        {"type": "string", "pattern": r"^\s*\+?(\d[\d_]*\.?[\d_]*|\.\d[\d_]*)([eE][-+]?\d+)?\s*$"},
     ],
 }
 
