@@ -243,6 +243,10 @@ def test_an_outage_longer_than_the_hold(tmp_path, caplog, fallback):
             assert m.waiting == 1 and m.fallback_s() == 0
             assert sum(a.take(bucket, now) for _ in range(10)) == 0  # waits for the store
             assert "still lost after 0.5 s" in caplog.text
+            # both of pause's lines say what it leaves running (issue 42)
+            borrow = "users with a peak still borrow up to peak - rate on this engine"
+            assert f"then limited users wait for it ({borrow}" in caplog.text
+            assert f"this engine's part); {borrow}" in caplog.text
     finally:
         ra.stop()
         rb.stop()
