@@ -240,3 +240,57 @@ def test_a_file_that_grows_past_the_limit_while_read() -> None:
     for read in (read_bounded, lambda p, lim: list(read_lines(p, lim))):
         with pytest.raises(FileReadError, match="cannot read: it grew past the limit of 10"):
             read("/proc/self/status", limit)
+
+
+def _vllm_config_bomb(kind: str) -> str:
+    """A vLLM `--config` file whose `max_num_seqs` is 5,000 levels of `[`, or
+    a 9^9 alias bomb ("billion laughs")."""
+    if kind == "nesting":
+        return "max_num_seqs: " + "[" * 5000 + "]" * 5000 + "\n"
+    rows = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    rows += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    return "\n".join([*rows, "max_num_seqs: *a8", ""])
+
+
+@pytest.mark.parametrize(
+    ("kind", "refusal"),
+    [
+        ("nesting", "1:47: <root>: nested deeper than 32 levels (the limit)"),
+        (
+            "aliases",
+            "5:5: <root>: aliases expand to more than 10000 values beyond the file's own "
+            "(alias bomb?)",
+        ),
+    ],
+)
+@pytest.mark.parametrize("command", ["lint --vllm-config", "lint -- --config", "simulate"])
+def test_a_vllm_config_file_is_parsed_within_the_policy_limits(
+    tmp_path: Path, kind: str, refusal: str, command: str
+) -> None:
+    """A policy's nesting and alias limits hold for a vLLM `--config` file
+    too: its bounded read was parsed by PyYAML alone, so 5,000 levels of `[`
+    were a RecursionError traceback and an alias bomb took gigabytes and
+    minutes, in lint and in simulate."""
+    config = tmp_path / "serve.yaml"
+    config.write_text(_vllm_config_bomb(kind))
+    policy = str(Path(__file__).parent.parent / "policies" / "demo.yaml")
+    workload = tmp_path / "load.yaml"
+    workload.write_text("version: 1\nduration: 1s\nusers: {a: {streams: 1, prompt: 1, output: 1}}")
+    argv = {
+        "lint --vllm-config": ["lint", policy, "--vllm-config", str(config)],
+        "lint -- --config": ["lint", policy, "--", "--config", str(config)],
+        "simulate": [
+            "simulate",
+            "run",
+            "stock",
+            "-w",
+            str(workload),
+            "--",
+            "--config",
+            str(config),
+        ],
+    }[command]
+    started = time.monotonic()
+    result = runner.invoke(app, argv)
+    _one_line_refusal(result, f"{config}:{refusal}")
+    assert time.monotonic() - started < 5

@@ -369,7 +369,7 @@ def test_bad_config_files(tmp_path: Path) -> None:
     assert str(info.value) == f"{missing}:1:1: <file>: cannot read: No such file or directory"
     broken = tmp_path / "broken.yaml"
     broken.write_text("a: [1\n")
-    with pytest.raises(DeploymentError, match=r"broken.yaml:2:1: invalid YAML: "):
+    with pytest.raises(DeploymentError, match=r"broken.yaml:2:1: <root>: invalid YAML: "):
         deployment_from_config(broken)
     flag = tmp_path / "flag.yaml"
     flag.write_text("max-num-seqs: 4\nenable-chunked-prefill: sometimes\n")

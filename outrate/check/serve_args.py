@@ -21,8 +21,9 @@ import yaml
 from yaml.nodes import MappingNode, ScalarNode
 
 from outrate.check.outrate_flags import BY_NAME, STORE, check_value
-from outrate.errors import OutrateError
+from outrate.errors import OutrateError, PolicyError
 from outrate.fileread import MIB, FileLimit, FileReadError, decode_text, read_bounded
+from outrate.policy.compose import check_parse_limits
 from outrate.policy.pipeline import USERS_FLAG
 
 
@@ -313,11 +314,15 @@ VLLM_CONFIG_FILE = FileLimit("a vLLM config file", 16 * MIB)
 
 def read_vllm_config(path: str) -> str:
     """The text of a `--config` file, read like every file outrate is handed
-    (`outrate.fileread`); a DeploymentError located at it if it cannot be."""
+    (`outrate.fileread`) and parsed within a policy's nesting and alias
+    limits (`check_parse_limits`), so the YAML parses that follow are
+    bounded; a DeploymentError located at it if it cannot be."""
     try:
-        return decode_text(read_bounded(path, VLLM_CONFIG_FILE), path)
-    except FileReadError as e:
+        text = decode_text(read_bounded(path, VLLM_CONFIG_FILE), path)
+        check_parse_limits(text, path)
+    except (FileReadError, PolicyError) as e:
         raise DeploymentError(str(e)) from e
+    return text
 
 
 def settings_from_config(path: str) -> Settings:

@@ -35,7 +35,7 @@ from outrate.policy.parse_limits import (
 from outrate.policy.scalars import STR_TAG, BadScalar, read_scalar, shown_text
 from outrate.policy.values import shown
 
-__all__ = ["FAST_LOADER", "Doc", "Path", "Pos", "PureLoader", "compose"]
+__all__ = ["FAST_LOADER", "Doc", "Path", "Pos", "PureLoader", "check_parse_limits", "compose"]
 """`PureLoader` is the parse limits' parser, named here beside `FAST_LOADER`:
 the two parsers `compose` may run."""
 
@@ -289,10 +289,11 @@ def _yaml_problem(e: yaml.MarkedYAMLError, source: str) -> Problem:
 
 
 def compose(
-    text: str, source: str, loader_cls: type[yaml.SafeLoader] | None = None
+    text: str, source: str, loader_cls: type[yaml.SafeLoader] | None = None, empty_ok: bool = False
 ) -> tuple[Any, Doc]:
     """Parse YAML into (data, positions); syntax errors and crossed limits
-    become a PolicyError."""
+    become a PolicyError. An empty document is one too, unless `empty_ok`
+    (then the data is None)."""
     doc = Doc()
     loader_cls = loader_cls or FAST_LOADER
     pure = loader_cls is PureLoader
@@ -300,18 +301,20 @@ def compose(
     try:
         node = loader.get_single_node()
         if node is None:
+            if empty_ok:
+                return None, doc
             expected = "empty policy; expected a mapping with 'version: 1' and 'default'"
             raise PolicyError([Problem(source, 1, 1, "<root>", expected)])
         data = _Walker(loader, doc).walk(node, ())
     except yaml.MarkedYAMLError as e:
         if not pure and len(text) <= PURE_REREAD_MAX_BYTES:
-            return compose(text, source, PureLoader)
+            return compose(text, source, PureLoader, empty_ok)
         raise PolicyError([_yaml_problem(e, source)]) from e
     except yaml.YAMLError as e:  # pragma: no cover - every PyYAML error we know is marked
         raise PolicyError([Problem(source, 1, 1, "<root>", f"invalid YAML: {e}")]) from e
     except TooDeep as e:
         if not pure and len(text) <= PURE_REREAD_MAX_BYTES:
-            return compose(text, source, PureLoader)  # the pure composer finds it first
+            return compose(text, source, PureLoader, empty_ok)  # the pure composer finds it first
         message = f"nested deeper than {MAX_DEPTH} levels (the limit)"
         line, col = e.where.line + 1, e.where.column + 1
         raise PolicyError([Problem(source, line, col, "<root>", message)]) from None
@@ -325,3 +328,13 @@ def compose(
     finally:
         loader.dispose()
     return data, doc
+
+
+def check_parse_limits(text: str, source: str) -> None:
+    """YAML syntax and the parse limits alone (nesting, alias expansion), for a
+    YAML file outrate is handed that is not a policy (a vLLM `--config`
+    file): a PolicyError located where one is crossed. Within them PyYAML's
+    own parse of the file is bounded (without them 5,000 levels of `[` were a
+    RecursionError, and an alias bomb took gigabytes); what the values mean,
+    and which scalar spellings are refused, stay the caller's."""
+    compose(text, source, empty_ok=True)
