@@ -1147,8 +1147,13 @@ def test_bad_request_rates(written: str, col: int, where: str, message: str) -> 
     assert _one(text) == Problem("p.yaml", 4, col, field, message)
 
 
-@pytest.mark.parametrize("written", ["yes", "IETF", "json", "null", "1"])
+@pytest.mark.parametrize("written", ["yes", "true", "IETF", "json", "null", "1"])
 def test_bad_header_styles(written: str) -> None:
     problem = _one(f"version: 1\ndefault: 100\nheaders: {written}\n")
     assert problem.line == 3 and problem.col == 10 and problem.field == "headers"
     assert problem.message.startswith("must be 'both', 'ietf', 'openai' or 'off' (got ")
+
+
+@pytest.mark.parametrize("written", ["off", "'off'", "false", "Off"])
+def test_headers_off_is_off_however_yaml_reads_it(written: str) -> None:
+    assert parse_policy(f"version: 1\ndefault: 1\nheaders: {written}\n", "p.yaml").headers == "off"

@@ -84,7 +84,10 @@ def _check_mode(value: object) -> str:
 
 
 def _check_headers(value: object) -> str:
-    if value not in HEADER_STYLES:
+    """`headers: off` is YAML 1.1's `false`: it means what it says."""
+    if value is False:
+        return "off"
+    if isinstance(value, bool) or value not in HEADER_STYLES:
         raise problem(f"must be 'both', 'ietf', 'openai' or 'off' (got {shown(value)})")
     return str(value)
 
@@ -120,7 +123,7 @@ class Policy(Strict):
     headers: Annotated[
         str,
         PlainValidator(_check_headers),
-        WithJsonSchema({"enum": list(HEADER_STYLES)}),
+        WithJsonSchema({"enum": [*HEADER_STYLES, False]}),
     ] = Field(
         default="both",
         description="Rate-limit header fields on every guarded response: ietf "
