@@ -450,3 +450,32 @@ def test_a_prompt_edit_changes_the_limit() -> None:
 
     assert build("500") == build("500")
     assert build("500") != build("600")
+
+
+# -- request rates (issue 41) ---------------------------------------------------
+
+
+def test_request_rates_inherit_like_prompt_limits() -> None:
+    from outrate.budget.gcra import burst_count, per_window_text
+
+    policy = compile_policy(
+        parse_policy(
+            "version: 1\n"
+            "default: {rate: 20, requests: 5}\n"
+            "tiers:\n"
+            "  t: {rate: 50, requests: 300/min}\n"
+            "users:\n"
+            "  a: {tier: t}\n"
+            "  b: {tier: t, requests: unlimited}\n"
+            "  c: {rate: 1}\n",
+            "p.yaml",
+        ),
+        "p.yaml",
+    )
+    a = policy.requests.limit_for("a")
+    assert (burst_count(a), per_window_text(a), a.rule) == (300, "300/min", "tiers.t.requests")
+    assert policy.requests.limit_for("b").rate is None  # overridden: unlimited
+    assert policy.requests.limit_for("c").rate is None  # no rule of its own, no tier
+    anon = policy.requests.limit_for(ANONYMOUS)  # anonymous not set: the default's
+    assert per_window_text(anon) == "5/s" and anon.label == "default"
+    assert "requests 5/s" in policy.default.describe()

@@ -933,3 +933,23 @@ def test_keys_file_problems_are_located_errors(tmp_path: Path) -> None:
     ]
     (tmp_path / "keys.yaml").unlink()
     assert lint_all(policy).findings[1].message == "<file>: cannot read: No such file or directory"
+
+
+# -- request rates (issue 41) ---------------------------------------------------
+
+
+def test_request_rates_with_several_api_servers_warn_or120(tmp_path):
+    from outrate.check.deployment import deployment_from_args
+    from outrate.check.lint import lint_all
+
+    path = tmp_path / "p.yaml"
+    path.write_text("version: 1\ndefault: {rate: 20, requests: 5}\n")
+    several = lint_all(path, deployment_from_args(["--api-server-count", "3"]))
+    (finding,) = [f for f in several.findings if f.code == "OR120"]
+    assert finding.location == "--api-server-count"
+    assert "up to 3 x its request rate (default)" in finding.message
+    one = lint_all(path, deployment_from_args(["-asc", "1"]))
+    assert not [f for f in one.findings if f.code == "OR120"]
+    ranks = lint_all(path, deployment_from_args(["-dp", "2", "--outrate-store", "redis://h:1/0"]))
+    assert [f.code for f in ranks.findings if f.code == "OR120"] == ["OR120"]
+    assert "requests 5/s" in several.policy.summary()  # type: ignore[union-attr]

@@ -17,8 +17,8 @@ from outrate.errors import OutrateError, PolicyError, Problem
 from outrate.policy import compose
 from outrate.policy.loader import field_path, load_policy, parse_policy
 from outrate.policy.pipeline import policy_from_flags
-from outrate.policy.specs import NO_PEAK, NO_PROMPT
-from outrate.policy.values import UNLIMITED
+from outrate.policy.specs import NO_PEAK, NO_PROMPT, NO_REQUESTS
+from outrate.policy.values import UNLIMITED, RequestRate
 
 BAD = Path(__file__).parent / "fixtures" / "bad"
 LOADERS = [compose.FAST_LOADER, compose.PureLoader]  # libyaml first, where installed
@@ -78,6 +78,14 @@ EXPECTED: dict[str, list[str]] = {
         "is the ceiling above the rate that borrowing may reach",
     ],
     "prompt_zero": ["FILE:2:29: default.prompt: must be > 0"],
+    "requests_unknown_window": [
+        "FILE:2:31: default.requests: unknown window 'hour': write requests per '/s' or "
+        "'/min' (hours and days are quotas, not rates) (got '5/hour')"
+    ],
+    "requests_zero": ["FILE:4:30: tiers.free.requests: must be > 0"],
+    "headers_unknown": [
+        "FILE:3:10: headers: must be 'both', 'ietf', 'openai' or 'off' (got 'draft')"
+    ],
     "peak_below_rate": [
         "FILE:4:27: users.alice.peak: must be at least the rate (20 tok/s): the peak is the "
         "ceiling above the rate that borrowing may reach",
@@ -1063,3 +1071,89 @@ def test_prompt_limits_load_on_every_kind_of_rule() -> None:
 def test_bad_prompt_limits(written: str, col: int, where: str, message: str) -> None:
     problem = _one(f"version: 1\ndefault: 100\nusers:\n  alice: {{rate: 20, prompt: {written}}}\n")
     assert problem == Problem("p.yaml", 4, col, f"users.alice.{where}", message)
+
+
+# -- request rates and header styles (issue 41) ---------------------------------
+
+
+def test_request_rates_load_on_every_kind_of_rule() -> None:
+    policy = parse_policy(
+        "version: 1\n"
+        "default: {rate: 20, requests: 5}\n"
+        "anonymous: {rate: 5, requests: '2/s'}\n"
+        "headers: openai\n"
+        "tiers:\n"
+        "  free: {rate: 20, requests: 300/min}\n"
+        "users:\n"
+        "  alice: {tier: free, requests: unlimited}\n"
+        "  bob: {rate: 10, requests: ' 7 / s '}\n"
+        "match:\n"
+        "  - {pattern: 'trial-*', rate: 10, requests: 1/min}\n",
+        "p.yaml",
+    )
+    assert policy.default.requests == RequestRate(5, 1)
+    assert policy.anonymous is not None and policy.anonymous.requests == RequestRate(2, 1)
+    assert policy.tiers["free"].requests == RequestRate(300, 60)
+    assert policy.users["alice"].requests == UNLIMITED
+    assert policy.users["bob"].requests == RequestRate(7, 1)
+    assert policy.match[0].requests == RequestRate(1, 60)
+    assert policy.headers == "openai"
+    assert parse_policy("version: 1\ndefault: 1\n", "p.yaml").headers == "both"
+
+
+_NUMBER_OR_WINDOW = "must be a whole number of requests per second, 'N/s', 'N/min' or 'unlimited'"
+
+
+@pytest.mark.parametrize(
+    ("written", "col", "where", "message"),
+    [
+        ("0", 31, "requests", "must be > 0"),
+        ("-5", 31, "requests", "must be > 0"),
+        ("'0/min'", 31, "requests", "must be > 0"),
+        ("'-3/s'", 31, "requests", "must be > 0"),
+        ("2.5", 31, "requests",
+         "must be a whole number of requests (got 2.5); for fewer than one a second write "
+         "'N/min'"),
+        (".nan", 31, "requests",
+         "must be a finite number; use 'unlimited' for no limit (got .nan)"),
+        (".inf", 31, "requests",
+         "must be a finite number; use 'unlimited' for no limit (got .inf)"),
+        ("true", 31, "requests", f"{_NUMBER_OR_WINDOW} (got true)"),
+        ("lots", 31, "requests", f"{_NUMBER_OR_WINDOW} (got 'lots')"),
+        ("'5 tok/s'", 31, "requests", f"{_NUMBER_OR_WINDOW} (got '5 tok/s')"),
+        ("5rps", 31, "requests", f"{_NUMBER_OR_WINDOW} (got '5rps')"),
+        ("[5]", 31, "requests", f"{_NUMBER_OR_WINDOW} (got a list)"),
+        ("{rate: 5}", 31, "requests", f"{_NUMBER_OR_WINDOW} (got a mapping)"),
+        ("5/h", 31, "requests",
+         "unknown window 'h': write requests per '/s' or '/min' (hours and days are quotas, "
+         "not rates) (got '5/h')"),
+        ("5/day", 31, "requests",
+         "unknown window 'day': write requests per '/s' or '/min' (hours and days are "
+         "quotas, not rates) (got '5/day')"),
+        ("5/ms", 31, "requests",
+         "unknown window 'ms': write requests per '/s' or '/min' (got '5/ms')"),
+        ("1000001", 31, "requests",
+         "must be at most 1000000 requests per window (use 'unlimited' for no limit)"),
+        ("1e400", 31, "requests",
+         "must be at most 1000000 requests per window (use 'unlimited' for no limit)"),
+        ("null", 31, "requests", NO_REQUESTS),
+        ("5, reqests: 1", 34, "", "unknown key 'reqests' (did you mean 'requests'?)"),
+    ],
+)  # fmt: skip
+def test_bad_request_rates(written: str, col: int, where: str, message: str) -> None:
+    """Each bad request rate is one located error, with its own message."""
+    text = f"version: 1\ndefault: 100\nusers:\n  alice: {{rate: 20, requests: {written}}}\n"
+    field = f"users.alice.{where}" if where else "users.alice"
+    assert _one(text) == Problem("p.yaml", 4, col, field, message)
+
+
+@pytest.mark.parametrize("written", ["yes", "true", "IETF", "json", "null", "1"])
+def test_bad_header_styles(written: str) -> None:
+    problem = _one(f"version: 1\ndefault: 100\nheaders: {written}\n")
+    assert problem.line == 3 and problem.col == 10 and problem.field == "headers"
+    assert problem.message.startswith("must be 'both', 'ietf', 'openai' or 'off' (got ")
+
+
+@pytest.mark.parametrize("written", ["off", "'off'", "false", "Off"])
+def test_headers_off_is_off_however_yaml_reads_it(written: str) -> None:
+    assert parse_policy(f"version: 1\ndefault: 1\nheaders: {written}\n", "p.yaml").headers == "off"

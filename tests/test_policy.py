@@ -235,8 +235,8 @@ def test_schema_describes_the_format() -> None:
     assert schema["required"] == ["version", "default"]
     assert schema["additionalProperties"] is False
     assert set(schema["properties"]) == {
-        "version", "default", "anonymous", "burst", "mode", "metrics", "identity", "tiers",
-        "users", "match",
+        "version", "default", "anonymous", "burst", "mode", "headers", "metrics", "identity",
+        "tiers", "users", "match",
     }  # fmt: skip
     assert schema["properties"]["version"] == {
         "const": 1,

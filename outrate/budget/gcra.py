@@ -106,6 +106,7 @@ class Limit:
         "excess",
         "token_s",
         "prompt",
+        "requests",
     )
 
     def __init__(
@@ -118,6 +119,7 @@ class Limit:
         label: str = "",
         peak: Fraction | int | float | str | None = None,
         prompt: Limit | None = None,
+        requests: Limit | None = None,
     ) -> None:
         if rate is not None:
             rate = exact_rate(rate)
@@ -152,6 +154,9 @@ class Limit:
         self.prompt: Limit | None = prompt
         """The rule's limit on prompt tokens computed (its own bucket, in a
         second table: docs/prompt-limits.md); None: prompts unlimited."""
+        self.requests: Limit | None = requests
+        """The rule's request rate (`per_window`), checked in the API server
+        before tokenization; None: requests unlimited."""
         if peak is not None and rate is not None:
             extra = None if peak == PEAK_UNLIMITED else Fraction(peak) - rate
             self.excess = Limit(extra, self.burst_ns, rule=rule, label=label)
@@ -178,10 +183,19 @@ class Limit:
         # engine keeps the whole excess rate, not a share of it.
         scaled.peak, scaled.excess = self.peak, self.excess
         scaled.prompt = self.prompt
+        scaled.requests = self.requests
         return scaled
 
     def _key(self) -> tuple[object, ...]:
-        return (self.rate, self.burst_ns, self.max_streams, self.shadow, self.peak, self.prompt)
+        return (
+            self.rate,
+            self.burst_ns,
+            self.max_streams,
+            self.shadow,
+            self.peak,
+            self.prompt,
+            self.requests,
+        )
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Limit) and self._key() == other._key()
@@ -203,9 +217,49 @@ class Limit:
             text += f" max_streams {self.max_streams}"
         if self.prompt is not None:
             text += f" prompt {self.prompt.describe()}"
+        if self.requests is not None:
+            text += f" requests {per_window_text(self.requests)}"
         if self.shadow:
             text += " (shadow)"
         return text
 
     def __repr__(self) -> str:
         return f"Limit({self.describe()!r}, rule={self.rule!r})"
+
+
+def per_window(
+    count: int, window_s: int, rule: str = "", label: str = "", shadow: bool = False
+) -> Limit:
+    """`count` requests per `window_s` seconds as a GCRA limit: `count` at once
+    (back to back), then one every `window_s / count` seconds.
+
+    The burst is the smallest whole number of ns that lets exactly `count`
+    conform at once: `gcra()` grants `floor(burst * rate) + 1`, so the burst
+    is `(count - 1) / rate` seconds, rounded up to a ns (1 ns for a count of
+    1). Rounding up adds less than `count / (window_s * 1e9)` of a request,
+    never a whole one. In any window of W seconds at most `W * rate + count`
+    requests conform (the GCRA bound, `(W + burst) * rate + 1`)."""
+    rate = Fraction(count, window_s)
+    burst_ns = max(1, -(-(count - 1) * window_s * NS_PER_S // count))
+    return Limit(rate, burst_ns, rule=rule, label=label, shadow=shadow)
+
+
+def burst_count(lim: Limit) -> int:
+    """How many conform back to back on a fresh bucket of `lim` (the
+    `count` of a `per_window` limit); 0 when unlimited."""
+    if lim.rate is None:
+        return 0
+    return lim.tolerance // lim.interval + 1
+
+
+def per_window_text(lim: Limit) -> str:
+    """A `per_window` limit as written: `5/s`, `300/min`, `7/60s` otherwise."""
+    if lim.rate is None:
+        return "unlimited"
+    count = burst_count(lim)
+    window = Fraction(count) / lim.rate
+    if window == 1:
+        return f"{count}/s"
+    if window == 60:
+        return f"{count}/min"
+    return f"{count}/{format_rate(window)}s"

@@ -322,6 +322,18 @@ class Limiter:
                 t = max(t, lender.credit_due(now))
         return t
 
+    def full_at(self, b: Bucket, now: int) -> int:
+        """Earliest time (ns) at which `b` holds its whole burst again (its TAT
+        no later than that time); `now` if it does now. What `reset` means in
+        rate-limit headers (docs/client-contract.md)."""
+        if b.gen != self._gen:
+            self._refresh(b, now)
+        lim = b.limit
+        if not lim.scale:
+            return now
+        t = _ceil_div(b.tat, lim.scale)
+        return t if t > now else now
+
     def available(self, b: Bucket, now: int) -> int:
         """Tokens `b` could take at `now` back to back (its remaining burst).
 

@@ -96,6 +96,9 @@ class Deployment:
     """`--uds`: a Unix socket instead of TCP (host and port are ignored)."""
     api_key: bool = False
     """vLLM's own `--api-key` is set (the keys themselves are never kept)."""
+    api_server_count: int | None = None
+    """`--api-server-count`; None: vLLM's default (one API server, but as
+    many as data-parallel ranks with data parallel)."""
     source: str = "defaults"
     locations: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     """field name -> where it was set: `serve.yaml:3:1` or `--max-num-seqs`."""

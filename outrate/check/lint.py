@@ -38,6 +38,8 @@ Codes are stable (tools and CI filter on them); never renumber, only add:
 - OR118 error    chunked prefill off and a prompt limit whose burst holds fewer
                  tokens than max_model_len (checked where --max-model-len is known)
 - OR119 error    --outrate-store with a prompt limit (prompt budgets are per engine)
+- OR120 warning  a request rate (`requests:`) with more than one API server: each keeps
+                 its own table, so a user may get up to N x its request rate
 """
 
 from __future__ import annotations
@@ -418,4 +420,37 @@ def lint_all(
                 Finding(code, "error", f"{p.field}: {p.message}", f"{p.path}:{p.line}:{p.col}")
                 for code, p in refused
             ]
+            findings += _api_servers_finding(compiled, deployment)
     return LintReport(source, compiled, problems, tuple(findings))
+
+
+def _api_servers_finding(compiled: CompiledPolicy, deployment: Deployment) -> list[Finding]:
+    """OR120: request rates are decided in each API server process on its own
+    (docs/client-contract.md)."""
+    count = deployment.api_server_count
+    if count is None:
+        count = max(1, deployment.data_parallel_size)  # vLLM's default: one per rank
+    rules = request_rules(compiled)
+    if count <= 1 or not rules:
+        return []
+    names = ", ".join(rules[:5]) + (f" and {len(rules) - 5} more" if len(rules) > 5 else "")
+    return [
+        Finding(
+            "OR120",
+            "warning",
+            f"{count} API servers each keep their own request table: a user whose "
+            f"connections reach all of them may get up to {count} x its request rate "
+            f"({names}); run one API server where the request rate must be exact",
+            deployment.where("api_server_count"),
+        )
+    ]
+
+
+def request_rules(compiled: CompiledPolicy) -> list[str]:
+    """The rules with an enforced request rate (`default`, `users.alice`, ...)."""
+    seen: dict[str, None] = {}
+    for lim in compiled.all_limits():
+        req = lim.requests
+        if req is not None and req.rate is not None and not req.shadow:
+            seen.setdefault(req.rule.removesuffix(".requests"))
+    return list(seen)

@@ -196,6 +196,7 @@ _FLAGS: dict[str, _Flag] = {
     "host": _Flag("host", _str),
     "uds": _Flag("uds", _str),
     "api-key": _Flag("api_key", _api_key),
+    "api-server-count": _Flag("api_server_count", _int),
 }
 OUTRATE_TARGETS = {
     "--outrate-policy": "policy",
@@ -217,6 +218,7 @@ _SHORT = {
     "dp": "data-parallel-size",
     "pp": "pipeline-parallel-size",
     "tp": "tensor-parallel-size",
+    "asc": "api-server-count",
     "dc": "diffusion-config",
 }
 

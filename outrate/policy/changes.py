@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from outrate.budget.gcra import per_window_text
 from outrate.budget.limiter import Limit
 from outrate.identity.core import IdentityConfig
 from outrate.policy.compiler import CompiledPolicy, peak_text
@@ -19,9 +20,9 @@ def describe_changes(old: CompiledPolicy | None, new: CompiledPolicy) -> str:
     """One line saying what an operator's edit changed, for the reload log.
 
     Compares effective limits (rate, burst, peak, stream cap, prompt,
-    shadow), not spelling: moving a user into a tier with the same numbers is
-    "no effective change", and a new policy-wide burst is reported once, not
-    once per user that inherits it.
+    requests, shadow) and the header style, not spelling: moving a user into
+    a tier with the same numbers is "no effective change", and a new
+    policy-wide burst is reported once, not once per user that inherits it.
     """
     if old is None:
         return f"loaded {brief(new)}"
@@ -43,6 +44,8 @@ def describe_changes(old: CompiledPolicy | None, new: CompiledPolicy) -> str:
         parts += _diff("pattern ", a, b, old, new) or ["patterns reordered"]
     parts += _diff("", old.users, new.users, old, new, fallback=True)
     parts += _identity_changes(old.identity, new.identity)
+    if old.headers != new.headers:
+        parts.append(f"headers {old.headers} -> {new.headers}")
     return "; ".join(parts) if parts else "no effective change"
 
 
@@ -100,6 +103,7 @@ def _same(a: Limit, b: Limit, old: CompiledPolicy, new: CompiledPolicy) -> bool:
         and a.burst_ns == old.burst_ns
         and b.burst_ns == new.burst_ns
         and _prompt(a, old) == _prompt(b, new)
+        and a.requests == b.requests
     )
 
 
@@ -134,6 +138,8 @@ def _tail(limit: Limit, policy: CompiledPolicy) -> str:
     if limit.max_streams is not None:
         text += f" max_streams {limit.max_streams}"
     text += _prompt(limit, policy)
+    if limit.requests is not None:
+        text += f" requests {per_window_text(limit.requests)}"
     if limit.shadow and (limit.rate is not None or limit.max_streams is not None):
         text += " shadow"
     return text

@@ -16,12 +16,12 @@ from fractions import Fraction
 from types import MappingProxyType
 from typing import Any
 
-from outrate.budget.gcra import PEAK_UNLIMITED
+from outrate.budget.gcra import PEAK_UNLIMITED, per_window
 from outrate.budget.limiter import Limit
 from outrate.identity.core import ANONYMOUS, BODY, IdentityConfig, KeyTable
 from outrate.policy.model import LimitRule, Policy, TierRule
 from outrate.policy.specs import PromptRule
-from outrate.policy.values import UNLIMITED
+from outrate.policy.values import UNLIMITED, RequestRate
 from outrate.units import format_count, format_rate
 
 PATTERN_CACHE_SIZE = 65_536
@@ -54,15 +54,20 @@ class CompiledPolicy:
     max_series: int = 1000
     identity: IdentityConfig = BODY
     """The `identity:` section, with the keys file's table when it was loaded."""
+    headers: str = "both"
+    """Which rate-limit header fields guarded responses carry (`headers:`)."""
     _series_matchers: tuple[Any, ...] = field(init=False, repr=False)
     _lookup: dict[str, Limit] = field(init=False, repr=False)
     _matchers: tuple[tuple[Any, Limit], ...] = field(init=False, repr=False)
     _cache: dict[str, Limit] = field(init=False, repr=False, default_factory=dict)
     prompts: PromptSource = field(init=False, repr=False)
     """What the prompt budgets' table asks (a `LimitSource`): each user's prompt limit."""
+    requests: RequestSource = field(init=False, repr=False)
+    """What the API server's request table asks (a `LimitSource`): each user's request rate."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompts", PromptSource(self))
+        object.__setattr__(self, "requests", RequestSource(self))
         lookup = dict(self.users)
         object.__setattr__(self, "_lookup", lookup)
         object.__setattr__(self, "users", MappingProxyType(lookup))
@@ -216,6 +221,25 @@ UNLIMITED_PROMPT = Limit(None, 1, rule="prompt unlimited", label="")
 """The prompt limit of a rule without one (no state, no pacing)."""
 
 
+class RequestSource:
+    """A compiled policy seen by the API server's request table: `limit_for`
+    answers each user's request rate (the rule's `Limit.requests`), unlimited
+    when its rule has none."""
+
+    __slots__ = ("policy",)
+
+    def __init__(self, policy: CompiledPolicy) -> None:
+        self.policy = policy
+
+    def limit_for(self, user_id: str) -> Limit:
+        requests = self.policy.limit_for(user_id).requests
+        return UNLIMITED_REQUESTS if requests is None else requests
+
+
+UNLIMITED_REQUESTS = Limit(None, 1, rule="requests unlimited", label="")
+"""The request rate of a rule without one (no state)."""
+
+
 def peak_text(peak: Fraction | str) -> str:
     """A Limit's peak as logs and lint show it: `200`, `unlimited`."""
     return "unlimited" if peak == PEAK_UNLIMITED else format_rate(Fraction(peak))
@@ -233,7 +257,14 @@ def _limit(
     shadow = rule.shadow
     if isinstance(rule, LimitRule) and rule.tier is not None:
         base = policy.tiers[rule.tier]
-        overrides = (rule.burst, rule.max_streams, rule.shadow, rule.peak, rule.prompt)
+        overrides = (
+            rule.burst,
+            rule.max_streams,
+            rule.shadow,
+            rule.peak,
+            rule.prompt,
+            rule.requests,
+        )
         if all(value is None for value in overrides):
             return tier_limits[rule.tier]  # shared: same rule as the tier
         rate = base.rate
@@ -241,6 +272,7 @@ def _limit(
         streams = rule.max_streams if rule.max_streams is not None else base.max_streams
         peak = rule.peak if rule.peak is not None else base.peak
         prompt = rule.prompt if rule.prompt is not None else base.prompt
+        requests = rule.requests if rule.requests is not None else base.requests
         if shadow is None:
             shadow = base.shadow
         name = f"{name} (tiers.{rule.tier})"
@@ -250,6 +282,7 @@ def _limit(
         streams = rule.max_streams
         peak = rule.peak
         prompt = rule.prompt
+        requests = rule.requests
     if shadow is None:
         shadow = policy.mode == "shadow"
     return Limit(
@@ -261,7 +294,17 @@ def _limit(
         label=label,
         peak=PEAK_UNLIMITED if peak == UNLIMITED else peak,
         prompt=_prompt_limit(prompt, name, label, shadow, policy),
+        requests=_requests_limit(requests, name, label, shadow),
     )
+
+
+def _requests_limit(
+    rate: RequestRate | str | None, name: str, label: str, shadow: bool
+) -> Limit | None:
+    """A rule's request rate as a GCRA limit (`per_window`); None: unlimited."""
+    if not isinstance(rate, RequestRate):
+        return None
+    return per_window(rate.count, rate.window_s, f"{name}.requests", label, shadow)
 
 
 def _prompt_limit(
@@ -334,6 +377,7 @@ def compile_policy(
             label="anonymous",
             peak=d.peak,
             prompt=d.prompt,
+            requests=d.requests,
         )
     return CompiledPolicy(
         source=source,
@@ -351,6 +395,7 @@ def compile_policy(
         per_user_series=policy.metrics.per_user,
         max_series=policy.metrics.max_series,
         identity=compile_identity(policy, keys),
+        headers=policy.headers,
     )
 
 

@@ -55,6 +55,7 @@ from outrate.policy.values import (
 )
 
 __all__ = [
+    "HEADER_STYLES",
     "MAX_PATTERNS",
     "MODES",
     "FieldPath",
@@ -69,11 +70,25 @@ __all__ = [
 ]
 
 MODES = ("enforce", "shadow")
+HEADER_STYLES = ("both", "ietf", "openai", "off")
+"""`headers:`: which rate-limit fields every guarded response carries
+(docs/client-contract.md). `both` is the default: OpenAI-compatible clients
+read `x-ratelimit-*`, and generic HTTP tooling reads the IETF draft's
+`RateLimit-Policy` / `RateLimit`; the two sets do not collide."""
 
 
 def _check_mode(value: object) -> str:
     if value not in MODES:
         raise problem(f"must be 'enforce' or 'shadow' (got {shown(value)})")
+    return str(value)
+
+
+def _check_headers(value: object) -> str:
+    """`headers: off` is YAML 1.1's `false`: it means what it says."""
+    if value is False:
+        return "off"
+    if isinstance(value, bool) or value not in HEADER_STYLES:
+        raise problem(f"must be 'both', 'ietf', 'openai' or 'off' (got {shown(value)})")
     return str(value)
 
 
@@ -104,6 +119,15 @@ class Policy(Strict):
         default="enforce",
         description="shadow: every limit is computed and counted but none is enforced "
         "(a rule's own 'shadow' still wins). Switch to enforce with an edit: hot reload.",
+    )
+    headers: Annotated[
+        str,
+        PlainValidator(_check_headers),
+        WithJsonSchema({"enum": [*HEADER_STYLES, False]}),
+    ] = Field(
+        default="both",
+        description="Rate-limit header fields on every guarded response: ietf "
+        "(RateLimit-Policy, RateLimit), openai (x-ratelimit-*), both (default) or off.",
     )
     metrics: MetricsSection = Field(
         default_factory=MetricsSection, description="Per-user series on /metrics."

@@ -10,8 +10,9 @@ user, tier and match entry) in one of these forms::
     {tier: pro}              # users, match entries, default, anonymous only
     {tier: pro, burst: 1s, max_streams: 2, peak: unlimited}   # a tier with overrides
     {rate: 20, prompt: 2000}  # and prompt tokens computed per second (`PromptRule`)
+    {rate: 20, requests: 5}   # and at most 5 requests a second (`300/min` per minute)
 
-With `tier`, only `burst`, `max_streams`, `shadow`, `peak` and `prompt` may be
+With `tier`, only `burst`, `max_streams`, `shadow`, `peak`, `prompt` and `requests` may be
 overridden: a `rate` beside `tier` would make the tier name a lie, so it is an
 error. A `peak` is checked against the rate it rises above: here when the rule
 has its own rate (`peak_problem`), by the policy when the rate is its tier's.
@@ -45,6 +46,7 @@ from outrate.policy.values import (
     Pattern,
     Rate,
     RateValue,
+    Requests,
     problem,
     shown,
 )
@@ -236,6 +238,33 @@ Prompt = Annotated[
 ]
 
 
+NO_REQUESTS = (
+    "must be a whole number of requests per second, 'N/s', 'N/min' or 'unlimited' (got "
+    "nothing): leave 'requests' out for the default (unlimited, or the tier's)"
+)
+
+
+def _written_requests(value: Any) -> Any:
+    """`requests: null` is an error, not "unlimited": beside a tier it would
+    keep the tier's request rate where the writer may have meant none."""
+    if value is None:
+        raise problem(NO_REQUESTS)
+    return value
+
+
+RequestsField = Annotated[
+    Requests | None,
+    _NotNull(),
+    Field(
+        description="Requests per second or per minute ('5', '5/s', '300/min', "
+        "'unlimited'), checked in the API server before tokenization: a request over it "
+        "gets HTTP 429 with Retry-After. Default: unlimited (a tier's passes to the users "
+        "and patterns that use it).",
+        json_schema_extra=_no_default,
+    ),
+]
+
+
 class TierRule(_Spec):
     """A named limit users and patterns can refer to. Cannot name another tier."""
 
@@ -245,6 +274,7 @@ class TierRule(_Spec):
     max_streams: Streams = None
     shadow: Shadow = None
     prompt: Prompt = None
+    requests: RequestsField = None
 
     @field_validator("peak", mode="before")
     @classmethod
@@ -255,6 +285,11 @@ class TierRule(_Spec):
     @classmethod
     def _prompt_written(cls, value: Any) -> Any:
         return _written_prompt(value)
+
+    @field_validator("requests", mode="before")
+    @classmethod
+    def _requests_written(cls, value: Any) -> Any:
+        return _written_requests(value)
 
     @field_validator("peak", mode="after")
     @classmethod
@@ -271,8 +306,8 @@ class LimitRule(_Spec):
 
     tier: Name | None = Field(
         default=None,
-        description="Take rate, peak, burst, max_streams and prompt from this tier; all "
-        "but rate may be overridden here.",
+        description="Take rate, peak, burst, max_streams, prompt and requests from this "
+        "tier; all but rate may be overridden here.",
     )
     rate: Rate | None = Field(default=None, description=_RATE_DOC)
     peak: Peak = None
@@ -280,6 +315,7 @@ class LimitRule(_Spec):
     max_streams: Streams = None
     shadow: Shadow = None
     prompt: Prompt = None
+    requests: RequestsField = None
 
     @field_validator("peak", mode="before")
     @classmethod
@@ -290,6 +326,11 @@ class LimitRule(_Spec):
     @classmethod
     def _prompt_written(cls, value: Any) -> Any:
         return _written_prompt(value)
+
+    @field_validator("requests", mode="before")
+    @classmethod
+    def _requests_written(cls, value: Any) -> Any:
+        return _written_requests(value)
 
     @field_validator("peak", mode="after")
     @classmethod

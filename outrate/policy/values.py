@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from typing import Annotated, Any, Literal
@@ -158,6 +159,108 @@ Rate = Annotated[
     PlainValidator(parse_rate),
     PlainSerializer(_dump_rate),
     WithJsonSchema(RATE_SCHEMA),
+]
+
+
+# -- request rates ------------------------------------------------------------
+
+MAX_REQUESTS = 1_000_000
+"""Requests per window above which a request rate is a typo, not a limit."""
+REQUEST_WINDOWS = {"s": 1, "min": 60}
+"""The windows a request rate may be written per (`5/s`, `300/min`). Hours
+and days are quotas (issue 41, item 3), not rates."""
+_PER_WINDOW = re.compile(r"\s*([-+]?\d+(?:\.\d*)?)\s*/\s*([A-Za-z]*)\s*")
+_REQUESTS_EXPECTED = "must be a whole number of requests per second, 'N/s', 'N/min' or 'unlimited'"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRate:
+    """`count` requests per `window_s` seconds, as written: `5` and `5/s` are
+    (5, 1), `300/min` is (300, 60). The limiter lets `count` through back to
+    back, then paces them evenly at `count / window_s` per second."""
+
+    count: int
+    window_s: int
+
+    @property
+    def rate(self) -> Fraction:
+        return Fraction(self.count, self.window_s)
+
+    def __str__(self) -> str:
+        unit = "min" if self.window_s == 60 else "s"
+        return f"{self.count}/{unit}"
+
+
+def parse_requests(value: object) -> RequestRate | Literal["unlimited"]:
+    """A request rate: `5` (per second), `'5/s'`, `'300/min'` or `unlimited`.
+
+    Whole numbers only: a request is not divisible, and the window says how
+    slow (`1/min`, not `0.0167`)."""
+    if isinstance(value, bool) or value is None:
+        raise problem(f"{_REQUESTS_EXPECTED} (got {shown(value)})")
+    window = "s"
+    if isinstance(value, str):
+        if value == UNLIMITED:
+            return UNLIMITED
+        per = _PER_WINDOW.fullmatch(value)
+        number = _QUOTED_NUMBER.fullmatch(value)
+        if per is not None:
+            window = per.group(2)
+            if window not in REQUEST_WINDOWS:
+                known = " or ".join(f"'/{w}'" for w in REQUEST_WINDOWS)
+                hint = " (hours and days are quotas, not rates)" if window in _QUOTA_UNITS else ""
+                raise problem(
+                    f"unknown window {shown(window)}: write requests per {known}{hint} "
+                    f"(got {shown(value)})"
+                )
+            value = Decimal(per.group(1))
+        elif number is not None:
+            value = Decimal(number.group(1))
+        else:
+            raise problem(f"{_REQUESTS_EXPECTED} (got {shown(value)})")
+    if not isinstance(value, int | Decimal | float):
+        raise problem(f"{_REQUESTS_EXPECTED} (got {shown(value)})")
+    finite = value.is_finite() if isinstance(value, Decimal) else math.isfinite(value)
+    if not finite:
+        raise problem(f"must be a finite number; use 'unlimited' for no limit (got {shown(value)})")
+    if value <= 0:
+        raise problem("must be > 0")
+    if value > MAX_REQUESTS:
+        raise problem(
+            f"must be at most {MAX_REQUESTS} requests per window (use 'unlimited' for no limit)"
+        )
+    if value != int(value):
+        raise problem(
+            f"must be a whole number of requests (got {shown(value)}); for fewer than one a "
+            "second write 'N/min'"
+        )
+    return RequestRate(int(value), REQUEST_WINDOWS[window])
+
+
+_QUOTA_UNITS = frozenset({"h", "hour", "hr", "d", "day", "week", "month"})
+
+
+def _dump_requests(value: RequestRate | str) -> int | str:
+    if isinstance(value, RequestRate):
+        return value.count if value.window_s == 1 else str(value)
+    return value
+
+
+Requests = Annotated[
+    RequestRate | Literal["unlimited"],
+    PlainValidator(parse_requests),
+    PlainSerializer(_dump_requests),
+    WithJsonSchema(
+        {
+            "description": "Requests per second (a whole number), 'N/s', 'N/min', or "
+            "'unlimited'; refused over it with HTTP 429 and Retry-After.",
+            "anyOf": [
+                {"type": "integer", "minimum": 1, "maximum": MAX_REQUESTS},
+                {"const": UNLIMITED},
+                {"type": "string", "pattern": r"^\s*\+?\d+\s*/\s*(s|min)\s*$"},
+            ],
+        }
+    ),
 ]
 
 

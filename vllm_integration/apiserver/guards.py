@@ -1,4 +1,5 @@
-"""API-server guards: who is asking (401/403), bad identities and beam search (400).
+"""API-server guards: who is asking (401/403), bad identities and beam search (400),
+requests over their user's rate (429), and the rate-limit header fields.
 
 Identity (one rule set, `outrate.identity.core` and `outrate.identity.gate`, on every route):
 
@@ -15,7 +16,11 @@ Identity (one rule set, `outrate.identity.core` and `outrate.identity.gate`, on 
   runs, so no route can start a 200 stream first or log a traceback. Every
   route but /health, /ping, /metrics and /v1/models is guarded, including
   routes vLLM adds later. The decision is kept in a context variable for the
-  rest of the request.
+  rest of the request. Then, with a policy in this process, the request rate
+  (`requests:`; outrate.contract.requests): one request of the user's bucket,
+  429 with Retry-After when it does not conform, before any route parses,
+  tokenizes or queues it; and every response that goes on gets the limits in
+  force at this admission as header fields (outrate.contract.headers).
 - `AsyncLLM.add_request` (patched in the API server), the one door of every
   route to the engine, carries the decision to the engine: the user goes into
   `extra_args` with the API server's signature (`identity.STAMP_KEY`), and
@@ -40,8 +45,29 @@ from contextvars import ContextVar
 from http import HTTPStatus
 from typing import Any, NamedTuple
 
-from outrate.identity.core import IDENTITY_FIELD, IDENTITY_KEY, STAMP_KEY, identity_error
-from outrate.identity.gate import Verdict, authenticate, body_claims, check_claims, is_exempt
+from outrate.contract.headers import (
+    Header,
+    limit_headers,
+    refusal_headers,
+    refusal_message,
+)
+from outrate.contract.requests import Admission
+from outrate.identity.core import (
+    ANONYMOUS,
+    IDENTITY_FIELD,
+    IDENTITY_KEY,
+    STAMP_KEY,
+    identity_error,
+)
+from outrate.identity.gate import (
+    Claim,
+    Verdict,
+    authenticate,
+    body_claims,
+    check_claims,
+    is_exempt,
+)
+from vllm_integration.apiserver.metrics import count_requests_over
 
 GUARD_MIDDLEWARE = "vllm_integration.apiserver.guards.IdentityGuard"
 """What the plugin appends to `--middleware`."""
@@ -114,11 +140,73 @@ class IdentityGuard:
         async def replay() -> Message:
             return messages.pop(0) if messages else await receive()
 
+        policy = self.gate.policy  # one read: the limits in force at admission
+        if policy is not None and kind == "http":
+            user = verdict.user if identity.source != "body" else _claimed(claims)
+            key = ANONYMOUS if user is None else user
+            rule = policy.limit_for(key)
+            admission = self.gate.requests.admit(policy, key)
+            if admission.over:
+                count_requests_over(admission.limit.label, "requests", admission.admitted)
+            if not admission.admitted:
+                await _too_many(scope, replay, send, policy.headers, rule, admission)
+                return
+            fields = limit_headers(policy.headers, rule, admission)
+            if fields:
+                send = _adding(send, fields)
+
         token = RESOLVED.set(Resolved(identity.source, verdict.user, identity.on_claim_mismatch))
         try:
             await self.app(scope, replay, send)
         finally:
             RESOLVED.reset(token)
+
+
+def _claimed(claims: list[Claim]) -> str | None:
+    """With source body, the user the engine will charge: the body's claim
+    (check_claims made sure each is a valid identity); None: anonymous."""
+    for _, value in claims:
+        if isinstance(value, str):
+            return value
+    return None
+
+
+def _adding(send: Send, fields: list[Header]) -> Send:
+    """`send` with `fields` added to the response's head (streaming or not:
+    the head goes first, so the values are those of the request's admission)."""
+
+    async def send_with(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = dict(message)
+            message["headers"] = [*message.get("headers", ()), *fields]
+        await send(message)
+
+    return send_with
+
+
+async def _too_many(
+    scope: Scope, receive: Receive, send: Send, style: str, rule: Any, admission: Admission
+) -> None:
+    """429 in OpenAI's shape (Anthropic's on `/v1/messages`), with Retry-After
+    and the limits."""
+    from starlette.responses import JSONResponse
+
+    message = refusal_message(admission)
+    body: dict[str, Any]
+    if str(scope.get("path", "")).startswith(_ANTHROPIC_PREFIX):
+        body = {"type": "error", "error": {"type": "rate_limit_error", "message": message}}
+    else:
+        body = {
+            "error": {
+                "message": message,
+                "type": "requests",
+                "param": None,
+                "code": "rate_limit_exceeded",
+            }
+        }
+    response = JSONResponse(body, status_code=HTTPStatus.TOO_MANY_REQUESTS)
+    response.raw_headers += refusal_headers(style, rule, admission)
+    await response(scope, receive, send)
 
 
 def _route_path(scope: Scope) -> str:

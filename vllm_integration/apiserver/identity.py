@@ -26,6 +26,7 @@ import os
 import threading
 from typing import Any
 
+from outrate.contract.requests import RequestTable
 from outrate.env import API_SETTINGS, Env
 from outrate.errors import OutrateError
 from outrate.identity.core import BODY, SECRET_ENV, IdentityConfig, Stamper
@@ -40,20 +41,27 @@ logger = logging.getLogger("vllm.outrate.identity")
 
 
 class Gate:
-    """What the middleware and the engine-client patch read per request: one
-    attribute (`identity`), replaced whole by the reloader thread."""
+    """What the middleware and the engine-client patch read per request:
+    `identity` and `policy`, each replaced whole by the reloader thread, and
+    the request-rate table (`requests`), which only the event loop touches."""
 
     def __init__(
         self,
         identity: IdentityConfig = BODY,
         stamper: Stamper | None = None,
         reloader: Reloader | None = None,
+        policy: CompiledPolicy | None = None,
     ) -> None:
         self.identity = identity
         self.stamper = stamper
         self.reloader = reloader
+        self.policy = policy
+        """The limits a request is admitted under (request rate, headers);
+        None: no policy in this process (no rate-limit headers)."""
+        self.requests = RequestTable()
 
     def publish(self, policy: CompiledPolicy) -> None:
+        self.policy = policy
         old, self.identity = self.identity, policy.identity
         if old != policy.identity:
             logger.info("outrate: identity %s", policy.identity.describe())
@@ -111,14 +119,14 @@ def _build() -> Gate:
         policy = None
     path = api.get("policy")
     if path is None:  # the seed's in-memory flags: no file, no identity section
-        return Gate(BODY, stamper)
+        return Gate(BODY, stamper, policy=policy)
     vllm_api_key = bool(api.get("vllm_api_key"))
     if policy is None:
         try:
             policy = load_checked(path, vllm_api_key)
         except OutrateError as e:
             raise SystemExit(f"outrate: {e}") from e
-    g = Gate(policy.identity, stamper)
+    g = Gate(policy.identity, stamper, policy=policy)
     if policy.identity.source != "body" and stamper is None:
         logger.warning(
             "outrate: %s is not set in this process (or is not hex of at least 16 bytes): "

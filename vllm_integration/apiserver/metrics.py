@@ -102,3 +102,36 @@ def install_metrics(directory: str | None = None) -> str:
 
     setattr(instrumentator, "get_prometheus_registry", get_prometheus_registry)  # noqa: B010
     return directory
+
+
+# -- the API server's own counters -------------------------------------------
+
+_refused: Any = None
+_shadow_over: Any = None
+
+
+def count_requests_over(label: str, reason: str, shadow: bool) -> None:
+    """One request over its user's rate: refused (429), or in shadow counted
+    and let through. Counted in this API-server process with
+    prometheus_client (multiprocess files when vLLM runs several, summed on
+    /metrics); created on first use, after vLLM set its multiprocess
+    directory."""
+    global _refused, _shadow_over
+    from prometheus_client import Counter
+
+    if shadow:
+        if _shadow_over is None:
+            _shadow_over = Counter(
+                "outrate_shadow_requests_over_limit",
+                "Requests over a request rate in shadow: counted, not refused.",
+                ["limit", "reason"],
+            )
+        _shadow_over.labels(label, reason).inc()
+        return
+    if _refused is None:
+        _refused = Counter(
+            "outrate_requests_refused",
+            "Requests refused with HTTP 429 in the API server, before tokenization.",
+            ["limit", "reason"],
+        )
+    _refused.labels(label, reason).inc()

@@ -1,0 +1,137 @@
+"""The request rate and the rate-limit header fields through the API server's
+guard (vllm_integration/apiserver/guards.py), without a server: one request
+at a time through the ASGI middleware, on a fake clock. The real server's
+checks are tests/test_e2e_client_contract.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from test_plugin import RESPONSE_HEADERS, _through_guard  # noqa: E402
+
+from outrate.contract.requests import RequestTable  # noqa: E402
+from outrate.identity.core import BODY, IdentityConfig  # noqa: E402
+from outrate.policy.compiler import compile_policy  # noqa: E402
+from outrate.policy.loader import parse_policy  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+POLICY = """\
+version: 1
+default: {rate: 20, requests: 2}
+anonymous: {rate: 5, requests: 1/min}
+users:
+  bob: {rate: 100, requests: 50, prompt: 1000}
+"""
+
+
+@pytest.fixture
+def policy_gate():
+    """Install a policy as this process's gate, its clock stopped (undone by
+    conftest)."""
+    from vllm_integration.apiserver import identity as module
+
+    def use(text: str, identity: IdentityConfig = BODY):
+        compiled = compile_policy(parse_policy(text, "p.yaml"), "p.yaml")
+        module._gate = module.Gate(identity, None, policy=compiled)
+        module._gate.requests = RequestTable(clock=lambda: 10**9)
+        return module._gate
+
+    return use
+
+
+def _body(user: str | None = None) -> bytes:
+    body: dict[str, object] = {"model": "m", "prompt": "hi"}
+    if user is not None:
+        body["vllm_xargs"] = {"output_rate_user": user}
+    return json.dumps(body).encode()
+
+
+def _fields() -> dict[bytes, bytes]:
+    return dict(RESPONSE_HEADERS)
+
+
+def test_every_response_that_goes_on_carries_the_users_limits(policy_gate):
+    policy_gate(POLICY)
+    status, _, reached = _through_guard(_body("bob"))
+    assert (status, reached) == (200, _body("bob"))
+    fields = _fields()
+    assert fields[b"ratelimit-policy"] == (
+        b'requests;q=50;w=1, output;q=100;w=1;qu="output-tokens", '
+        b'prompt;q=1000;w=1;qu="prompt-tokens"'
+    )
+    assert fields[b"ratelimit"] == b"requests;r=49;t=1"
+    assert fields[b"x-ratelimit-limit-tokens"] == b"6000"
+
+
+def test_over_the_rate_is_429_before_any_route_runs(policy_gate):
+    policy_gate(POLICY)
+    assert [_through_guard(_body("carol"))[0] for _ in range(2)] == [200, 200]
+    status, response, reached = _through_guard(_body("carol"))
+    assert (status, reached) == (429, None)
+    assert json.loads(response) == {
+        "error": {
+            "message": "Rate limit reached for requests: at most 2 per second. "
+            "Please try again in 0.5s.",
+            "type": "requests",
+            "param": None,
+            "code": "rate_limit_exceeded",
+        }
+    }
+    fields = _fields()
+    assert (fields[b"retry-after"], fields[b"retry-after-ms"]) == (b"1", b"500")
+    assert fields[b"ratelimit"] == b"requests;r=0;t=1"
+    assert fields[b"content-type"] == b"application/json"
+
+
+def test_no_identity_gets_the_anonymous_rule_never_another_users(policy_gate):
+    policy_gate(POLICY)
+    assert _through_guard(_body())[0] == 200
+    fields = _fields()
+    assert fields[b"ratelimit-policy"] == b'requests;q=1;w=60, output;q=5;w=1;qu="output-tokens"'
+    assert _through_guard(_body())[0] == 429
+    assert _through_guard(b"not json", content_type=b"text/plain")[0] == 429  # anonymous too
+    assert _through_guard(_body("bob"))[0] == 200  # bob's own budget
+
+
+def test_the_gateway_header_names_whose_rate(policy_gate):
+    policy_gate(POLICY, IdentityConfig(source="header", header="x-user"))
+    for _ in range(50):
+        assert _through_guard(_body(), headers=[(b"x-user", b"bob")])[0] == 200
+    assert _through_guard(_body(), headers=[(b"x-user", b"bob")])[0] == 429
+    assert _through_guard(_body())[0] == 200  # anonymous: its own bucket
+
+
+def test_anthropic_routes_get_anthropics_429(policy_gate):
+    policy_gate(POLICY)
+    _through_guard(_body(), "/v1/messages")
+    status, response, _ = _through_guard(_body(), "/v1/messages")
+    assert status == 429
+    assert json.loads(response)["error"]["type"] == "rate_limit_error"
+    assert _fields()[b"retry-after"] == b"60"
+
+
+@pytest.mark.parametrize(
+    ("style", "names"),
+    [
+        ("off", set()),
+        ("ietf", {b"ratelimit-policy", b"ratelimit"}),
+        ("openai", {b"x-ratelimit-limit-requests", b"x-ratelimit-remaining-requests",
+                    b"x-ratelimit-reset-requests", b"x-ratelimit-limit-tokens"}),
+    ],
+)  # fmt: skip
+def test_the_policy_chooses_the_style(policy_gate, style: str, names: set[bytes]) -> None:
+    policy_gate(POLICY + f"headers: {style}\n")
+    assert _through_guard(_body("carol"))[0] == 200
+    assert set(_fields()) == names
+
+
+def test_probes_are_neither_counted_nor_labelled(policy_gate):
+    policy_gate(POLICY)
+    for _ in range(3):
+        assert _through_guard(b"", "/health", method="GET")[0] == 200
+    assert _fields() == {}
