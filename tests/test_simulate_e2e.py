@@ -30,10 +30,11 @@ pytest.importorskip("vllm")
 from build_tiny_model import build  # noqa: E402
 from serverproc import ServerProcess, outrate_serve_argv  # noqa: E402
 from sim_drift import (
-    MACHINE_BOUND,
     PROBE_S,
     at_measured_length,
+    machine_drift,
     model_error,
+    steady,
     unjudgeable,
 )
 from sim_drift import (  # noqa: E402
@@ -47,7 +48,12 @@ from outrate.simulate.counters import Reading, scrape_engine  # noqa: E402
 from outrate.simulate.engine import engine_from_flags  # noqa: E402
 from outrate.simulate.metricsfit import calibrate_metrics  # noqa: E402
 from outrate.simulate.report import RunResult  # noqa: E402
-from outrate.simulate.stepmodel import StepModel, calibrate, time_error  # noqa: E402
+from outrate.simulate.stepmodel import (  # noqa: E402
+    StepModel,
+    calibrate,
+    decode_step_us,
+    time_error,
+)
 from outrate.simulate.workload import load_workload  # noqa: E402
 from vllm_integration.offline.simulator import simulate  # noqa: E402
 
@@ -196,8 +202,10 @@ def test_the_simulator_agrees_with_the_engine_it_was_calibrated_on(sim_server):
         report.append(row)
     print("\n".join(report))
     assert not failures, "\n".join([*failures, *report])
-    # The calibrated model is the one the throttling case uses.
+    # The calibrated model is the one the throttling case uses; its run's
+    # decode steps, what the lending case's probe is held against.
     sim_server.step_model = cal.model
+    sim_server.decode_steps = decode_step_us(steps, workload)
 
 
 def test_a_fit_from_metrics_agrees_with_the_trace_fit(sim_server):
@@ -280,9 +288,11 @@ def test_a_borrowing_user_as_the_engine_shows_it(sim_server):
     scheduler's lending as the engine does: the same bounds as the agreement
     test (tok/s within 5%, TTFT p50 within 25% or 20 ms)."""
     model = getattr(sim_server, "step_model", None)
-    if model is None:
+    reference = getattr(sim_server, "decode_steps", None)
+    if model is None or reference is None:
         workload, _, steps = play(sim_server, "e2e-agree.yaml")
         model = calibrate(steps, workload).model
+        reference = decode_step_us(steps, workload)
     # The lender's rate is the engine's: it follows the step length one for
     # one. The lending is judged with the model scaled to the step length
     # this run measured (the step model's error on a workload it was not
@@ -295,15 +305,16 @@ def test_a_borrowing_user_as_the_engine_shows_it(sim_server):
         workload, played, steps = play(sim_server, "e2e-lend.yaml")
         probe, _, probe_steps = play(sim_server, "e2e-agree.yaml", seconds=PROBE_S)
         drift = time_error(model, steps, workload)
-        machine = time_error(model, probe_steps, probe)
-        if abs(machine) <= MACHINE_BOUND or tries == 2:
+        machine = machine_drift(reference, decode_step_us(probe_steps, probe))
+        if steady(machine) or tries == 2:
             break
     raw = sim(workload, model, sim_server.policy_path)
     result = sim(workload, at_measured_length(model, drift), sim_server.policy_path)
     borrowed = sum(r.get("borrowed", {}).get("lender", 0) for r in steps)
     report = [
-        f"step length off the model by {drift:+.1%} on the run, {machine:+.1%} on the probe "
-        f"(the machine), so the model's own error {model_error(drift, machine):+.1%}; "
+        f"step length off the model by {drift:+.1%} on the run; the machine's decode steps "
+        f"{machine:+.1%} against the calibration's (the probe), so the model's own error "
+        f"{model_error(drift, machine):+.1%}; "
         f"played {tries}x"
     ]
     failures = []
@@ -329,6 +340,6 @@ def test_a_borrowing_user_as_the_engine_shows_it(sim_server):
     report.append(f"the engine's trace: {borrowed} of the lender's tokens borrowed")
     print("\n".join(report))
     assert borrowed > 0.5 * sum(r.get("charged", {}).get("lender", 0) for r in steps)
-    if abs(machine) > MACHINE_BOUND:
+    if not steady(machine):
         unjudgeable("the machine moved: " + report[0])
     assert not failures, "\n".join([*failures, *report])

@@ -306,6 +306,23 @@ def time_error(model: StepModel, lines: Iterable[dict[str, Any]], workload: Work
     return (modelled - measured) / measured if measured > 0 else 0.0
 
 
+def decode_step_us(lines: Iterable[dict[str, Any]], workload: Workload) -> dict[int, list[float]]:
+    """Per number of requests decoding, the lengths (us) of a trace's steps
+    that computed no prompt, idle gaps left out as `calibrate` does. Two
+    runs on one machine share such steps whatever their workloads, so their
+    lengths compared say how the machine moved without asking any model."""
+    steps = {r["step"]: r for r in lines if "step" in r and "t" in r}
+    samples = _samples(steps, prompt_means_of(workload))
+    if not samples:
+        return {}
+    median = statistics.median(s[2] for s in samples)
+    out: dict[int, list[float]] = {}
+    for decoding, prefill, us in samples:
+        if prefill == 0 and us <= IDLE_FACTOR * median:
+            out.setdefault(int(decoding), []).append(us)
+    return out
+
+
 def _turnaround_us(
     steps: dict[int, dict[str, Any]], workload: Workload, mean_step_us: float
 ) -> float | None:
