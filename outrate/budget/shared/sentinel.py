@@ -65,8 +65,8 @@ class Sentinels(Nodes):
                 fresh = [a for a in named if a not in nodes.deposed]
                 return fresh[0] if fresh else named[0]
 
-        self.sentinel: Any = Following(list(spec.nodes), sentinel_kwargs=dict(kw))  # type: ignore[no-untyped-call]
-        self.client = self.sentinel.master_for(self.master, **data)  # type: ignore[no-untyped-call]
+        self.sentinel: Any = Following(list(spec.nodes), sentinel_kwargs=dict(kw))  # type: ignore[no-untyped-call,unused-ignore]
+        self.client = self.sentinel.master_for(self.master, **data)  # type: ignore[no-untyped-call,unused-ignore]
         self.primary: str | None = None
         self._turn = 0
 
