@@ -13,7 +13,11 @@ requests one after another (its time to first token).
   and mallory's computed prompt tokens obey the GCRA bound at 500 tok/s in
   every window (+1 token per window, as for output);
 - with `flooder {rate: 20}` (prompts unlimited, as before issue 40) the same
-  run is printed beside it: what the prompt limit saves bob.
+  run is printed beside it: what the prompt limit saves bob;
+- /metrics during mallory's flood, as `outrate top` reads it: her prompt
+  tok/s (the engine's counter agrees with its trace over the same window),
+  her prompt limit, her requests waiting for prompt budget (the trace's
+  `prompt_waiting` too); bob, without a prompt limit, never waits for one.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from e2e_support import (  # noqa: E402
 )
 from loadgen import Stream, client, stream_completion  # noqa: E402
 
+from outrate.observe.scrape import Snapshot, metrics_url, rows, scrape  # noqa: E402
 from outrate.observe.trace import engine_rate, max_window_excess  # noqa: E402
 
 PROMPT_RATE = 500
@@ -135,12 +140,16 @@ def _bob(server, tokens: int = 300) -> tuple[float, list[float], float]:
 def test_a_prompt_limit_keeps_a_prompt_flood_off_others(server):
     alone_rate, alone_ttft, alone_step = _bob(server)
     runs = {}
+    pages: dict[str, tuple[Snapshot, Snapshot]] = {}
+    url = metrics_url(server.root_url)
     for user in ("flooder", "mallory"):
         since = time.monotonic_ns()
         with Flood(server, user) as flood:
+            first = scrape(url, 5)
             # Beside the unlimited flood bob decodes at a few tok/s: a
             # shorter stream, printed, not judged.
             runs[user] = _bob(server, 300 if user == "mallory" else 60)
+            pages[user] = (first, scrape(url, 5))
         assert not flood.errors, flood.errors[:3]
         runs[user] += (since, flood.sent)
     p50_alone = statistics.median(alone_ttft)
@@ -167,3 +176,36 @@ def test_a_prompt_limit_keeps_a_prompt_flood_off_others(server):
     assert excess <= 1 + 1e-6  # (W + burst) * rate + 1 in every window
     assert rate >= 0.9 * alone_rate
     assert statistics.median(ttft) <= 2 * p50_alone + step_ms
+    _check_metrics(pages, lines)
+
+
+def _check_metrics(pages: dict[str, tuple[Snapshot, Snapshot]], lines: list[dict]) -> None:
+    """What /metrics said during mallory's flood (two scrapes, as `outrate
+    top` takes them) against the engine's trace over the same window. The
+    counter reaches /metrics up to 0.5 s late at each end (the publisher's
+    interval), so the two agree within 1 s of her prompt rate plus a burst."""
+    first, second = pages["mallory"]
+    mine = {r.limit: r for r in rows(first, second)}
+    mal, bob = mine["mallory"], mine["bob"]
+    t0, t1 = round(first.at * 1e9), round(second.at * 1e9)
+    traced = sum(
+        r["prompt"].get("mallory", 0) for r in lines if t0 <= r["t"] <= t1 and "prompt" in r
+    )
+    counted = (second.limits["mallory"].prompt_tokens or 0) - (
+        first.limits["mallory"].prompt_tokens or 0
+    )
+    waiting = (first.limits["mallory"].prompt_waiting, second.limits["mallory"].prompt_waiting)
+    waited = sum(r.get("prompt_waiting", {}).get("mallory", 0) for r in lines)
+    flooder = {r.limit: r for r in rows(*pages["flooder"])}["flooder"]
+    print(
+        f"/metrics over {second.at - first.at:.1f} s of mallory's flood: prompt "
+        f"{mal.prompt:.0f} tok/s (limit {mal.prompt_limit:.0f}), {counted:.0f} tokens counted, "
+        f"{traced} in the trace; requests waiting for prompt budget {waiting[0]:.0f} and "
+        f"{waiting[1]:.0f}, {waited} request-steps waiting in the trace; flooder's prompts "
+        f"{flooder.prompt:.0f} tok/s (limit {flooder.prompt_limit})"
+    )
+    assert mal.prompt_limit == PROMPT_RATE and flooder.prompt_limit == float("inf")
+    assert abs(counted - traced) <= PROMPT_RATE * 1.0 + PROMPT_RATE * BURST_NS / 1e9 + 1
+    assert max(w or 0 for w in waiting) >= 1 and waited > 0
+    assert bob.prompt_waiting == 0
+    assert not any("bob" in r.get("prompt_waiting", {}) for r in lines)

@@ -207,3 +207,34 @@ def test_data_parallel_ranks_add_their_prompt_tokens() -> None:
     assert merged is not None
     assert merged["labels"]["bob"]["prompt"] == 100
     assert merged["labels"]["default"]["prompt_rate"] == 500  # a configured value, not a count
+
+
+def test_prompt_waits_and_shadow_over_render_per_limit_and_add_up_across_ranks() -> None:
+    """Requests waiting for prompt budget (a gauge), waits started and prompt
+    tokens over a shadow prompt limit (counters), per limit; an engine from
+    before these counts renders 0."""
+    pol = policy(PROMPTS)
+    one, two = Metrics(), Metrics()
+    bob, peek = one.record("bob"), one.record("peek")
+    bob.prompt_waiting, bob.prompt_waits, peek.prompt_over = 2, 5, 30
+    two.record("bob").prompt_waits = 1
+    samples = page(snapshot(one, pol, now=0))
+    for name, want in (
+        ("outrate_prompt_waiting_requests", {"bob": 2}),
+        ("outrate_prompt_waits_total", {"bob": 5}),
+        ("outrate_prompt_shadow_over_tokens_total", {"peek": 30}),
+    ):
+        got = {dict(ls)["limit"]: v for (n, ls), v in samples.items() if n == name}
+        assert got == {
+            **dict.fromkeys(("bob", "peek", "default", "anonymous", "tier:free"), 0),
+            **want,
+        }
+    merged = merge_snapshots([snapshot(one, pol, now=0), snapshot(two, pol, now=0)])
+    assert merged is not None
+    assert merged["labels"]["bob"]["prompt_waits"] == 6
+    assert merged["labels"]["bob"]["prompt_waiting"] == 2
+    old = snapshot(one, pol, now=0)
+    for row in old["labels"].values():
+        for k in ("prompt_over", "prompt_waiting", "prompt_waits"):
+            del row[k]
+    assert page(old)["outrate_prompt_waits_total", (("limit", "bob"),)] == 0

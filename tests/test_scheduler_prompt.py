@@ -253,3 +253,121 @@ def test_a_reload_the_engine_cannot_enforce_is_rejected_and_the_old_policy_kept(
         assert s.policy_box.current.default.prompt is not None
     finally:
         threads.stop()
+
+
+def _traced(s, tmp_path):
+    trace = TraceWriter(str(tmp_path / "t.jsonl"))
+    s.outrate_trace(trace)
+    return trace
+
+
+def _per_step(lines, key: str, user: str) -> list[tuple[int, int]]:
+    return [(r["step"], r[key][user]) for r in lines if user in r.get(key, {})]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_request_deferred_for_prompt_budget_waits_until_admitted(kind, tmp_path):
+    """prompt 1000/s, burst 100 ms (101 tokens): the first 300-token prompt
+    takes the burst, then the budget as it returns; the second is deferred
+    from step 1 until the first's prompt is done. One wait, counted once on
+    the limit (`outrate_prompt_waits_total`), the gauge 1 while it lasts
+    and 0 after; the trace counts it in every step it waited."""
+    clock = FakeClock()
+    s = make_scheduler(kind, policy("  a: {rate: 100, prompt: 1000}\n"), clock)
+    trace = _traced(s, tmp_path)
+    d = Driver(s, clock, step_ns=10 * MS)
+    d.add(make_request("a", prompt_len=300, max_tokens=1))
+    second = d.add(make_request("a", prompt_len=300, max_tokens=1))
+    m = s.metrics.labels["a"]
+    d.step()
+    assert (m.prompt_waiting, m.prompt_waits, s.metrics.deferred["prompt"]) == (1, 1, 1)
+    while second.num_computed_tokens == 0 and d.steps < 100:
+        assert (m.prompt_waiting, m.prompt_waits) == (1, 1)
+        d.step()
+    assert (m.prompt_waiting, m.prompt_waits) == (0, 1)
+    d.run_until_done()
+    trace.stop()
+    assert (m.prompt_waiting, m.prompt_waits, s.metrics.deferred["prompt"]) == (0, 1, 1)
+    waited = _per_step(read_trace(tmp_path / "t.jsonl"), "prompt_waiting", "a")
+    assert len(waited) >= 15  # (300 - 101) / 1000 s in 10 ms steps, give or take
+    assert waited == [(k, 1) for k in range(1, len(waited) + 1)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_running_prefill_skipped_for_prompt_budget_waits_until_charged(kind, tmp_path):
+    """prompt 50/s (a token every 20 ms) in 10 ms steps: after the burst the
+    running prefill gets a token every other step and waits in between.
+    Each skip starts a wait, each token ends it; a reload that drops the
+    prompt limit ends a wait at once."""
+    clock = FakeClock()
+    s = make_scheduler(kind, policy("  a: {rate: 100, prompt: 50}\n"), clock)
+    trace = _traced(s, tmp_path)
+    d = Driver(s, clock, step_ns=10 * MS)
+    req = d.add(make_request("a", prompt_len=100, max_tokens=1))
+    m = s.metrics.labels["a"]
+    gauge = []
+    for _ in range(8):
+        d.step()
+        gauge.append(m.prompt_waiting)
+    trace.stop()
+    assert req.num_computed_tokens < 100 and s.metrics.prompt_skips == m.prompt_waits
+    assert set(gauge) == {0, 1} and m.prompt_waits == sum(gauge) >= 3
+    waited = _per_step(read_trace(tmp_path / "t.jsonl"), "prompt_waiting", "a")
+    assert [k for k, _ in waited] == [i + 1 for i, w in enumerate(gauge) if w]
+    while not m.prompt_waiting:
+        d.step()
+    s.policy_box.current = policy("  a: 100\n")  # prompts unlimited again
+    d.step()
+    assert m.prompt_waiting == 0 and s.metrics.labels["a"].prompt_waiting == 0
+    d.run_until_done()
+    assert req.request_id in d.finished and m.prompt_waiting == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_shadow_prompt_limit_counts_what_it_would_hold_and_paces_nothing(kind, tmp_path):
+    """`shadow: true` with `prompt: 1000` (burst 101 tokens): the prompt runs
+    as stock runs it (one 512-token chunk, the step's budget), nobody waits,
+    and the tokens beyond the prompt budget are counted
+    (`outrate_prompt_shadow_over_tokens_total`, the trace's `prompt_over`):
+    600 computed, 101 + 10 within the budget over the two steps."""
+    clock = FakeClock()
+    s = make_scheduler(kind, policy("  a: {rate: 100, shadow: true, prompt: 1000}\n"), clock)
+    trace = _traced(s, tmp_path)
+    d = Driver(s, clock, step_ns=10 * MS)
+    req = d.add(make_request("a", prompt_len=600, max_tokens=2))
+    out = d.step()
+    assert out.num_scheduled_tokens[req.request_id] == 512  # stock's chunk, not the budget
+    d.run_until_done()
+    trace.stop()
+    m = s.metrics.labels["a"]
+    assert (m.prompt, m.prompt_over) == (600, 600 - 101 - 10)
+    assert (m.prompt_waiting, m.prompt_waits, s.metrics.deferred["prompt"]) == (0, 0, 0)
+    lines = read_trace(tmp_path / "t.jsonl")
+    assert _per_step(lines, "prompt", "a") == [(1, 512), (2, 88)]
+    assert _per_step(lines, "prompt_over", "a") == [(1, 512 - 101), (2, 88 - 10)]
+    assert not _per_step(lines, "prompt_waiting", "a")
+    row = snapshot(s.metrics, s._policy, now=clock.now)["labels"]["a"]
+    assert (row["prompt_over"], row["mode"]) == (489, "shadow")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_refund_takes_back_the_shadow_prompt_over_count(kind, tmp_path):
+    """A shadow-limited prompt charged while its KV does not fit (each step
+    until b finishes) is counted over its limit only in the step that
+    computes it: the counter equals the trace's sum, net of refunds."""
+    clock = FakeClock()
+    users = "  a: {rate: 100, shadow: true, prompt: 50}\n  b: 100\n"
+    s = make_scheduler(kind, policy(users), clock, num_blocks=12)
+    trace = _traced(s, tmp_path)
+    d = Driver(s, clock, step_ns=10 * MS)
+    d.add(make_request("b", prompt_len=150, max_tokens=10))
+    d.step()
+    big = d.add(make_request("a", prompt_len=100, max_tokens=1))
+    out = d.step()
+    assert big.request_id not in out.num_scheduled_tokens
+    m = s.metrics.labels["a"]
+    assert (m.prompt, m.prompt_over) == (0, 0)  # charged and refunded
+    d.run_until_done()
+    trace.stop()
+    over = _per_step(read_trace(tmp_path / "t.jsonl"), "prompt_over", "a")
+    assert len(over) == 1 and m.prompt == 100 and m.prompt_over == over[0][1] > 0

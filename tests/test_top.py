@@ -35,6 +35,7 @@ from outrate.observe.fetch import MAX_PAGE_BYTES
 from outrate.observe.top import LimitValues, Row, Snapshot, TopError
 
 ROOT = Path(__file__).parent.parent
+INF = float("inf")
 SHA = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 SOURCE = "/etc/outrate/policy.yaml"
 CREATED = 1_700_000_000.0
@@ -52,6 +53,10 @@ class Engine(Collector):
     shadow_over: dict[str, float]
     borrowed: dict[str, float] = field(default_factory=dict)  # 0 for the others, as outrate's
     peaks: dict[str, float] = field(default_factory=dict)  # mode: the limit's
+    # Prompt limits (none: an engine from before them, no such series at all)
+    prompt: dict[str, float] = field(default_factory=dict)
+    prompt_limits: dict[str, float] = field(default_factory=dict)  # mode: the limit's
+    prompt_waiting: dict[str, float] = field(default_factory=dict)
     displaced: float = 0.0
     deferred: dict[str, float] = field(default_factory=lambda: {"max_streams": 0, "budget": 2})
     reloads: dict[str, float] = field(default_factory=lambda: {"applied": 1, "rejected": 0})
@@ -89,6 +94,15 @@ class Engine(Collector):
         yield _counter(
             "outrate_shadow_over_limit_tokens", "Shadow over-limit tokens.", self.shadow_over
         )
+        if self.prompt:
+            yield _counter("outrate_prompt_tokens", "Prompt tokens.", self.prompt)
+            prompt_rate = GaugeMetricFamily(
+                "outrate_limit_prompt_tokens_per_second", "Prompt rate.", labels=["limit", "mode"]
+            )
+            for limit, tok_s in self.prompt_limits.items():
+                prompt_rate.add_metric([limit, self.limits[limit][1]], tok_s)
+            yield prompt_rate
+            yield _gauge("outrate_prompt_waiting_requests", "Prompt waits.", self.prompt_waiting)
         for name in ("outrate_budget_wait_seconds", "outrate_token_interval_seconds"):
             histogram = HistogramMetricFamily(name, "Seconds.", labels=["limit"])
             for limit in self.tokens:
@@ -151,6 +165,15 @@ BEFORE = Engine(
     borrowed={"tier:pro": 9},
     # tier:pro borrows up to 50; the others have no peak: it is their rate
     peaks={"alice": 20.0, "tier:pro": 50.0, "default": float("inf"), "anonymous": 0.5},
+    prompt={"alice": 4000, "tier:pro": 100, "default": 0, "anonymous": 0, "other": 0},
+    # alice's prompts are limited, tier:pro's and the shadow default's are not
+    prompt_limits={
+        "alice": 500.0,
+        "tier:pro": float("inf"),
+        "default": float("inf"),
+        "anonymous": 200.0,
+    },
+    prompt_waiting={"alice": 1, "tier:pro": 0, "default": 0, "anonymous": 0, "other": 0},
 )
 """The first scrape."""
 
@@ -171,31 +194,41 @@ AFTER = replace(
     shadow_over={"default": 7},
     borrowed={"tier:pro": 29},
     displaced=1.0,
+    prompt={"alice": 5000, "tier:pro": 300, "default": 0, "anonymous": 0, "other": 0, "bob": 50},
+    prompt_waiting={
+        "alice": 2,
+        "tier:pro": 0,
+        "default": 0,
+        "anonymous": 0,
+        "other": 0,
+        "bob": 0,
+    },
 )
 """The second scrape, 2 s after the first."""
 
 EXPECTED_ROWS = [
     # other: 5 s held in 2 s with 1 live request is more than all of it: clipped to 1.
-    Row("other", 10.5, None, None, 1, 1, 1.0, None, 0.0, None),
-    Row("alice", 20.0, 20.0, "enforce", 3, 4, 0.75, None, 0.0, 20.0),  # 6 s held / (2 s x 4)
+    Row("other", 10.5, None, None, 1, 1, 1.0, None, 0.0, None, 0.0, None, 0),
+    # 6 s held / (2 s x 4); its prompts at their 500 tok/s, 2 requests waiting for more
+    Row("alice", 20.0, 20.0, "enforce", 3, 4, 0.75, None, 0.0, 20.0, 500.0, 500.0, 2),
     # 1 s held / (2 s x 2); 20 tok/s committed and 10 borrowed, short of its peak
-    Row("tier:pro", 30.0, 20.0, "enforce", 0, 2, 0.25, None, 10.0, 50.0),
-    Row("bob", 4.0, None, None, 1, 1, 0.25, None, 0.0, None),  # ties tier:pro, slower
+    Row("tier:pro", 30.0, 20.0, "enforce", 0, 2, 0.25, None, 10.0, 50.0, 100.0, INF, 0),
+    Row("bob", 4.0, None, None, 1, 1, 0.25, None, 0.0, None, 25.0, None, 0),  # ties tier:pro
     # no live requests: no share
-    Row("anonymous", 0.0, 0.5, "enforce", 0, 0, None, None, 0.0, 0.5),
-    Row("default", 0.0, float("inf"), "shadow", 0, 0, None, 3.5, 0.0, float("inf")),
+    Row("anonymous", 0.0, 0.5, "enforce", 0, 0, None, None, 0.0, 0.5, 0.0, 200.0, 0),
+    Row("default", 0.0, INF, "shadow", 0, 0, None, 3.5, 0.0, INF, 0.0, INF, 0),
 ]
 
 EXPECTED_TABLE = f"""\
 outrate top {{url}} (rates over 2.00s)
 policy 9f86d081884c ({SOURCE}); reloads: 1 applied, 0 rejected; displaced: 1; deferred: budget 2, max_streams 0
-limit      rate tok/s  borrowed tok/s  limit tok/s  peak tok/s  mode     held  live  throttled  shadow over tok/s
-other            10.5             0.0            -           -  -           1     1       100%                  -
-alice            20.0             0.0           20          20  enforce     3     4        75%                  -
-tier:pro         30.0            10.0           20          50  enforce     0     2        25%                  -
-bob               4.0             0.0            -           -  -           1     1        25%                  -
-anonymous         0.0             0.0          0.5         0.5  enforce     0     0          -                  -
-default           0.0             0.0    unlimited   unlimited  shadow      0     0          -                3.5
+limit      rate tok/s  borrowed tok/s  limit tok/s  peak tok/s  mode     held  live  throttled  shadow over tok/s  prompt tok/s  prompt limit tok/s  prompt waiting
+other            10.5             0.0            -           -  -           1     1       100%                  -           0.0                   -               0
+alice            20.0             0.0           20          20  enforce     3     4        75%                  -         500.0                 500               2
+tier:pro         30.0            10.0           20          50  enforce     0     2        25%                  -         100.0           unlimited               0
+bob               4.0             0.0            -           -  -           1     1        25%                  -          25.0                   -               0
+anonymous         0.0             0.0          0.5         0.5  enforce     0     0          -                  -           0.0                 200               0
+default           0.0             0.0    unlimited   unlimited  shadow      0     0          -                3.5           0.0           unlimited               0
 """  # noqa: E501
 
 
@@ -216,11 +249,11 @@ def test_parse_keeps_outrate_samples_only() -> None:
     snapshot = top.parse(BEFORE.page(), at=10.0)
     assert snapshot.at == 10.0
     assert snapshot.limits == {
-        "alice": LimitValues(1234, 3, 4, 12.5, None, 20.0, "enforce", 0, 20.0),
-        "tier:pro": LimitValues(99, 0, 2, 1.0, None, 20.0, "enforce", 9, 50.0),
-        "default": LimitValues(5, 0, 0, 0, 0, float("inf"), "shadow", 0, float("inf")),
-        "anonymous": LimitValues(0, 0, 0, 0, None, 0.5, "enforce", 0, 0.5),
-        "other": LimitValues(10, 1, 1, 0, None, None, None, 0, None),
+        "alice": LimitValues(1234, 3, 4, 12.5, None, 20.0, "enforce", 0, 20.0, 4000, 500.0, 1),
+        "tier:pro": LimitValues(99, 0, 2, 1.0, None, 20.0, "enforce", 9, 50.0, 100, INF, 0),
+        "default": LimitValues(5, 0, 0, 0, 0, INF, "shadow", 0, INF, 0, INF, 0),
+        "anonymous": LimitValues(0, 0, 0, 0, None, 0.5, "enforce", 0, 0.5, 0, 200.0, 0),
+        "other": LimitValues(10, 1, 1, 0, None, None, None, 0, None, 0, None, 0),
     }
     assert snapshot.policy_sha256 == SHA and snapshot.policy_source == SOURCE
     assert snapshot.reloads == {"applied": 1, "rejected": 0}
@@ -261,7 +294,9 @@ def test_rows_between_two_scrapes() -> None:
 
 def test_rows_of_the_first_frame_have_gauges_only() -> None:
     first = top.rows(None, top.parse(BEFORE.page(), 100.0))
-    assert first[0] == Row("alice", None, 20.0, "enforce", 3, 4, None, None, None, 20.0)
+    assert first[0] == Row(
+        "alice", None, 20.0, "enforce", 3, 4, None, None, None, 20.0, None, 500.0, 1
+    )
     assert [r.limit for r in first] == ["alice", "anonymous", "default", "other", "tier:pro"]
     assert all(r.rate is None and r.throttled is None and r.shadow_over is None for r in first)
     assert all(r.borrowed is None for r in first)
@@ -311,7 +346,59 @@ def test_a_server_without_borrowing_shows_dashes() -> None:
     (alice,) = top.rows(before, after, limit_filter="alice")
     assert (alice.rate, alice.borrowed, alice.peak) == (0.0, None, None)
     line = _plain(top.render("u", before, after, limit_filter="alice")).splitlines()[3]
-    assert line.split() == ["alice", "0.0", "-", "20", "-", "enforce", "3", "4", "0%", "-"]
+    assert line.split()[:10] == ["alice", "0.0", "-", "20", "-", "enforce", "3", "4", "0%", "-"]
+
+
+def test_a_server_without_prompt_limits_shows_dashes() -> None:
+    """A page from an outrate before prompt limits has no prompt series:
+    `-` in the three prompt columns, not 0."""
+    page = "\n".join(line for line in AFTER.page().splitlines() if "prompt" not in line)
+    before, after = top.parse(page, 0.0), top.parse(page, 2.0)
+    (alice,) = top.rows(before, after, limit_filter="alice")
+    assert (alice.prompt, alice.prompt_limit, alice.prompt_waiting) == (None, None, None)
+    line = _plain(top.render("u", before, after, limit_filter="alice")).splitlines()[3]
+    assert line.split()[9:] == ["-", "-", "-", "-"]
+
+
+def test_prompt_columns_from_what_outrate_itself_publishes() -> None:
+    """The prompt names top reads are the names publish.py writes: prompt
+    tokens charged, the prompt limit and requests waiting for prompt budget,
+    from a `Metrics` through `snapshot` and `families` to top's rows."""
+    from outrate.observe.metrics import Metrics
+    from outrate.observe.publish import families, snapshot
+    from outrate.policy.compiler import compile_policy
+    from outrate.policy.loader import parse_policy
+
+    text = "version: 1\ndefault: 10\nusers:\n  alice: {rate: 20, prompt: 500}\n  bob: 40\n"
+    pol = compile_policy(parse_policy(text, "t.yaml"), "t.yaml", "sha")
+    metrics = Metrics()
+    alice = metrics.record("alice")
+
+    def page() -> str:
+        data = snapshot(metrics, pol, now=0)
+
+        class Outrate(Collector):
+            def collect(self) -> Iterator[Metric]:
+                return families(data)
+
+        registry = CollectorRegistry()
+        registry.register(Outrate())
+        return generate_latest(registry).decode()
+
+    before = top.parse(page(), 0.0)
+    alice.prompt, alice.prompt_waiting = 1000, 3
+    metrics.record("bob").prompt = 300
+    rows = {r.limit: r for r in top.rows(before, top.parse(page(), 2.0))}
+    assert (rows["alice"].prompt, rows["alice"].prompt_limit, rows["alice"].prompt_waiting) == (
+        500.0,
+        500.0,
+        3,
+    )
+    assert (rows["bob"].prompt, rows["bob"].prompt_limit, rows["bob"].prompt_waiting) == (
+        150.0,
+        INF,
+        0,
+    )
 
 
 def test_rows_after_an_engine_restart_count_from_zero() -> None:
@@ -445,7 +532,7 @@ def test_once_with_limit_filter(fake_time: FakeTime) -> None:
     assert code == 0
     assert out.splitlines()[3:] == [
         "tier:pro        30.0            10.0           20          50  enforce     0     2"
-        "        25%                  -"
+        "        25%                  -         100.0           unlimited               0"
     ]
 
 
@@ -459,7 +546,8 @@ def test_watch_redraws_until_ctrl_c(fake_time: FakeTime) -> None:
     first, nothing_yet, last = out.split("\n\n")
     assert first.splitlines()[0] == f"outrate top {server.url} (first scrape)"
     alice = " ".join(nothing_yet.splitlines()[3].split())
-    assert alice == "alice 0.0 0.0 20 20 enforce 3 4 0% -"  # the same page twice: nothing moved
+    # the same page twice: nothing moved
+    assert alice == "alice 0.0 0.0 20 20 enforce 3 4 0% - 0.0 500 1"
     assert last == EXPECTED_TABLE.format(url=server.url)
 
 
@@ -712,6 +800,9 @@ MARKUP = replace(
     shadow_over={},
     borrowed={},
     peaks={"[/]": 40.0, "[bold]x": 5.0, EVIL: 1.0},
+    prompt={},  # no prompt series: `-`
+    prompt_limits={},
+    prompt_waiting={},
 )
 
 
@@ -724,14 +815,14 @@ def test_user_ids_are_data_not_markup(fake_time: FakeTime) -> None:
         code, out, err = run(server.root, "--once", "--interval", "2")
     assert (code, err) == (0, "")
     assert [" ".join(line.split()) for line in out.splitlines()[3:]] == [
-        "[/] 10.0 0.0 20 40 enforce 1 2 0% -",
-        "[bold]x 2.0 0.0 5 5 [i]shadow 0 1 0% -",
-        "x\\x1b[2J\\u202e 0.0 0.0 1 1 enforce 0 0 - -",
+        "[/] 10.0 0.0 20 40 enforce 1 2 0% - - - -",
+        "[bold]x 2.0 0.0 5 5 [i]shadow 0 1 0% - - - -",
+        "x\\x1b[2J\\u202e 0.0 0.0 1 1 enforce 0 0 - - - - -",
     ]
     assert "\x1b" not in out and "\u202e" not in out
 
 
-INF, NAN = float("inf"), float("nan")
+NAN = float("nan")
 NON_FINITE = replace(
     BEFORE,
     tokens={"alice": INF, "bob": NAN, "carol": 5},
@@ -742,6 +833,9 @@ NON_FINITE = replace(
     shadow_over={"carol": NAN},
     borrowed={"alice": INF, "bob": NAN, "carol": -INF},
     peaks={"alice": NAN, "bob": -INF, "carol": INF},
+    prompt={"alice": INF, "bob": NAN, "carol": 5},
+    prompt_limits={"alice": NAN, "bob": -INF, "carol": INF},
+    prompt_waiting={"alice": INF, "bob": NAN, "carol": -INF},
     displaced=INF,
     deferred={"budget": NAN},
 )
@@ -758,9 +852,10 @@ def test_non_finite_values_print_as_such(fake_time: FakeTime) -> None:
     lines = out.splitlines()
     assert lines[1].endswith("displaced: inf; deferred: budget nan")
     assert sorted(" ".join(line.split()) for line in lines[3:]) == [
-        "alice nan nan nan nan enforce inf inf 0% -",
-        "bob nan nan -inf -inf enforce nan nan nan -",
-        "carol 0.0 nan unlimited unlimited shadow -inf 1 nan nan",  # -inf less -inf
+        "alice nan nan nan nan enforce inf inf 0% - nan nan inf",
+        "bob nan nan -inf -inf enforce nan nan nan - nan -inf nan",
+        # -inf less -inf
+        "carol 0.0 nan unlimited unlimited shadow -inf 1 nan nan 0.0 unlimited -inf",
     ]
 
 

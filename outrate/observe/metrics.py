@@ -55,6 +55,8 @@ class LabelMetrics:
         "borrowed",
         "prompt",
         "prompt_over",
+        "prompt_waiting",
+        "prompt_waits",
     )
 
     def __init__(self, label: str) -> None:
@@ -64,6 +66,8 @@ class LabelMetrics:
         self.shadow_over = 0  # tokens a shadow limit would have refused
         self.prompt = 0  # prompt tokens charged (computed), net of refunds
         self.prompt_over = 0  # of those, beyond a shadow prompt limit
+        self.prompt_waiting = 0  # requests waiting for prompt budget now
+        self.prompt_waits = 0  # waits for prompt budget started (deferred or skipped)
         self.live = 0  # requests in the engine (running, held or waiting)
         self.held = 0  # requests held for budget now
         self.held_since_sum = 0  # sum of their hold start times (ns)

@@ -92,6 +92,9 @@ def _row(m: LabelMetrics, lim: Limit | None, now: int) -> dict[str, Any]:
         "peak": None if lim is None else _peak(lim),
         "mode": None if lim is None else ("shadow" if lim.shadow else "enforce"),
         "prompt": m.prompt,
+        "prompt_over": m.prompt_over,
+        "prompt_waiting": m.prompt_waiting,
+        "prompt_waits": m.prompt_waits,
         "prompt_rate": None if lim is None else _prompt_rate(lim),
     }
 
@@ -214,6 +217,9 @@ def merge_snapshots(snaps: list[dict[str, Any]]) -> dict[str, Any] | None:
                 "held",
                 "throttled_ns",
                 "prompt",
+                "prompt_over",
+                "prompt_waiting",
+                "prompt_waits",
             ):
                 mine[k] = mine.get(k, 0) + row.get(k, 0)
             for k in ("wait", "interval"):
@@ -287,6 +293,23 @@ def families(data: dict[str, Any] | None) -> Iterator[Any]:
         "The configured prompt rate of the limit (+Inf: prompts unlimited).",
         labels=["limit", "mode"],
     )
+    prompt_over = CounterMetricFamily(
+        "outrate_prompt_shadow_over_tokens",
+        "Prompt tokens a shadow prompt limit would have held back (counted, not "
+        "enforced); counted in outrate_prompt_tokens_total too.",
+        labels=["limit"],
+    )
+    prompt_waiting = GaugeMetricFamily(
+        "outrate_prompt_waiting_requests",
+        "Requests waiting for prompt budget right now (a running prefill skipped, "
+        "a waiting request deferred).",
+        labels=["limit"],
+    )
+    prompt_waits = CounterMetricFamily(
+        "outrate_prompt_waits",
+        "Waits for prompt budget started (counted when the wait starts).",
+        labels=["limit"],
+    )
     wait = HistogramMetricFamily(
         "outrate_budget_wait_seconds",
         "How long a request was held for budget, per hold.",
@@ -314,9 +337,13 @@ def families(data: dict[str, Any] | None) -> Iterator[Any]:
         if v.get("prompt_rate") is not None:
             r = float("inf") if v["prompt_rate"] < 0 else v["prompt_rate"]
             prompt_rate.add_metric([label, v["mode"]], r)
+        prompt_over.add_metric([label], v.get("prompt_over", 0))
+        prompt_waiting.add_metric([label], v.get("prompt_waiting", 0))
+        prompt_waits.add_metric([label], v.get("prompt_waits", 0))
         for fam, (counts, sum_ns) in ((wait, v["wait"]), (interval, v["interval"])):
             fam.add_metric([label], cumulative(counts, BUCKETS_S), sum_ns / NS_PER_S)
     yield from (tokens, borrowed, over, held, live, throttled, rate, peak, prompt, prompt_rate)
+    yield from (prompt_over, prompt_waiting, prompt_waits)
     yield from (wait, interval)
     for name, doc in (
         ("displaced", "Held requests preempted so a user with budget could run."),

@@ -36,6 +36,9 @@ LIMIT_SAMPLES: Mapping[str, str] = {
     "outrate_shadow_over_limit_tokens_total": "shadow_over_tokens",
     "outrate_limit_tokens_per_second": "rate_limit",
     "outrate_limit_peak_tokens_per_second": "peak",
+    "outrate_prompt_tokens_total": "prompt_tokens",
+    "outrate_limit_prompt_tokens_per_second": "prompt_limit",
+    "outrate_prompt_waiting_requests": "prompt_waiting",
 }
 """Samples labelled by `limit`: sample name -> `LimitValues` field."""
 
@@ -59,6 +62,14 @@ class LimitValues:
     mode: str | None = None  # enforce | shadow
     borrowed_tokens: float | None = None  # of `tokens`, those borrowed over the rate
     peak: float | None = None  # tok/s, rate plus borrowing; inf = unlimited
+    prompt_tokens: float | None = None  # prompt tokens computed and charged
+    prompt_limit: float | None = None  # configured prompt tok/s; inf = unlimited
+    prompt_waiting: float | None = None  # requests waiting for prompt budget now
+
+
+CONFIGURED = ("rate_limit", "peak", "prompt_limit")
+"""`LimitValues` fields that are configured values, the same on every series
+of a limit: taken as they are, never added up."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +100,9 @@ class Row(NamedTuple):
     # Last and defaulted: code that builds a Row by position keeps working.
     borrowed: float | None = None  # of `rate`, tok/s borrowed from spare capacity
     peak: float | None = None  # configured tok/s with borrowing, inf = unlimited
+    prompt: float | None = None  # prompt tok/s computed and charged
+    prompt_limit: float | None = None  # configured prompt tok/s, inf = unlimited
+    prompt_waiting: float | None = None  # requests waiting for prompt budget now
 
 
 def metrics_url(url: str) -> str:
@@ -106,8 +120,9 @@ def parse(text: str, at: float) -> Snapshot:
     """The outrate samples of a Prometheus text page; everything else is ignored.
 
     Series that differ only in labels other than `limit` (an `engine` label,
-    should one appear) are added up, except the configured rate and peak,
-    which are the same everywhere. `_created` samples have their own names and fall through.
+    should one appear) are added up, except the configured rates and peak,
+    which are the same everywhere (`CONFIGURED`). `_created` samples have
+    their own names and fall through.
     """
     families = metric_families(text, TopError)
     values: dict[str, dict[str, float]] = {}
@@ -128,7 +143,7 @@ def parse(text: str, at: float) -> Snapshot:
                 if limit is None:
                     continue
                 fields = values.setdefault(limit, {})
-                if field in ("rate_limit", "peak"):
+                if field in CONFIGURED:
                     fields[field] = s.value
                     if "mode" in s.labels:
                         modes[limit] = s.labels["mode"]
@@ -154,6 +169,9 @@ def parse(text: str, at: float) -> Snapshot:
             mode=modes.get(name),
             borrowed_tokens=fields.get("borrowed_tokens"),
             peak=fields.get("peak"),
+            prompt_tokens=fields.get("prompt_tokens"),
+            prompt_limit=fields.get("prompt_limit"),
+            prompt_waiting=fields.get("prompt_waiting"),
         )
         for name, fields in values.items()
     }
@@ -203,12 +221,13 @@ def rows(prev: Snapshot | None, cur: Snapshot, limit_filter: str | None = None) 
     for limit, now in cur.limits.items():
         if limit_filter is not None and not fnmatchcase(limit, limit_filter):
             continue
-        rate = throttled = shadow_over = borrowed = None
+        rate = throttled = shadow_over = borrowed = prompt = None
         if prev is not None and dt > 0:
             before = prev.limits.get(limit, NOTHING)
             rate = _per_second(before.tokens, now.tokens, dt)
             borrowed = _per_second(before.borrowed_tokens, now.borrowed_tokens, dt)
             shadow_over = _per_second(before.shadow_over_tokens, now.shadow_over_tokens, dt)
+            prompt = _per_second(before.prompt_tokens, now.prompt_tokens, dt)
             held_for = _increase(before.throttled_seconds, now.throttled_seconds)
             if held_for is not None and now.live:  # live 0 or absent: nothing to share
                 throttled = min(max(held_for / (dt * now.live), 0.0), 1.0)
@@ -224,6 +243,9 @@ def rows(prev: Snapshot | None, cur: Snapshot, limit_filter: str | None = None) 
                 shadow_over=shadow_over,
                 borrowed=borrowed,
                 peak=now.peak,
+                prompt=prompt,
+                prompt_limit=now.prompt_limit,
+                prompt_waiting=_count(now.prompt_waiting),
             )
         )
     out.sort(key=lambda r: (-_or(r.throttled), -_or(r.rate), r.limit))

@@ -87,6 +87,9 @@ COLUMNS = (
     "live",
     "throttled",
     "shadow over tok/s",
+    "prompt tok/s",
+    "prompt limit tok/s",
+    "prompt waiting",
 )
 
 
@@ -130,6 +133,9 @@ def _cells(row: Row) -> tuple[Text, ...]:
         _whole(row.live),
         _share(row.throttled),
         _fixed(row.shadow_over),
+        _fixed(row.prompt),
+        _configured(row.prompt_limit),
+        _whole(row.prompt_waiting),
     )
     return tuple(Text(_shown(cell)) for cell in cells)
 

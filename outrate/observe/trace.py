@@ -16,7 +16,9 @@ the step was dispatched at `t`. Per user id: `charged` tokens (shadow
 over-limit tokens included), `refunded` (charged but not scheduled: net is
 charged - refunded), `held` and `released` requests, `over` (tokens a shadow
 limit would have refused), `prompt` (prompt tokens computed and charged to a
-prompt limit, net of refunds). Keys with nothing to say are left out.
+prompt limit, net of refunds), `prompt_over` (of those, the ones over a shadow
+prompt limit), `prompt_waiting` (requests that found no prompt budget for
+their next prompt position). Keys with nothing to say are left out.
 
 The scheduler only appends a tuple to a bounded deque; a daemon thread formats
 and writes, and stops writing at `max_bytes` (a last line says so). If the
@@ -48,9 +50,10 @@ FLUSH_INTERVAL_S = 0.1
 MAX_PENDING = 200_000
 
 Counts = dict[str, int]
-Step = tuple[int, int, int, Counts, Counts, Counts, Counts, Counts, Counts, Counts, Counts, Counts]
+_C = Counts
+Step = tuple[int, int, int, _C, _C, _C, _C, _C, _C, _C, _C, _C, _C, _C]
 """(t, step, running, charged, refunded, held, released, over, borrowed, first,
-arrived, prompt)."""
+arrived, prompt, prompt_over, prompt_waiting)."""
 
 _KEYS = (
     "charged",
@@ -62,6 +65,8 @@ _KEYS = (
     "first",
     "arrived",
     "prompt",
+    "prompt_over",
+    "prompt_waiting",
 )
 
 

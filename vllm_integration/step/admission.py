@@ -15,7 +15,13 @@ from typing import TYPE_CHECKING
 from outrate.budget.store import BudgetStore
 from outrate.observe.metrics import Metrics
 from vllm_integration.step.holdback import Holdback
-from vllm_integration.step.state import ATTR, RequestState, StepScratch, UserState
+from vllm_integration.step.state import (
+    ATTR,
+    RequestState,
+    StepScratch,
+    UserState,
+    end_prompt_wait,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -87,6 +93,8 @@ class Admission:
                     st.blocked_ready = ready
                 return self._defer(rs, "budget")
         rs.deferred = ""
+        if rs.prompt_waiting:
+            end_prompt_wait(rs)  # admitted: its first chunk is charged in this step
         rs.resident = True
         u.resident += 1
         st.admits.append(request)
@@ -130,6 +138,8 @@ class Admission:
         if rs.deferred != reason:
             rs.deferred = reason
             self.metrics.deferred[reason] += 1
+            if reason != "prompt" and rs.prompt_waiting:
+                end_prompt_wait(rs)  # waits for something else now
         return False
 
     def can_prefill_ahead(self, request: Request) -> bool:

@@ -138,14 +138,17 @@ class Ledger:
         st.users.clear()
 
     def relabel(self, u: UserState, policy: CompiledPolicy) -> None:
-        """A reload can move a user to another `limit` label: its live and
-        held requests move with it (what was counted stays counted)."""
+        """A reload can move a user to another `limit` label: its live, held
+        and prompt-waiting requests move with it (what was counted stays
+        counted)."""
         new = self.metrics.record(self.metrics.label_of(u.key, policy))
         old = u.m
         if new is old:
             return
         old.live -= u.live
         new.live += u.live
+        old.prompt_waiting -= u.n_prompt_waiting
+        new.prompt_waiting += u.n_prompt_waiting
         for r in {e[2] for e in u.held if is_held(e[2])}:  # a request may have stale twins
             since = r.__dict__[ATTR].held_since
             old.held -= 1

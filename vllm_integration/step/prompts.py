@@ -20,12 +20,19 @@ shared store (`--outrate-store`) with prompt limits is refused at start
 
 from __future__ import annotations
 
-from collections.abc import Sized
+from collections.abc import Iterable, Sized
 from typing import TYPE_CHECKING, Protocol
 
 from outrate.budget.limiter import Limiter
 from outrate.observe.metrics import Metrics
-from vllm_integration.step.state import ATTR, RequestState, StepScratch, UserState
+from vllm_integration.step.recorder import StepRecorder
+from vllm_integration.step.state import (
+    ATTR,
+    RequestState,
+    StepScratch,
+    UserState,
+    end_prompt_wait,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -60,6 +67,7 @@ class PromptPacer:
         self.chunked = chunked  # chunked prefill: a prompt may be computed over several steps
         self.host = host
         self.running = running  # vLLM's RequestStatus.RUNNING (no vLLM import here)
+        self.recorder: StepRecorder | None = None  # with --outrate-trace
 
     def dispatch(self, request: Request, nc: int, n: int, step: int, now: int) -> int:
         """A chunk `[nc, nc + n)` with prompt positions, under prompt limits:
@@ -108,8 +116,12 @@ class PromptPacer:
                 if not self.chunked and k:
                     table.give_back(pb, now, k)  # the whole prompt or nothing
                     k = counted = 0
+                if not k:
+                    self._waits(rs)  # none of its next prompt positions this step
                 n = start + k - nc if self.chunked else 0
         if counted:
+            if rs.prompt_waiting:
+                end_prompt_wait(rs)
             if rs.prompt_step != step:
                 rs.prompt_step = step
                 rs.prompt_prev = rs.prompt_done
@@ -123,7 +135,10 @@ class PromptPacer:
 
     def trim(self, rs: RequestState, nc: int, m: int, p: int, step: int, now: int) -> None:
         """The output logic cut the chunk to `m` tokens: prompt positions
-        charged beyond it go back at once."""
+        charged beyond it go back at once. Under a shadow prompt limit the
+        last positions counted were the ones over it (`prompt_counted -
+        prompt_taken`): those are uncounted first, then the taken ones go
+        back to the budget."""
         if rs.prompt_step != step:
             return
         end = nc + m if nc + m < p else p
@@ -134,13 +149,19 @@ class PromptPacer:
         u = rs.user
         pb = u.pbucket
         assert pb is not None
-        back = extra if extra < rs.prompt_taken else rs.prompt_taken
+        over = rs.prompt_counted - rs.prompt_taken
+        if over > extra:
+            over = extra
+        back = extra - over
+        if back > rs.prompt_taken:
+            back = rs.prompt_taken
         if back:
             self.table.give_back(pb, now, back)
             rs.prompt_taken -= back
         rs.prompt_counted -= extra
         rs.prompt_done = floor
         u.m.prompt -= extra
+        u.m.prompt_over -= over
 
     def refund(self, r: Request, step: int, now: int) -> None:
         """`r` was prompt-charged this step and missed it: give it all back."""
@@ -153,6 +174,7 @@ class PromptPacer:
         if rs.prompt_taken:
             self.table.give_back(pb, now, rs.prompt_taken)
         u.m.prompt -= rs.prompt_counted
+        u.m.prompt_over -= rs.prompt_counted - rs.prompt_taken  # shadow: over its limit
         rs.prompt_done = rs.prompt_prev
         rs.prompt_step = -1
         self.metrics.prompt_refunded += rs.prompt_counted
@@ -175,7 +197,32 @@ class PromptPacer:
         if avail >= (1 if self.chunked else left):
             return True
         self._blocked(u, now)
+        self._waits(rs)
         return False
+
+    def _waits(self, rs: RequestState) -> None:
+        """`rs` found no prompt budget for its next position this step (a
+        running prefill skipped, a waiting request deferred): a wait starts
+        unless one runs (`outrate_prompt_waits_total`, the gauge
+        `outrate_prompt_waiting_requests`), and the step's trace line counts
+        it (`prompt_waiting`). It ends with `end_prompt_wait` (state.py)."""
+        u = rs.user
+        if not rs.prompt_waiting:
+            rs.prompt_waiting = True
+            u.n_prompt_waiting += 1
+            m = u.m
+            m.prompt_waiting += 1
+            m.prompt_waits += 1
+        if self.recorder is not None:
+            self.recorder.prompt_waited(u.key)
+
+    def stop_waits(self, requests: Iterable[Request]) -> None:
+        """Prompts are no longer limited (a reload): nobody waits for prompt
+        budget. Once per such reload, O(requests)."""
+        for r in requests:
+            rs = r.__dict__.get(ATTR)
+            if rs is not None:
+                end_prompt_wait(rs)
 
     def _blocked(self, u: UserState, now: int) -> None:
         """The engine's idle wait ends by the time `u` has prompt budget again."""

@@ -14,7 +14,7 @@ from vllm_integration.step.state import ATTR
 
 
 class StepRecorder:
-    __slots__ = ("trace", "held_by", "released_by", "refunded_by", "arrived_by")
+    __slots__ = ("trace", "held_by", "released_by", "refunded_by", "arrived_by", "pwait_by")
 
     def __init__(self, trace: Any) -> None:
         self.trace = trace  # a TraceWriter
@@ -22,6 +22,7 @@ class StepRecorder:
         self.held_by: dict[str, int] = {}
         self.released_by: dict[str, int] = {}
         self.refunded_by: dict[str, int] = {}
+        self.pwait_by: dict[str, int] = {}
 
     def arrived(self, key: str) -> None:
         self.arrived_by[key] = self.arrived_by.get(key, 0) + 1
@@ -34,6 +35,9 @@ class StepRecorder:
 
     def refunded(self, key: str) -> None:
         self.refunded_by[key] = self.refunded_by.get(key, 0) + 1
+
+    def prompt_waited(self, key: str) -> None:
+        self.pwait_by[key] = self.pwait_by.get(key, 0) + 1
 
     def event(self, now: int, **fields: Any) -> None:
         """A line that is not a step (a policy swap)."""
@@ -53,13 +57,15 @@ class StepRecorder:
         already among the charged) and first tokens of a request; held,
         released, and requests that arrived since the step before; prompt
         tokens charged (net: the refund point ran, and refunded requests are
-        not scheduled). O(requests scheduled). Steps where nothing happened
-        write nothing."""
+        not scheduled), of those the ones over a shadow prompt limit, and
+        requests that found no prompt budget. O(requests scheduled). Steps
+        where nothing happened write nothing."""
         charged: dict[str, int] = {}
         over: dict[str, int] = {}
         borrowed: dict[str, int] = {}
         first: dict[str, int] = {}
         prompt: dict[str, int] = {}
+        prompt_over: dict[str, int] = {}
         for rid in scheduled:
             rs = requests[rid].__dict__.get(ATTR)
             if rs is None:
@@ -67,6 +73,9 @@ class StepRecorder:
             if rs.prompt_step == step and rs.prompt_counted:
                 pkey = rs.user.key
                 prompt[pkey] = prompt.get(pkey, 0) + rs.prompt_counted
+                if rs.prompt_counted != rs.prompt_taken:  # shadow: counted beyond its budget
+                    n_over = rs.prompt_counted - rs.prompt_taken
+                    prompt_over[pkey] = prompt_over.get(pkey, 0) + n_over
             if rs.charged_step != step:
                 continue
             key = rs.user.key
@@ -81,7 +90,8 @@ class StepRecorder:
         for key, n in refunded.items():
             charged[key] = charged.get(key, 0) + n
         held, released, arrived = self.held_by, self.released_by, self.arrived_by
-        if charged or held or released or arrived or prompt:  # (the writer keeps the dicts)
+        pwait = self.pwait_by
+        if charged or held or released or arrived or prompt or pwait:  # (the writer keeps them)
             self.trace.step(
                 (
                     now,
@@ -96,7 +106,9 @@ class StepRecorder:
                     first,
                     arrived,
                     prompt,
+                    prompt_over,
+                    pwait,
                 )
             )
             self.held_by, self.released_by, self.refunded_by = {}, {}, {}
-            self.arrived_by = {}
+            self.arrived_by, self.pwait_by = {}, {}

@@ -14,7 +14,7 @@ from outrate.budget.limiter import Limiter
 from outrate.budget.store import BudgetStore
 from outrate.observe.metrics import Metrics
 from outrate.policy.compiler import CompiledPolicy
-from vllm_integration.step.state import ATTR, RequestState, UserState
+from vllm_integration.step.state import ATTR, RequestState, UserState, end_prompt_wait
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -55,6 +55,7 @@ class Roster:
 
     def finish(self, rs: RequestState) -> None:
         """A request is gone (its slot already left): the user goes with its last."""
+        end_prompt_wait(rs)
         u = rs.user
         u.live -= 1
         u.m.live -= 1

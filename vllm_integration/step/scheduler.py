@@ -145,7 +145,8 @@ class OutrateMixin:
     def outrate_trace(self, trace: Any) -> None:
         """Write a trace line per step to `trace` (a TraceWriter): one
         recorder, handed to the holdback and the ledger."""
-        self.recorder = self.holdback.recorder = self.ledger.recorder = StepRecorder(trace)
+        self.recorder = StepRecorder(trace)
+        self.holdback.recorder = self.ledger.recorder = self.prompts.recorder = self.recorder
 
     def swap_policy(self, policy: CompiledPolicy, now: int) -> None:
         """A reloaded policy takes over at the start of a step: the store
@@ -167,9 +168,13 @@ class OutrateMixin:
 
     def _pace_prompts(self, policy: CompiledPolicy) -> None:
         """Prefill is paced only while some rule limits prompts: without one
-        the hook and admission run as before, step by step."""
+        the hook and admission run as before, step by step (and nobody
+        waits for prompt budget any more)."""
+        was = getattr(self, "_prompts", False)
         self._prompts = bool(policy.prompt_rules)
         self.admission.prompts = self.prompts if self._prompts else None
+        if was and not self._prompts:
+            self.prompts.stop_waits(self.requests.values())
 
     @property
     def charged(self) -> int:

@@ -52,6 +52,7 @@ class UserState:
         "n_borrowing",
         "served",
         "pbucket",
+        "n_prompt_waiting",
     )
 
     def __init__(self, key: str, bucket: Bucket, m: LabelMetrics) -> None:
@@ -76,6 +77,7 @@ class UserState:
         self.n_borrowing = 0
         self.served = 0.0
         self.pbucket: Bucket | None = None  # its prompt budget (prompts.py), once pinned
+        self.n_prompt_waiting = 0  # its requests waiting for prompt budget (a reload moves them)
 
     def wakes_at(self, ready: int) -> bool:
         """Whether a wake-heap entry for `ready` is this user's live one."""
@@ -101,6 +103,7 @@ class RequestState:
         "prompt_prev",
         "prompt_taken",
         "prompt_counted",
+        "prompt_waiting",
     )
 
     def __init__(self, user: UserState) -> None:
@@ -125,6 +128,9 @@ class RequestState:
         self.prompt_prev = 0  # prompt_done before that step
         self.prompt_taken = 0  # tokens taken from the prompt budget that step
         self.prompt_counted = 0  # tokens counted that step (shadow: beyond the taken)
+        # Waiting for prompt budget (prompts.py): from a step that found none
+        # for its next prompt position until one that charges it some.
+        self.prompt_waiting = False
 
 
 def is_held(request: Request) -> bool:
@@ -132,6 +138,17 @@ def is_held(request: Request) -> bool:
     (entries of finished, preempted or released requests are skipped lazily)."""
     rs = request.__dict__.get(ATTR)
     return rs is not None and rs.held
+
+
+def end_prompt_wait(rs: RequestState) -> None:
+    """`rs` no longer waits for prompt budget: it was charged prompt tokens,
+    admitted, deferred for another reason, finished, or prompts are no
+    longer limited. O(1); nothing when it was not waiting."""
+    if rs.prompt_waiting:
+        rs.prompt_waiting = False
+        u = rs.user
+        u.n_prompt_waiting -= 1
+        u.m.prompt_waiting -= 1
 
 
 class StepScratch:
