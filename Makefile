@@ -33,9 +33,10 @@ install: $(STAMP)
 model: $(STAMP)
 	$(BIN)/python examples/build_tiny_model.py
 
-# Two lanes at once, one per core: the end-to-end tests in order in one, the
-# rest beside them (tests/lanes.py). ARGS go to both pytest runs.
-test: lint prometheus model
+# Two lanes at once, one per core: the end-to-end tests in order in one,
+# `make lint` then the rest beside them (tests/lanes.py). ARGS go to every
+# lane's pytest run.
+test: prometheus model
 	$(BIN)/python tests/lanes.py $(ARGS)
 
 # Debian's prometheus and promtool for tests/test_ops.py: installed when missing

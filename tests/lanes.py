@@ -1,15 +1,17 @@
-"""`make test`'s runner: the suite in two lanes at once, one per core, then
-the tests that need the machine to themselves.
+"""`make test`'s runner: `make lint` and the suite in two lanes at once, one
+per core, then the tests that need the machine to themselves.
 
 First, two lanes at once:
 - **paced** (`-m "e2e and not beside and not quiet"`): the end-to-end tests
   that judge pacing on what an engine recorded. They start real servers one
   module after another and run in order, as they always did; they hold
   beside one core's worth of other work (docs/development.md, "Test time").
-- **beside** (`-m "not e2e or beside"`): every test that needs no server
-  (the scheduler on fabricated outputs, the limiter's properties, the CLI),
-  and the end-to-end tests marked `beside`, whose judgments hold beside
-  another engine's load (a server that starts, answers or refuses).
+- **beside** (`make lint`, then `-m "not e2e or beside"`): the linters,
+  every test that needs no server (the scheduler on fabricated outputs, the
+  limiter's properties, the CLI), and the end-to-end tests marked `beside`,
+  whose judgments hold beside another engine's load (a server that starts,
+  answers or refuses). The paced lane is the longer one, so lint here costs
+  the run no wall time (before, it ran first, alone: ~50 s on a fresh clone).
 Then, once both have ended, alone:
 - **quiet** (`-m quiet`): the simulator against a real engine, judged
   against a step model fitted on this machine moments before: another lane
@@ -20,8 +22,9 @@ in a file and printed when the paced lane ends. Each lane ends with its
 seconds per module (tests/durations.py); the run ends with how busy the
 machine's cores were throughout. The last line sums all lanes in the
 plain form `N passed, N failed, N skipped`. The exit status is the first
-non-zero lane status (pytest's own; a lane that selected no test is fine
-while another ran some), else 0.
+non-zero lane status (a lane's status is its first command's that failed:
+lint's or pytest's own; a lane that selected no test is fine while another
+ran some), else 0.
 
     python tests/lanes.py [pytest args...]     # what `make test` runs
 """
@@ -32,6 +35,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -44,6 +48,8 @@ PHASES: list[dict[str, list[str]]] = [
     },
     {"quiet": ["-m", "quiet"]},
 ]
+BEFORE = {"beside": [os.environ.get("MAKE", "make"), "--no-print-directory", "lint"]}
+"""Run in a lane before its tests: the lane's status is the first that failed."""
 SHOWN_LIVE = ("paced", "quiet")
 NO_TESTS = 5  # pytest's exit status when a selection collected nothing
 
@@ -73,37 +79,54 @@ def busy_seconds() -> tuple[float, float]:
     return (sum(fields) - idle) / hz, sum(fields) / hz
 
 
+def run_lane(cmds: list[list[str]], log: Path | None) -> int:
+    """The lane's commands one after the other, whatever each returns; the
+    first non-zero status, else 0 (pytest's NO_TESTS included)."""
+    status = 0
+    for cmd in cmds:
+        if log is None:
+            code = subprocess.call(cmd, cwd=REPO)
+        else:
+            with open(log, "ab") as out:
+                code = subprocess.call(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        if status == 0 or (status == NO_TESTS and code not in (0, NO_TESTS)):
+            status = code
+    return status
+
+
 def run_phase(
     lanes: dict[str, list[str]], args: list[str], out: Path
 ) -> dict[str, tuple[int, float]]:
     """Run the lanes at once; each one's exit status and seconds."""
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    logs = {}
-    for name, marks in lanes.items():
-        cmd = [sys.executable, "-m", "pytest", "-q", *marks, f"--junitxml={out / name}.xml", *args]
-        if name in SHOWN_LIVE:
-            procs[name] = subprocess.Popen(cmd, cwd=REPO)
-        else:
-            logs[name] = open(out / f"{name}.log", "wb")  # noqa: SIM115 - closed below
-            procs[name] = subprocess.Popen(
-                cmd, cwd=REPO, stdout=logs[name], stderr=subprocess.STDOUT
-            )
     started = time.monotonic()
     ended: dict[str, tuple[int, float]] = {}
-    try:
-        while len(ended) < len(procs):
-            for name, proc in procs.items():
-                if name not in ended and proc.poll() is not None:
-                    ended[name] = (proc.returncode, time.monotonic() - started)
-            time.sleep(0.5)
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.terminate()
+    logs = {name: out / f"{name}.log" for name in lanes if name not in SHOWN_LIVE}
+
+    def lane(name: str) -> None:
+        cmds = [
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                *lanes[name],
+                f"--junitxml={out / name}.xml",
+                *args,
+            ]
+        ]
+        if name in BEFORE:
+            cmds.insert(0, BEFORE[name])
+        ended[name] = (run_lane(cmds, logs.get(name)), time.monotonic() - started)
+
+    threads = [threading.Thread(target=lane, args=(name,)) for name in lanes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     for name, log in logs.items():
-        log.close()
-        print(f"\n===== lane {name} ({' '.join(lanes[name])}), its output =====", flush=True)
-        sys.stdout.write((out / f"{name}.log").read_text(errors="replace"))
+        shown = " ".join(BEFORE[name]) + ", then " if name in BEFORE else ""
+        print(f"\n===== lane {name} ({shown}{' '.join(lanes[name])}), its output =====", flush=True)
+        sys.stdout.write(log.read_text(errors="replace") if log.exists() else "")
     return ended
 
 

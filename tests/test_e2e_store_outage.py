@@ -223,7 +223,8 @@ def test_an_outage_past_the_hold_does_not_stop_a_limited_user(pair):
     )
     after = pair.steps(up + 6 * S_NS)
     print(
-        f"{OUTAGE_S:.0f} s outage, requests {SENT_S:.0f} s in: alice {[round(r, 2) for r in rates]} tok/s per engine "
+        f"{OUTAGE_S:.0f} s outage, requests {SENT_S:.0f} s in: alice "
+        f"{[round(r, 2) for r in rates]} tok/s per engine "
         f"(local bound rate/2 = {RATE / N:.0f}), {engine_rate(merged_during):.2f} together, worst "
         f"local window {[round(x, 2) for x in local]}; fallback {fallback_s} s against a hold of "
         f"{holds}; both back {back:.1f} s after Redis; across the return: worst window "
