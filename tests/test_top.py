@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -302,18 +303,18 @@ def test_rows_of_the_first_frame_have_gauges_only() -> None:
     assert all(r.borrowed is None for r in first)
 
 
-def test_borrowed_and_peak_from_what_outrate_itself_publishes() -> None:
-    """The names top reads are the names publish.py writes: a `Metrics` with
-    borrowed tokens, through `snapshot` and `families`, to top's rows."""
+def _published(alice: str) -> tuple[Any, Callable[[], str]]:
+    """A `Metrics` for a policy with `alice` (a users: line) and bob at 40,
+    and the /metrics page publish.py makes of it, as a function: the names
+    top reads are the names outrate writes."""
     from outrate.observe.metrics import Metrics
     from outrate.observe.publish import families, snapshot
     from outrate.policy.compiler import compile_policy
     from outrate.policy.loader import parse_policy
 
-    text = "version: 1\ndefault: 10\nusers:\n  alice: {rate: 20, peak: unlimited}\n  bob: 40\n"
+    text = f"version: 1\ndefault: 10\nusers:\n  {alice}\n  bob: 40\n"
     pol = compile_policy(parse_policy(text, "t.yaml"), "t.yaml", "sha")
     metrics = Metrics()
-    alice = metrics.record("alice")
 
     def page() -> str:
         data = snapshot(metrics, pol, now=0)
@@ -325,6 +326,15 @@ def test_borrowed_and_peak_from_what_outrate_itself_publishes() -> None:
         registry = CollectorRegistry()
         registry.register(Outrate())
         return generate_latest(registry).decode()
+
+    return metrics, page
+
+
+def test_borrowed_and_peak_from_what_outrate_itself_publishes() -> None:
+    """The names top reads are the names publish.py writes: a `Metrics` with
+    borrowed tokens, through `snapshot` and `families`, to top's rows."""
+    metrics, page = _published("alice: {rate: 20, peak: unlimited}")
+    alice = metrics.record("alice")
 
     before = top.parse(page(), 0.0)
     alice.tokens, alice.borrowed = 90, 50
@@ -364,26 +374,8 @@ def test_prompt_columns_from_what_outrate_itself_publishes() -> None:
     """The prompt names top reads are the names publish.py writes: prompt
     tokens charged, the prompt limit and requests waiting for prompt budget,
     from a `Metrics` through `snapshot` and `families` to top's rows."""
-    from outrate.observe.metrics import Metrics
-    from outrate.observe.publish import families, snapshot
-    from outrate.policy.compiler import compile_policy
-    from outrate.policy.loader import parse_policy
-
-    text = "version: 1\ndefault: 10\nusers:\n  alice: {rate: 20, prompt: 500}\n  bob: 40\n"
-    pol = compile_policy(parse_policy(text, "t.yaml"), "t.yaml", "sha")
-    metrics = Metrics()
+    metrics, page = _published("alice: {rate: 20, prompt: 500}")
     alice = metrics.record("alice")
-
-    def page() -> str:
-        data = snapshot(metrics, pol, now=0)
-
-        class Outrate(Collector):
-            def collect(self) -> Iterator[Metric]:
-                return families(data)
-
-        registry = CollectorRegistry()
-        registry.register(Outrate())
-        return generate_latest(registry).decode()
 
     before = top.parse(page(), 0.0)
     alice.prompt, alice.prompt_waiting = 1000, 3
