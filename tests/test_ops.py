@@ -536,6 +536,7 @@ def all_exprs() -> list[tuple[str, str, bool]]:
 
 
 @pytest.mark.e2e
+@pytest.mark.beside  # top and the dashboard read the same counters; alerts' for: outlasts it
 def test_prometheus_runs_every_expression_on_the_real_series(run):
     prom = run.prom
     names = prom.names()
@@ -553,6 +554,7 @@ def test_prometheus_runs_every_expression_on_the_real_series(run):
 
 
 @pytest.mark.e2e
+@pytest.mark.beside  # top and the dashboard read the same counters; alerts' for: outlasts it
 def test_the_dashboard_variables_find_their_values(run):
     """label_values(outrate_limit_tokens_per_second, limit) and
     label_values(outrate_policy_info, instance), as Grafana asks them."""
@@ -563,6 +565,7 @@ def test_the_dashboard_variables_find_their_values(run):
 
 
 @pytest.mark.e2e
+@pytest.mark.beside  # top and the dashboard read the same counters; alerts' for: outlasts it
 def test_rules_evaluate_and_the_alerts_tell_the_truth(run):
     """Every rule evaluates without error on the real series. The edit that
     was refused fires OutratePolicyReloadRejected; peek's shadow rule, over
@@ -596,6 +599,7 @@ def _panel_expr(title: str, ref: str, window: str, limit: str) -> str:
 
 
 @pytest.mark.e2e
+@pytest.mark.beside  # top and the dashboard read the same counters; alerts' for: outlasts it
 def test_outrate_top_agrees_with_the_dashboard_over_the_same_interval(run):
     """`outrate top`'s figures (its scrape and rows: what `--once` prints)
     against the dashboard's own queries with `$__rate_interval` set to top's
