@@ -21,8 +21,9 @@ settings.register_profile("outrate", suppress_health_check=[HealthCheck.too_slow
 settings.load_profile("outrate")
 
 # A failed test whose server's engine died says so (tests/engine_deaths.py);
-# each run ends with its seconds per module (tests/durations.py).
-pytest_plugins = ["engine_deaths", "durations", "pytester"]
+# each run ends with its seconds per module (tests/durations.py); the simulate
+# tests' servers start before any test (tests/sim_servers.py).
+pytest_plugins = ["engine_deaths", "durations", "pytester", "sim_servers"]
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,6 @@
-"""`make test`'s runner: `make lint` and the suite in two lanes at once, one
-per core, then the tests that need the machine to themselves.
+"""`make test`'s runner: `make lint` and the suite in three lanes started at
+once, the last of which waits for the other two before its tests run.
 
-First, two lanes at once:
 - **paced** (`-m "e2e and not beside and not quiet"`): the end-to-end tests
   that judge pacing on what an engine recorded. They start real servers one
   module after another and run in order, as they always did; they hold
@@ -12,19 +11,20 @@ First, two lanes at once:
   whose judgments hold beside another engine's load (a server that starts,
   answers or refuses). The paced lane is the longer one, so lint here costs
   the run no wall time (before, it ran first, alone: ~50 s on a fresh clone).
-Then, once both have ended, alone:
 - **quiet** (`-m quiet`): the simulator against a real engine, judged
   against a step model fitted on this machine moments before: another lane
-  beside them moves every step's length (tests/sim_drift.py).
+  beside them moves every step's length (tests/sim_drift.py). Its servers
+  start with the other lanes (tests/sim_servers.py); its tests wait until
+  both have ended (the file OUTRATE_QUIET_GATE names appears), then run
+  alone.
 
-The paced and quiet lanes print as they go; the beside lane's output is kept
-in a file and printed when the paced lane ends. Each lane ends with its
-seconds per module (tests/durations.py); the run ends with how busy the
-machine's cores were throughout. The last line sums all lanes in the
-plain form `N passed, N failed, N skipped`. The exit status is the first
-non-zero lane status (a lane's status is its first command's that failed:
-lint's or pytest's own; a lane that selected no test is fine while another
-ran some), else 0.
+The paced lane prints as it goes; the others' output is kept in files and
+printed when they end. Each lane ends with its seconds per module
+(tests/durations.py); the run ends with how busy the machine's cores were
+throughout. The last line sums all lanes in the plain form `N passed, N
+failed, N skipped`. The exit status is the first non-zero lane status (a
+lane's status is its first command's that failed: lint's or pytest's own; a
+lane that selected no test is fine while another ran some), else 0.
 
     python tests/lanes.py [pytest args...]     # what `make test` runs
 """
@@ -41,16 +41,16 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PHASES: list[dict[str, list[str]]] = [
-    {
-        "beside": ["-m", "not e2e or beside"],
-        "paced": ["-m", "e2e and not beside and not quiet"],
-    },
-    {"quiet": ["-m", "quiet"]},
-]
+LANES: dict[str, list[str]] = {
+    "beside": ["-m", "not e2e or beside"],
+    "paced": ["-m", "e2e and not beside and not quiet"],
+    "quiet": ["-m", "quiet"],
+}
 BEFORE = {"beside": [os.environ.get("MAKE", "make"), "--no-print-directory", "lint"]}
 """Run in a lane before its tests: the lane's status is the first that failed."""
-SHOWN_LIVE = ("paced", "quiet")
+GATED = "quiet"
+"""The lane whose tests wait for every other lane to end (sim_servers.GATE_ENV)."""
+SHOWN_LIVE = ("paced",)
 NO_TESTS = 5  # pytest's exit status when a selection collected nothing
 
 
@@ -79,72 +79,55 @@ def busy_seconds() -> tuple[float, float]:
     return (sum(fields) - idle) / hz, sum(fields) / hz
 
 
-def run_lane(cmds: list[list[str]], log: Path | None) -> int:
+def run_lane(cmds: list[list[str]], log: Path | None, env: dict[str, str] | None = None) -> int:
     """The lane's commands one after the other, whatever each returns; the
     first non-zero status, else 0 (pytest's NO_TESTS included)."""
     status = 0
     for cmd in cmds:
         if log is None:
-            code = subprocess.call(cmd, cwd=REPO)
+            code = subprocess.call(cmd, cwd=REPO, env=env)
         else:
             with open(log, "ab") as out:
-                code = subprocess.call(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+                code = subprocess.call(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
         if status == 0 or (status == NO_TESTS and code not in (0, NO_TESTS)):
             status = code
     return status
 
 
-def run_phase(
-    lanes: dict[str, list[str]], args: list[str], out: Path
-) -> dict[str, tuple[int, float]]:
-    """Run the lanes at once; each one's exit status and seconds."""
-    started = time.monotonic()
-    ended: dict[str, tuple[int, float]] = {}
-    logs = {name: out / f"{name}.log" for name in lanes if name not in SHOWN_LIVE}
-
-    def lane(name: str) -> None:
-        cmds = [
-            [
-                sys.executable,
-                "-m",
-                "pytest",
-                "-q",
-                *lanes[name],
-                f"--junitxml={out / name}.xml",
-                *args,
-            ]
-        ]
-        if name in BEFORE:
-            cmds.insert(0, BEFORE[name])
-        ended[name] = (run_lane(cmds, logs.get(name)), time.monotonic() - started)
-
-    threads = [threading.Thread(target=lane, args=(name,)) for name in lanes]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for name, log in logs.items():
-        shown = " ".join(BEFORE[name]) + ", then " if name in BEFORE else ""
-        print(f"\n===== lane {name} ({shown}{' '.join(lanes[name])}), its output =====", flush=True)
-        sys.stdout.write(log.read_text(errors="replace") if log.exists() else "")
-    return ended
-
-
 def main(args: list[str]) -> int:
     out = Path(tempfile.mkdtemp(prefix="outrate-lanes-"))
+    gate = out / "quiet-gate"
     started = time.monotonic()
     busy0, all0 = busy_seconds()
-    codes: dict[str, int] = {}
-    took: dict[str, float] = {}
-    for lanes in PHASES:
-        for name, (code, seconds) in run_phase(lanes, args, out).items():
-            codes[name], took[name] = code, seconds
+    ended: dict[str, tuple[int, float]] = {}
+    logs = {name: out / f"{name}.log" for name in LANES if name not in SHOWN_LIVE}
+
+    def lane(name: str) -> None:
+        pytest = [sys.executable, "-m", "pytest", "-q", *LANES[name]]
+        cmds = [[*pytest, f"--junitxml={out / name}.xml", *args]]
+        if name in BEFORE:
+            cmds.insert(0, BEFORE[name])
+        env = {**os.environ, "OUTRATE_QUIET_GATE": str(gate)} if name == GATED else None
+        ended[name] = (run_lane(cmds, logs.get(name), env), time.monotonic() - started)
+
+    threads = {name: threading.Thread(target=lane, args=(name,)) for name in LANES}
+    for t in threads.values():
+        t.start()
+    for name, t in threads.items():
+        if name != GATED:
+            t.join()
+            show(name, logs.get(name))
+    gate.touch()
+    opened = time.monotonic() - started
+    threads[GATED].join()
+    show(GATED, logs.get(GATED))
     print()
     passed = failed = skipped = 0
-    for name, code in codes.items():
+    for name, (code, seconds) in ended.items():
         p, f, s = counts(out / f"{name}.xml")
         passed, failed, skipped = passed + p, failed + f, skipped + s
-        print(f"lane {name}: exit {code}, {took[name]:.0f} s, {p} passed, {f} failed")
+        alone = f" ({seconds - opened:.0f} s alone, after the others)" if name == GATED else ""
+        print(f"lane {name}: exit {code}, {seconds:.0f} s{alone}, {p} passed, {f} failed")
     busy1, all1 = busy_seconds()
     print(
         f"all lanes: {time.monotonic() - started:.0f} s; the machine's {os.cpu_count()} "
@@ -153,10 +136,20 @@ def main(args: list[str]) -> int:
         "a run near 100%"
     )
     print(f"{passed} passed, {failed} failed, {skipped} skipped", flush=True)
-    bad = [c for c in codes.values() if c not in (0, NO_TESTS)]
+    codes = [code for code, _ in ended.values()]
+    bad = [c for c in codes if c not in (0, NO_TESTS)]
     if bad:
         return bad[0]
-    return NO_TESTS if all(c == NO_TESTS for c in codes.values()) else 0
+    return NO_TESTS if all(c == NO_TESTS for c in codes) else 0
+
+
+def show(name: str, log: Path | None) -> None:
+    """A lane's kept output, once it ended (nothing for a lane shown live)."""
+    if log is None:
+        return
+    shown = " ".join(BEFORE[name]) + ", then " if name in BEFORE else ""
+    print(f"\n===== lane {name} ({shown}{' '.join(LANES[name])}), its output =====", flush=True)
+    sys.stdout.write(log.read_text(errors="replace") if log.exists() else "")
 
 
 if __name__ == "__main__":

@@ -27,8 +27,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from build_tiny_model import build  # noqa: E402
-from serverproc import ServerProcess, outrate_serve_argv  # noqa: E402
+import sim_servers  # noqa: E402
 from sim_drift import (
     PROBE_S,
     at_measured_length,
@@ -40,7 +39,8 @@ from sim_drift import (
 from sim_drift import (  # noqa: E402
     play as play_file,
 )
-from workload_player import Played, Player  # noqa: E402
+from sim_servers import SimServer  # noqa: E402
+from workload_player import Played  # noqa: E402
 
 from outrate.errors import OutrateError  # noqa: E402
 from outrate.observe.trace import engine_rate, user_tokens  # noqa: E402
@@ -75,29 +75,13 @@ METRICS_BOUND = 0.10
 each user's tok/s simulated with it against the engine's, as a share."""
 
 
+SIM_SERVER = SimServer(tuple(ENGINE_FLAGS), POLICY)
+"""Started with test_simulate_oos's before any test (tests/sim_servers.py)."""
+
+
 @pytest.fixture(scope="module")
-def sim_server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("simulate-e2e")
-    policy = d / "policy.yaml"
-    policy.write_text(POLICY)
-    trace = d / "trace.jsonl"
-    argv = outrate_serve_argv(
-        build(REPO / "models" / "tiny-llama"),
-        policy,
-        *ENGINE_FLAGS,
-        "--outrate-trace",
-        str(trace),
-        "--enable-per-request-metrics",
-    )
-    proc = ServerProcess(argv, log_path=d / "server.log", name="outrate")
-    proc.start(timeout_s=300)
-    proc.policy_path, proc.trace_path = policy, trace
-    warm = load_workload(WORKLOADS / "e2e-agree.yaml").workload.model_copy(
-        update={"duration": 3_000_000_000}
-    )
-    Player(proc.base_url, warm).play()
-    yield proc
-    proc.stop()
+def sim_server(request):
+    return sim_servers.sim_server(request)
 
 
 def play(server, name: str, seconds: int = 0) -> tuple[object, list[Played], list[dict]]:

@@ -47,8 +47,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from build_tiny_model import build  # noqa: E402
-from serverproc import ServerProcess, outrate_serve_argv  # noqa: E402
+import sim_servers  # noqa: E402
 from sim_drift import (
     PROBE_S,
     at_measured_length,
@@ -60,7 +59,8 @@ from sim_drift import (
 from sim_drift import (  # noqa: E402
     play as play_file,
 )
-from workload_player import Played, Player  # noqa: E402
+from sim_servers import SimServer  # noqa: E402
+from workload_player import Played  # noqa: E402
 
 from outrate.observe.trace import engine_rate, user_tokens  # noqa: E402
 from outrate.simulate.engine import engine_from_flags  # noqa: E402
@@ -70,7 +70,6 @@ from outrate.simulate.stepmodel import (  # noqa: E402
     decode_step_us,
     time_error,
 )
-from outrate.simulate.workload import load_workload  # noqa: E402
 from vllm_integration.offline.simulator import simulate  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.quiet]
@@ -129,27 +128,13 @@ KNOWN: dict[tuple[str, str, str], str] = {
 }
 
 
+SIM_SERVER = SimServer(tuple(ENGINE_FLAGS), POLICY)
+"""Started with test_simulate_e2e's before any test (tests/sim_servers.py)."""
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("simulate-oos")
-    trace = d / "trace.jsonl"
-    argv = outrate_serve_argv(
-        build(REPO / "models" / "tiny-llama"),
-        POLICY,
-        *ENGINE_FLAGS,
-        "--outrate-trace",
-        str(trace),
-        "--enable-per-request-metrics",
-    )
-    proc = ServerProcess(argv, log_path=d / "server.log", name="outrate")
-    proc.start(timeout_s=300)
-    proc.trace_path = trace
-    warm = load_workload(WORKLOADS / "e2e-agree.yaml").workload.model_copy(
-        update={"duration": 3_000_000_000}
-    )
-    Player(proc.base_url, warm).play()
-    yield proc
-    proc.stop()
+def server(request):
+    return sim_servers.sim_server(request)
 
 
 def play(server, name: str, seconds: int = 0) -> tuple[object, list[Played], list[dict]]:

@@ -1,0 +1,116 @@
+"""A pytest plugin for the simulate tests against a real engine (marked
+`quiet`): their servers start together, after collection and before any
+test runs. Under `make test` (tests/lanes.py sets OUTRATE_QUIET_GATE to a
+file's path) that is while the other lanes still run: a start measures
+nothing, so only the tests wait for the machine to be theirs, until the
+file appears. The quiet lane then spends no time on server starts.
+
+A module opts in with a module-level `SIM_SERVER = SimServer(flags, policy)`
+and takes its server from `sim_server(request)`: the tiny model with those
+engine flags, the policy (YAML text, or a file), a trace
+(`proc.trace_path`, the policy's `proc.policy_path`), vLLM's per-request
+metrics, and 3 s of examples/workloads/e2e-agree.yaml played to warm it.
+Loaded by tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+GATE_ENV = "OUTRATE_QUIET_GATE"
+GATE_TIMEOUT_S = 3 * 3600
+REPO = Path(__file__).resolve().parent.parent
+WORKLOADS = REPO / "examples" / "workloads"
+_SERVERS = pytest.StashKey[dict[str, object]]()
+_FAILED = pytest.StashKey[BaseException]()
+
+
+@dataclass(frozen=True)
+class SimServer:
+    flags: tuple[str, ...]
+    """Engine flags beside the tiny model's (serverproc.tiny_model_flags)."""
+    policy: str | Path
+    """The policy: YAML text, or the path of a policy file."""
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly:
+        return
+    specs: dict[str, SimServer] = {}
+    for item in session.items:
+        module = getattr(item, "module", None)
+        spec = getattr(module, "SIM_SERVER", None)
+        if isinstance(spec, SimServer):
+            specs[module.__name__] = spec
+    if not specs:
+        return
+    try:
+        session.config.stash[_SERVERS] = _start(session.config, specs)
+    except BaseException as e:  # raised by each test that asks (sim_server)
+        session.config.stash[_FAILED] = e
+    _wait_for_gate()
+
+
+def sim_server(request: pytest.FixtureRequest):
+    """The module's server (started before the tests: see the docstring)."""
+    failed = request.config.stash.get(_FAILED, None)
+    if failed is not None:
+        raise failed
+    return request.config.stash[_SERVERS][request.module.__name__]
+
+
+def _start(config: pytest.Config, specs: dict[str, SimServer]) -> dict[str, object]:
+    from build_tiny_model import build
+    from e2e_support import start_together
+    from serverproc import ServerProcess, outrate_serve_argv
+    from workload_player import Player
+
+    from outrate.simulate.workload import load_workload
+
+    root = Path(tempfile.mkdtemp(prefix="outrate-quiet-"))
+    model = build(REPO / "models" / "tiny-llama")
+    servers = {}
+    for name, spec in specs.items():
+        d = root / name
+        d.mkdir()
+        policy = Path(spec.policy) if isinstance(spec.policy, Path) else d / "policy.yaml"
+        if not isinstance(spec.policy, Path):
+            policy.write_text(spec.policy)
+        trace = d / "trace.jsonl"
+        argv = outrate_serve_argv(
+            model, policy, *spec.flags, "--outrate-trace", str(trace),
+            "--enable-per-request-metrics",
+        )  # fmt: skip
+        proc = ServerProcess(argv, log_path=d / "server.log", name=name.rsplit(".", 1)[-1])
+        proc.policy_path, proc.trace_path = policy, trace
+        servers[name] = proc
+
+    def stop() -> None:
+        for proc in servers.values():
+            proc.stop()
+
+    config.add_cleanup(stop)
+    start_together(list(servers.values()), timeout_s=300)
+    warm = load_workload(WORKLOADS / "e2e-agree.yaml").workload
+    warm = warm.model_copy(update={"duration": 3_000_000_000})
+    for proc in servers.values():
+        Player(proc.base_url, warm).play()
+    return servers
+
+
+def _wait_for_gate() -> None:
+    gate = os.environ.get(GATE_ENV)
+    if not gate:
+        return
+    began = time.monotonic()
+    while not os.path.exists(gate):
+        if time.monotonic() - began > GATE_TIMEOUT_S:
+            raise pytest.UsageError(f"{GATE_ENV}: {gate} did not appear in {GATE_TIMEOUT_S} s")
+        time.sleep(0.5)
+    print(f"\nquiet: waited {time.monotonic() - began:.0f} s for the other lanes", flush=True)
