@@ -4,10 +4,14 @@ usage that never carries into the next window, and the spent decision."""
 from __future__ import annotations
 
 import calendar
+from pathlib import Path
 
 import pytest
 
 from outrate.budget.quota import Quota, QuotaBook, spent, window_bounds
+from outrate.budget.quotafile import QuotaSaver, read_usage, request_reset
+from outrate.contract.quotas import usage_lines
+from outrate.policy.pipeline import load_compiled
 
 
 def utc(*parts: int) -> int:
@@ -74,3 +78,65 @@ def test_spent_names_the_quota_that_resets_last() -> None:
     book.add("u", "prompt", 1000, ["day"])
     s = spent(quotas, book.users["u"], now)
     assert s is not None and s.quota == quotas[1] and s.reset_s == 11.5 * 3600
+
+
+def test_the_engine_applies_a_reset_once_and_keeps_what_follows(tmp_path: Path) -> None:
+    """`outrate quota --reset` (request_reset) drops the user from the file at
+    once; the running engine's next save forgets its usage too, exactly once:
+    what it counts afterwards, a restart included, is kept."""
+    now = float(utc(2026, 12, 4, 12, 0, 0))
+    path = str(tmp_path / "q.json")
+    book = QuotaBook(clock=lambda: now)
+    saver = QuotaSaver(path, book)
+    book.add("alice", "output", 900, ["day"])
+    book.add("bob", "output", 50, ["day"])
+    saver.save()
+    assert set(read_usage(path)[0]) == {"alice", "bob"}
+    assert request_reset(path, "alice", now=now + 1)
+    assert set(read_usage(path)[0]) == {"bob"}  # for a stopped engine and the API servers
+    saver.save()
+    assert book.used("alice", "output", "day") == 0 and book.used("bob", "output", "day") == 50
+    book.add("alice", "output", 7, ["day"])
+    saver.save()
+    assert book.used("alice", "output", "day") == 7  # not reset twice
+    restarted = QuotaBook(clock=lambda: now)
+    QuotaSaver(path, restarted).save()
+    assert restarted.used("alice", "output", "day") == 7
+    assert not request_reset(path, "carol", now=now + 2)
+
+
+def test_a_reset_of_a_stopped_engine_is_not_applied_again_at_start(tmp_path: Path) -> None:
+    now = float(utc(2026, 12, 4, 12, 0, 0))
+    path = str(tmp_path / "q.json")
+    book = QuotaBook(clock=lambda: now)
+    book.add("alice", "output", 900, ["day"])
+    QuotaSaver(path, book).save()
+    request_reset(path, "alice", now=now + 1)
+    started = QuotaBook(clock=lambda: now)
+    saver = QuotaSaver(path, started)
+    started.add("alice", "output", 3, ["day"])
+    saver.save()
+    assert started.used("alice", "output", "day") == 3
+
+
+def test_usage_lines_show_the_current_windows_and_with_a_policy_the_quota(
+    tmp_path: Path,
+) -> None:
+    now = float(utc(2026, 12, 4, 12, 0, 0))
+    path = str(tmp_path / "q.json")
+    book = QuotaBook(clock=lambda: now)
+    book.add("alice", "output", 900, ["day", "hour"])
+    book.users["bob"] = {"output/day": [utc(2026, 12, 3), 10**6]}  # yesterday's: gone
+    QuotaSaver(path, book).save()
+    assert usage_lines(path, now_s=now) == [
+        "alice  output/day  900 used  resets 2026-12-05T00:00:00Z",
+        "alice  output/hour  900 used  resets 2026-12-04T13:00:00Z",
+    ]
+    policy = tmp_path / "p.yaml"
+    policy.write_text(
+        "version: 1\ndefault: 20\nusers:\n  alice: {rate: 5, quota: {output: 1000/day}}\n"
+    )
+    assert usage_lines(path, load_compiled(policy), now_s=now) == [
+        "alice  output/day  900 used of 1000 (100 left, users.alice)  resets 2026-12-05T00:00:00Z",
+        "alice  output/hour  900 used  resets 2026-12-04T13:00:00Z",
+    ]

@@ -19,8 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 from outrate.budget.gcra import Limit
-from outrate.budget.quota import Spent, Usage, spent
+from outrate.budget.quota import WINDOWS, Spent, Usage, quota_state, spent, used_in, window_bounds
 from outrate.budget.quotafile import read_usage
+from outrate.policy.compiler import CompiledPolicy
 
 READ_INTERVAL_S = 0.2
 
@@ -79,3 +80,38 @@ def quota_body(s: Spent) -> dict[str, Any]:
             "code": "insufficient_quota",
         }
     }
+
+
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def usage_lines(
+    path: str, policy: CompiledPolicy | None = None, now_s: float | None = None
+) -> list[str]:
+    """`outrate quota --file PATH`: one line per user and quota window in the
+    file, `alice  output/day  120000 used  resets 2026-12-05T00:00:00Z`; with
+    `policy`, each user's quota in force and what remains of it (a quota with
+    no usage yet shows `0 used`). Windows that have passed are left out.
+    Raises FileReadError or ValueError for a file that is not a quota file."""
+    now = time.time() if now_s is None else now_s
+    users, _ = read_usage(path)
+    lines = []
+    for user in sorted(users):
+        usage = users[user]
+        rows: dict[str, str] = {}
+        for key in sorted(usage):
+            kind, _, window = key.partition("/")
+            used = used_in(usage, kind, window, now) if window in WINDOWS else 0
+            if used:
+                rows[key] = f"{used} used  resets {_utc(window_bounds(window, now)[1])}"
+        if policy is not None:
+            rule = policy.limit_for(user)
+            for q, remaining, reset_s in quota_state(rule.quotas, usage, now):
+                used = used_in(usage, q.kind, q.window, now)
+                rows[f"{q.kind}/{q.window}"] = (
+                    f"{used} used of {q.tokens} ({remaining} left, {rule.rule})  "
+                    f"resets {_utc(now + reset_s)}"
+                )
+        lines += [f"{user}  {key}  {row}" for key, row in sorted(rows.items())]
+    return lines
