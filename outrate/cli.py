@@ -256,6 +256,51 @@ def keys_revoke(
         typer.echo(f"revoked {digest} ({user!r})")
 
 
+@app.command()
+def quota(
+    file: Annotated[
+        Path,
+        typer.Option(
+            "--file", help="The engine's --outrate-quota-file.", show_default=False, readable=False
+        ),
+    ],
+    policy: Annotated[
+        Path | None,
+        typer.Option("--policy", help="Also show each user's quota in force and what is left."),
+    ] = None,
+    reset: Annotated[
+        str | None,
+        typer.Option("--reset", metavar="USER", help="Forget USER's usage in every window."),
+    ] = None,
+) -> None:
+    """Each user's token usage per quota window, or an operator's reset.
+
+    A running engine applies a reset within a second (its saves read
+    FILE.resets), and a stopped one when it starts.
+    """
+    from outrate.budget.quotafile import request_reset
+    from outrate.contract.quotas import usage_lines
+    from outrate.policy.pipeline import load_compiled
+
+    bad = None if reset is None else identity_error(reset, "USER")
+    if bad is not None:
+        raise typer.BadParameter(bad.removeprefix("USER "), param_hint="--reset")
+    if not file.is_file():
+        _err(f"{file}: no such quota file (the engine writes it within a second of starting)")
+        raise typer.Exit(1)
+    try:
+        if reset is not None:
+            had = request_reset(str(file), reset)
+            typer.echo(f"reset {reset!r}" + ("" if had else " (no usage in the file)"))
+            return
+        compiled = load_compiled(policy) if policy is not None else None
+        for line in usage_lines(str(file), compiled):
+            typer.echo(line)
+    except (OutrateError, ValueError, OSError) as e:
+        _err(f"outrate quota: {e}")
+        raise typer.Exit(1) from e
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -79,6 +79,8 @@ def start_server(tmp_path_factory):
         "12",
         "--outrate-trace",
         str(trace),
+        "--outrate-quota-file",
+        str(policy_dir / "quota.json"),
         "--enable-log-requests",
         "--enable-scale-out",
     )
@@ -87,6 +89,7 @@ def start_server(tmp_path_factory):
     proc.start(timeout_s=300)
     proc.policy_path = policy
     proc.trace_path = trace
+    proc.quota_path = policy_dir / "quota.json"
     run_concurrently(proc.base_url, [("warmup", 2, 16)])
     return proc
 

@@ -385,3 +385,31 @@ def test_lint_refuses_a_fifo_or_a_device_at_once(tmp_path: Path, kind: str) -> N
     )  # fmt: skip
     assert (done.returncode, done.stdout) == (1, f"{path}: failed: 1 error, 0 warnings\n")
     assert done.stderr == f"{path}:1:1: <file>: cannot read: not a regular file ({why})\n"
+
+
+def test_quota_shows_usage_and_asks_for_a_reset(tmp_path: Path) -> None:
+    """`outrate quota`: usage per user and window (outrate.contract.quotas
+    usage_lines), and `--reset USER` (request_reset: the engine applies it,
+    tests/test_quota.py)."""
+    from outrate.budget.quota import QuotaBook
+    from outrate.budget.quotafile import QuotaSaver
+
+    path = tmp_path / "q.json"
+    assert run("quota", "--file", path) == (
+        1, "", f"{path}: no such quota file (the engine writes it within a second of starting)\n"
+    )  # fmt: skip
+    book = QuotaBook()
+    book.add("alice", "output", 900, ["day"])
+    QuotaSaver(str(path), book).save()
+    code, out, _ = run("quota", "--file", path, "--policy", POLICIES / "demo.yaml")
+    assert code == 0 and out.startswith("alice  output/day  900 used  resets ")
+    assert run("quota", "--file", path, "--reset", "alice") == (0, "reset 'alice'\n", "")
+    assert run("quota", "--file", path) == (0, "", "")
+    assert (
+        run("quota", "--file", path, "--reset", "bob")[1] == "reset 'bob' (no usage in the file)\n"
+    )
+    code, _, err = run("quota", "--file", path, "--reset", "")
+    assert code == 2 and "--reset" in err
+    path.write_text("[]")
+    code, _, err = run("quota", "--file", path)
+    assert code == 1 and err == f"outrate quota: {path}: not a quota file (a JSON object)\n"

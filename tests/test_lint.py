@@ -664,6 +664,41 @@ def test_a_store_with_prompt_limits_is_the_engines_error(tmp_path: Path) -> None
     assert lint_all(POLICIES / "demo.yaml", deployment_from_args([*QUIET, *store])).ok()
 
 
+QUOTA_POLICY = "version: 1\ndefault: 20\nusers:\n  u: {rate: 5, quota: {output: 2M/day}}\n"
+
+
+def test_a_quota_without_a_quota_file_or_beside_a_store_is_the_engines_error(
+    tmp_path: Path,
+) -> None:
+    """OR121 and OR122: a quota is never silently ignored; lint says what
+    both processes say when they refuse to start (outrate/check/quotas.py)."""
+    path = tmp_path / "p.yaml"
+    path.write_text(QUOTA_POLICY)
+    quota_file = ["--outrate-quota-file", str(tmp_path / "q.json")]
+    store = ["--outrate-store", "redis://h:6379/0", "--outrate-store-engines", "2"]
+    no_file = lint_all(path, deployment_from_args(QUIET))
+    assert [(f.code, f.severity, f.location, f.message) for f in no_file.errors] == [
+        (
+            "OR121",
+            "error",
+            f"{path}:4:23",
+            "users.u.quota: a quota needs --outrate-quota-file PATH: usage must survive a "
+            "restart (a restart must not give anyone a fresh window)",
+        )
+    ]
+    shared = lint_all(path, deployment_from_args([*QUIET, *quota_file, *store]))
+    assert [(f.code, f.location, f.message) for f in shared.errors] == [
+        (
+            "OR122",
+            f"{path}:4:23",
+            "users.u.quota: quotas with --outrate-store are not built yet: each engine "
+            "would count its own usage (remove the quota or the store)",
+        )
+    ]
+    assert lint_all(path, deployment_from_args([*QUIET, *quota_file])).ok()
+    assert lint_all(POLICIES / "demo.yaml", deployment_from_args(QUIET)).ok()
+
+
 def test_without_chunked_prefill_a_prompt_burst_below_max_model_len_is_an_error(
     tmp_path: Path,
 ) -> None:

@@ -1157,3 +1157,86 @@ def test_bad_header_styles(written: str) -> None:
 @pytest.mark.parametrize("written", ["off", "'off'", "false", "Off"])
 def test_headers_off_is_off_however_yaml_reads_it(written: str) -> None:
     assert parse_policy(f"version: 1\ndefault: 1\nheaders: {written}\n", "p.yaml").headers == "off"
+
+
+# -- token quotas (issue 41 item 3) ----------------------------------------------
+
+
+def test_quotas_load_and_inherit_like_requests() -> None:
+    from outrate.budget.quota import Quota
+    from outrate.policy.compiler import compile_policy
+
+    policy = parse_policy(
+        "version: 1\n"
+        "default: {rate: 20, quota: {output: 2M/day, prompt: 50M/day}}\n"
+        "tiers:\n"
+        "  free: {rate: 5, quota: {output: '1.5K/hour'}}\n"
+        "users:\n"
+        "  alice: {tier: free}\n"
+        "  bob: {tier: free, quota: unlimited}\n"
+        "  carol: {tier: free, quota: {prompt: 1_000/week}}\n"
+        "  dave: {rate: 1, quota: {output: 3G/month}}\n",
+        "p.yaml",
+    )
+    compiled = compile_policy(policy, "p.yaml")
+    assert compiled.default.quotas == (
+        Quota("output", 2_000_000, "day"),
+        Quota("prompt", 50_000_000, "day"),
+    )
+    assert compiled.anonymous.quotas == compiled.default.quotas  # one bucket at the default
+    assert compiled.limit_for("alice").quotas == (Quota("output", 1500, "hour"),)
+    assert compiled.limit_for("bob").quotas == ()
+    assert compiled.limit_for("carol").quotas == (Quota("prompt", 1000, "week"),)
+    assert compiled.limit_for("dave").quotas == (Quota("output", 3 * 10**9, "month"),)
+
+
+_QUOTA_FORM = (
+    "must be a number of tokens per window like '2M/day' (per 'hour', 'day', 'week' or 'month')"
+)
+_WINDOWS = "write tokens per 'hour', 'day', 'week' or 'month'"
+
+
+@pytest.mark.parametrize(
+    ("written", "col", "where", "message"),
+    [
+        ("{output: 0/day}", 37, "quota.output", "must be > 0"),
+        ("{output: -5/day}", 37, "quota.output", "must be > 0"),
+        ("{prompt: '-1M/week'}", 37, "quota.prompt", "must be > 0"),
+        ("{output: 2M/s}", 37, "quota.output",
+         f"unknown window 's': {_WINDOWS} (seconds and minutes are rates: 'rate', 'prompt', "
+         "'requests') (got '2M/s')"),
+        ("{output: 2M/h}", 37, "quota.output",
+         f"unknown window 'h': {_WINDOWS} (did you mean 'hour'?) (got '2M/h')"),
+        ("{output: 2M/fortnight}", 37, "quota.output",
+         f"unknown window 'fortnight': {_WINDOWS} (got '2M/fortnight')"),
+        ("{output: 5 tok/day}", 37, "quota.output",
+         "unknown unit 'tok': write a number of tokens with K, M or G (thousands, millions, "
+         "billions) or none (got '5 tok/day')"),
+        ("{output: lots}", 37, "quota.output", f"{_QUOTA_FORM} (got 'lots')"),
+        ("{output: true}", 37, "quota.output", f"{_QUOTA_FORM} (got true)"),
+        ("{output: 5}", 37, "quota.output",
+         "needs a window: write '5/day' (per 'hour', 'day', 'week' or 'month') (got 5)"),
+        ("{output: .inf}", 37, "quota.output",
+         "must be a finite number of tokens per window (got .inf)"),
+        ("{output: 2000G/day}", 37, "quota.output",
+         "must be at most 1000000000000 tokens per window (1000G); leave 'quota' out for no "
+         "quota"),
+        ("{output: 0.5/day}", 37, "quota.output",
+         "must be a whole number of tokens (got '0.5/day')"),
+        ("{}", 28, "quota",
+         "names no quota: write 'output' and/or 'prompt' (like {output: 2M/day}), or "
+         "'unlimited'"),
+        ("null", 28, "quota",
+         "must be a mapping like {output: 2M/day}, or 'unlimited' (got nothing): leave "
+         "'quota' out for the default (none, or the tier's)"),
+        ("2M/day", 28, "quota",
+         "must be a mapping like {output: 2M/day, prompt: 50M/day}, or 'unlimited' "
+         "(got '2M/day')"),
+        ("{output: 2M/day, outptu: 1}", 45, "quota",
+         "unknown key 'outptu' (did you mean 'output'?)"),
+    ],
+)  # fmt: skip
+def test_bad_quotas(written: str, col: int, where: str, message: str) -> None:
+    """Each bad quota is one located error, with its own message."""
+    text = f"version: 1\ndefault: 100\nusers:\n  alice: {{rate: 20, quota: {written}}}\n"
+    assert _one(text) == Problem("p.yaml", 4, col, f"users.alice.{where}", message)

@@ -552,7 +552,7 @@ def test_the_identity_settings_reach_the_api_server_and_the_secret_the_engine(tm
     AsyncEngineArgs.from_cli_args(args)
     assert GUARD_MIDDLEWARE in args.middleware
     assert json.loads(os.environ[SETTINGS_ENV]) == {
-        "policy": str(policy), "reload": "off", "vllm_api_key": False,
+        "policy": str(policy), "reload": "off", "vllm_api_key": False, "quota_file": None,
     }  # fmt: skip
     assert Stamper.from_env() is not None and len(os.environ[SECRET_ENV]) == 64
     assert gate().identity.header == "x-user"

@@ -16,6 +16,7 @@ from __future__ import annotations
 from decimal import Decimal
 from fractions import Fraction
 
+from outrate.budget.quota import Quota
 from outrate.units import format_duration, format_rate
 
 NS_PER_S = 1_000_000_000
@@ -107,6 +108,7 @@ class Limit:
         "token_s",
         "prompt",
         "requests",
+        "quotas",
     )
 
     def __init__(
@@ -120,6 +122,7 @@ class Limit:
         peak: Fraction | int | float | str | None = None,
         prompt: Limit | None = None,
         requests: Limit | None = None,
+        quotas: tuple[Quota, ...] = (),
     ) -> None:
         if rate is not None:
             rate = exact_rate(rate)
@@ -157,6 +160,9 @@ class Limit:
         self.requests: Limit | None = requests
         """The rule's request rate (`per_window`), checked in the API server
         before tokenization; None: requests unlimited."""
+        self.quotas = quotas
+        """The rule's token quotas per calendar window (`quota:`): counted by
+        the engine, refused (429) by the API server once spent."""
         if peak is not None and rate is not None:
             extra = None if peak == PEAK_UNLIMITED else Fraction(peak) - rate
             self.excess = Limit(extra, self.burst_ns, rule=rule, label=label)
@@ -184,6 +190,7 @@ class Limit:
         scaled.peak, scaled.excess = self.peak, self.excess
         scaled.prompt = self.prompt
         scaled.requests = self.requests
+        scaled.quotas = self.quotas
         return scaled
 
     def _key(self) -> tuple[object, ...]:
@@ -195,6 +202,7 @@ class Limit:
             self.peak,
             self.prompt,
             self.requests,
+            self.quotas,
         )
 
     def __eq__(self, other: object) -> bool:

@@ -83,6 +83,8 @@ class Deployment:
     """`--outrate-trace-max-bytes`."""
     store_lease_ms: int | None = None
     """`--outrate-store-lease-ms`."""
+    quota_file: str | None = None
+    """`--outrate-quota-file`, absolute: where the engine keeps quota usage."""
     default_rate: float | None = None
     """`--default-user-output-tokens-per-second` (the in-memory policy)."""
     user_rates: str | None = None

@@ -54,6 +54,7 @@ from typing import Any
 from outrate.budget.gcra import PEAK_UNLIMITED
 from outrate.check.deployment import Deployment
 from outrate.check.prompts import open_prompts_message, open_prompts_rules, prompt_refusals
+from outrate.check.quotas import quota_refusals
 from outrate.check.rules import Finding, lint_deployment, lint_exposure
 from outrate.errors import PolicyError, Problem
 from outrate.identity.core import padding_error
@@ -416,6 +417,7 @@ def lint_all(
             refused = prompt_refusals(
                 compiled, deployment.store, deployment.chunked_prefill, deployment.max_model_len
             )
+            refused += quota_refusals(compiled, deployment.store, deployment.quota_file)
             findings += [
                 Finding(code, "error", f"{p.field}: {p.message}", f"{p.path}:{p.line}:{p.col}")
                 for code, p in refused

@@ -13,6 +13,7 @@ with a bad value through lint and the server's parser.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,7 @@ STORE_FALLBACK = "--outrate-store-fallback"
 STORE_HOLD_S = "--outrate-store-hold-s"
 STORE_ENGINES = "--outrate-store-engines"
 STORE_LEASE_MS = "--outrate-store-lease-ms"
+QUOTA_FILE = "--outrate-quota-file"
 
 RELOAD_MODES = ("watch", "poll", "off")
 FALLBACK_NAMES = (*FALLBACKS, *DEPRECATED_FALLBACKS)
@@ -89,6 +91,19 @@ def _trace(value: str) -> str:
         raise ValueError(str(e)) from e
 
 
+def _quota_file(value: str) -> str:
+    """Where quota usage is kept across restarts: a file in a directory that
+    exists (the engine writes it there atomically, by renaming)."""
+    if not value:
+        raise ValueError("must name a file")
+    path = os.path.abspath(value)
+    if os.path.isdir(path):
+        raise ValueError(f"{path}: is a directory; name a file in it")
+    if not os.path.isdir(os.path.dirname(path)):
+        raise ValueError(f"{path}: its directory does not exist")
+    return path
+
+
 def _default_rate(value: float) -> float:
     _seed_policy(value, None)
     return value
@@ -141,6 +156,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(STORE_HOLD_S, float, _in(*HOLD_S), needs=STORE),
     Flag(STORE_ENGINES, int, _in(*ENGINES), needs=STORE),
     Flag(STORE_LEASE_MS, int, _in(*LEASE_MS), needs=STORE),
+    Flag(QUOTA_FILE, str, _quota_file),
     Flag(DEFAULT_FLAG, float, _default_rate),
     Flag(USERS_FLAG, str, _user_rates),
 )

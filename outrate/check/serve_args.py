@@ -208,6 +208,7 @@ OUTRATE_TARGETS = {
     "--outrate-store-hold-s": "store_hold_s",
     "--outrate-store-engines": "store_engines",
     "--outrate-store-lease-ms": "store_lease_ms",
+    "--outrate-quota-file": "quota_file",
     "--default-user-output-tokens-per-second": "default_rate",
     "--user-output-tokens-per-second": "user_rates",
 }

@@ -136,8 +136,8 @@ ONE_VALUE = frozenset(
     --mm-tensor-ipc --model --model-class-overrides --model-impl --model-loader-extra-config
     --moe-backend --nnodes --node-rank --num-gpu-blocks-override --offload-backend
     --offload-group-size --offload-num-in-group --offload-prefetch-step --optimization-level
-    --otlp-traces-endpoint --outrate-policy --outrate-reload --outrate-store
-    --outrate-store-engines --outrate-store-fallback --outrate-store-hold-s
+    --otlp-traces-endpoint --outrate-policy --outrate-quota-file --outrate-reload
+    --outrate-store --outrate-store-engines --outrate-store-fallback --outrate-store-hold-s
     --outrate-store-lease-ms --outrate-trace --outrate-trace-max-bytes
     --override-generation-config --per-request-spec-decode-metrics --performance-mode
     --pipeline-parallel-size --pooler-config --port --prefill-context-parallel-size

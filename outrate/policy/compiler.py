@@ -264,6 +264,7 @@ def _limit(
             rule.peak,
             rule.prompt,
             rule.requests,
+            rule.quota,
         )
         if all(value is None for value in overrides):
             return tier_limits[rule.tier]  # shared: same rule as the tier
@@ -273,6 +274,7 @@ def _limit(
         peak = rule.peak if rule.peak is not None else base.peak
         prompt = rule.prompt if rule.prompt is not None else base.prompt
         requests = rule.requests if rule.requests is not None else base.requests
+        quota = rule.quota if rule.quota is not None else base.quota
         if shadow is None:
             shadow = base.shadow
         name = f"{name} (tiers.{rule.tier})"
@@ -283,6 +285,7 @@ def _limit(
         peak = rule.peak
         prompt = rule.prompt
         requests = rule.requests
+        quota = rule.quota
     if shadow is None:
         shadow = policy.mode == "shadow"
     return Limit(
@@ -295,6 +298,7 @@ def _limit(
         peak=PEAK_UNLIMITED if peak == UNLIMITED else peak,
         prompt=_prompt_limit(prompt, name, label, shadow, policy),
         requests=_requests_limit(requests, name, label, shadow),
+        quotas=() if quota is None else quota.quotas(),
     )
 
 
@@ -378,6 +382,7 @@ def compile_policy(
             peak=d.peak,
             prompt=d.prompt,
             requests=d.requests,
+            quotas=d.quotas,
         )
     return CompiledPolicy(
         source=source,

@@ -11,8 +11,9 @@ user, tier and match entry) in one of these forms::
     {tier: pro, burst: 1s, max_streams: 2, peak: unlimited}   # a tier with overrides
     {rate: 20, prompt: 2000}  # and prompt tokens computed per second (`PromptRule`)
     {rate: 20, requests: 5}   # and at most 5 requests a second (`300/min` per minute)
+    {rate: 20, quota: {output: 2M/day}}  # and 2M output tokens per UTC day (quotas.py)
 
-With `tier`, only `burst`, `max_streams`, `shadow`, `peak`, `prompt` and `requests` may be
+With `tier`, only `burst`, `max_streams`, `shadow`, `peak`, `prompt`, `requests` and `quota` may be
 overridden: a `rate` beside `tier` would make the tier name a lie, so it is an
 error. A `peak` is checked against the rate it rises above: here when the rule
 has its own rate (`peak_problem`), by the policy when the rate is its tier's.
@@ -38,6 +39,7 @@ from pydantic import (
     model_validator,
 )
 
+from outrate.policy.quotas import QuotaField, written_quota
 from outrate.policy.values import (
     RATE_SCHEMA,
     Duration,
@@ -275,6 +277,7 @@ class TierRule(_Spec):
     shadow: Shadow = None
     prompt: Prompt = None
     requests: RequestsField = None
+    quota: QuotaField = None
 
     @field_validator("peak", mode="before")
     @classmethod
@@ -290,6 +293,11 @@ class TierRule(_Spec):
     @classmethod
     def _requests_written(cls, value: Any) -> Any:
         return _written_requests(value)
+
+    @field_validator("quota", mode="before")
+    @classmethod
+    def _quota_written(cls, value: Any) -> Any:
+        return written_quota(value)
 
     @field_validator("peak", mode="after")
     @classmethod
@@ -306,7 +314,7 @@ class LimitRule(_Spec):
 
     tier: Name | None = Field(
         default=None,
-        description="Take rate, peak, burst, max_streams, prompt and requests from this "
+        description="Take rate, peak, burst, max_streams, prompt, requests and quota from this "
         "tier; all but rate may be overridden here.",
     )
     rate: Rate | None = Field(default=None, description=_RATE_DOC)
@@ -316,6 +324,7 @@ class LimitRule(_Spec):
     shadow: Shadow = None
     prompt: Prompt = None
     requests: RequestsField = None
+    quota: QuotaField = None
 
     @field_validator("peak", mode="before")
     @classmethod
@@ -331,6 +340,11 @@ class LimitRule(_Spec):
     @classmethod
     def _requests_written(cls, value: Any) -> Any:
         return _written_requests(value)
+
+    @field_validator("quota", mode="before")
+    @classmethod
+    def _quota_written(cls, value: Any) -> Any:
+        return written_quota(value)
 
     @field_validator("peak", mode="after")
     @classmethod

@@ -40,17 +40,21 @@ stream. Installed only in the API server, only when a policy is active.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable, MutableMapping
 from contextvars import ContextVar
 from http import HTTPStatus
 from typing import Any, NamedTuple
 
+from outrate.budget.gcra import NS_PER_S
+from outrate.budget.quota import Spent
 from outrate.contract.headers import (
     Header,
     limit_headers,
     refusal_headers,
     refusal_message,
 )
+from outrate.contract.quotas import quota_body
 from outrate.contract.requests import Admission
 from outrate.identity.core import (
     ANONYMOUS,
@@ -151,6 +155,12 @@ class IdentityGuard:
             if not admission.admitted:
                 await _too_many(scope, replay, send, policy.headers, rule, admission)
                 return
+            quotas = self.gate.quotas
+            spent = None if quotas is None else quotas.spent(rule, key)
+            if spent is not None:
+                count_requests_over(rule.label, "quota", False)
+                await _quota_spent(scope, replay, send, policy.headers, rule, admission, spent)
+                return
             fields = limit_headers(policy.headers, rule, admission)
             if fields:
                 send = _adding(send, fields)
@@ -206,6 +216,30 @@ async def _too_many(
         }
     response = JSONResponse(body, status_code=HTTPStatus.TOO_MANY_REQUESTS)
     response.raw_headers += refusal_headers(style, rule, admission)
+    await response(scope, receive, send)
+
+
+async def _quota_spent(
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    style: str,
+    rule: Any,
+    admission: Admission,
+    spent: Spent,
+) -> None:
+    """429 `insufficient_quota` (OpenAI's shape; Anthropic's on `/v1/messages`),
+    with Retry-After up to the spent window's reset."""
+    from starlette.responses import JSONResponse
+
+    body = quota_body(spent)
+    if str(scope.get("path", "")).startswith(_ANTHROPIC_PREFIX):
+        message = body["error"]["message"]
+        body = {"type": "error", "error": {"type": "rate_limit_error", "message": message}}
+    reset_ns = math.ceil(spent.reset_s * NS_PER_S)
+    refused = admission._replace(retry_after_ns=reset_ns)
+    response = JSONResponse(body, status_code=HTTPStatus.TOO_MANY_REQUESTS)
+    response.raw_headers += refusal_headers(style, rule, refused)
     await response(scope, receive, send)
 
 

@@ -26,6 +26,7 @@ import os
 import threading
 from typing import Any
 
+from outrate.contract.quotas import QuotaView
 from outrate.contract.requests import RequestTable
 from outrate.env import API_SETTINGS, Env
 from outrate.errors import OutrateError
@@ -59,6 +60,8 @@ class Gate:
         """The limits a request is admitted under (request rate, headers);
         None: no policy in this process (no rate-limit headers)."""
         self.requests = RequestTable()
+        self.quotas: QuotaView | None = None
+        """With --outrate-quota-file: the usage the engine saves (quota refusals)."""
 
     def publish(self, policy: CompiledPolicy) -> None:
         self.policy = policy
@@ -86,6 +89,7 @@ def configure_gate(settings: EngineSettings, policy: CompiledPolicy) -> None:
         "policy": settings.policy,
         "reload": settings.reload,
         "vllm_api_key": settings.vllm_api_key,
+        "quota_file": settings.quota_file,
     }
     os.environ[SETTINGS_ENV] = json.dumps(api)
     with _lock:
@@ -127,6 +131,8 @@ def _build() -> Gate:
         except OutrateError as e:
             raise SystemExit(f"outrate: {e}") from e
     g = Gate(policy.identity, stamper, policy=policy)
+    if api.get("quota_file"):
+        g.quotas = QuotaView(api["quota_file"])
     if policy.identity.source != "body" and stamper is None:
         logger.warning(
             "outrate: %s is not set in this process (or is not hex of at least 16 bytes): "

@@ -21,6 +21,7 @@ from outrate.check.deployment import Deployment
 from outrate.check.outrate_flags import (
     FLAGS,
     POLICY,
+    QUOTA_FILE,
     RELOAD,
     STORE,
     STORE_ENGINES,
@@ -33,6 +34,7 @@ from outrate.check.outrate_flags import (
     given,
 )
 from outrate.check.prompts import prompt_refusals
+from outrate.check.quotas import quota_refusals
 from outrate.check.rules import API_KEY_CONFLICT, Finding, lint_deployment, lint_exposure
 from outrate.errors import OutrateError, PolicyError, Problem
 from outrate.identity.core import IdentityConfig
@@ -71,6 +73,8 @@ def outrate_settings(args: Any) -> EngineSettings | None:
         settings["trace"] = kept[TRACE]
         if kept[TRACE_MAX_BYTES] is not None:
             settings["trace_max_bytes"] = kept[TRACE_MAX_BYTES]
+    if given(kept[QUOTA_FILE]):
+        settings["quota_file"] = kept[QUOTA_FILE]
     if given(kept[POLICY]):
         settings["policy"] = os.path.abspath(kept[POLICY])
     else:
@@ -140,6 +144,17 @@ def refuse_prompt_limits(
     engine core's loader: the edit is rejected, the old policy kept).
     Returns `policy`."""
     refused = prompt_refusals(policy, store, chunked, max_model_len)
+    if refused:
+        raise PolicyError([p for _, p in refused], depends_on=policy.depends_on)
+    return policy
+
+
+def refuse_quotas(policy: CompiledPolicy, store: bool, quota_file: str | None) -> CompiledPolicy:
+    """The quotas this deployment cannot keep, refused with lint's located
+    messages (outrate/check/quotas.py): OR121 without a file to keep usage
+    in, OR122 beside a shared store (not built). At start in both processes
+    and on reload (the edit is rejected). Returns `policy`."""
+    refused = quota_refusals(policy, store, quota_file)
     if refused:
         raise PolicyError([p for _, p in refused], depends_on=policy.depends_on)
     return policy

@@ -46,6 +46,8 @@ class EngineSettings:
     """`--outrate-store-engines`: what an engine that never reached its store divides by."""
     data_parallel_size: int = 1
     """As asked for: vLLM resets it to 1 in each non-MoE data-parallel engine core."""
+    quota_file: str | None = None
+    """`--outrate-quota-file`, absolute: usage saved by the engine, read by the API server."""
     metrics_dir: str | None = None
     """Where the engine writes its metrics snapshots (the API server serves them)."""
     vllm_api_key: bool = False

@@ -17,6 +17,8 @@ import logging
 import os
 from typing import Any
 
+from outrate.budget.quota import QuotaBook
+from outrate.budget.quotafile import QuotaSaver
 from outrate.observe.publish import Publisher, snapshot
 from outrate.observe.trace import DEFAULT_MAX_BYTES, TraceWriter
 from outrate.policy.compiler import CompiledPolicy
@@ -34,9 +36,10 @@ class EngineThreads:
         self.publisher: Publisher | None = None
         self.trace: TraceWriter | None = None
         self.store: Store | None = None
+        self.quota: QuotaSaver | None = None
 
     def stop(self) -> None:
-        for thread in (self.reloader, self.store, self.trace, self.publisher):
+        for thread in (self.reloader, self.store, self.trace, self.quota, self.publisher):
             if thread is not None:
                 thread.stop()
 
@@ -50,14 +53,30 @@ def start_engine_threads(
     if store is not None:
         threads.store = store
         store.start(lambda: box.current.sha256)  # heartbeats the policy in force
+    if settings.quota_file:
+        book = QuotaBook()
+        path = settings.quota_file
+
+        def failed(e: Exception) -> None:
+            logger.warning("outrate: cannot save quota usage to %s: %s", path, e)
+
+        threads.quota = QuotaSaver(path, book, on_error=failed)  # loads the saved usage
+        scheduler.outrate_quotas(book)
+        threads.quota.start()
+        logger.info("outrate: quota usage in %s", path)
     if settings.reload != "off" and settings.policy is not None:
-        from vllm_integration.common.config import load_checked, refuse_prompt_limits
+        from vllm_integration.common.config import (
+            load_checked,
+            refuse_prompt_limits,
+            refuse_quotas,
+        )
 
         sc = scheduler.scheduler_config
         chunked, max_len = bool(sc.enable_chunked_prefill), scheduler.max_model_len
 
         def load(path: str | os.PathLike[str]) -> CompiledPolicy:
             new = load_checked(path, settings.vllm_api_key)
+            refuse_quotas(new, store is not None, settings.quota_file)
             return refuse_prompt_limits(new, store is not None, chunked, max_len)
 
         def publish(new: CompiledPolicy) -> None:

@@ -60,6 +60,7 @@ def wire_engine(sched: Any) -> Any:
         compile_settings,
         refuse_connectors,
         refuse_prompt_limits,
+        refuse_quotas,
         settings_from_vllm_config,
     )
     from vllm_integration.enginecore.store import open_store
@@ -70,6 +71,7 @@ def wire_engine(sched: Any) -> Any:
     policy = compile_settings(settings)
     chunked = bool(sched.scheduler_config.enable_chunked_prefill)
     refuse_prompt_limits(policy, bool(settings.store), chunked, sched.max_model_len)
+    refuse_quotas(policy, bool(settings.store), settings.quota_file)
     store = open_store(policy, settings, sched.vllm_config)
     sched.outrate_configure(policy, limiter=store.limiter if store is not None else None)
     logger.info("outrate: %s", policy.summary())

@@ -171,6 +171,7 @@ OUTRATE_FLAGS = (
     "--outrate-store-hold-s",
     "--outrate-store-engines",
     "--outrate-store-lease-ms",
+    "--outrate-quota-file",
     "--default-user-output-tokens-per-second",
     "--user-output-tokens-per-second",
 )
@@ -278,6 +279,15 @@ def add_outrate_args(parser: Any) -> None:
         help="Lease interval: one round trip to the store per MS per engine (default 20).",
     )
     group.add_argument(
+        "--outrate-quota-file",
+        default=None,
+        metavar="PATH",
+        help="Where the policy's token quotas (quota:) keep each user's usage across "
+        "restarts: the engine saves it there every second and loads it at start; the API "
+        "server reads it to refuse (429) a user whose quota is spent. Needed by a policy "
+        "with a quota.",
+    )
+    group.add_argument(
         "--default-user-output-tokens-per-second",
         **typed("--default-user-output-tokens-per-second"),
         default=None,
@@ -305,6 +315,7 @@ def apply_outrate_args(engine_args: Any, args: argparse.Namespace) -> Any:
         exposure_from_args,
         outrate_settings,
         refuse_prompt_limits,
+        refuse_quotas,
     )
     from vllm_integration.common.settings import CONFIG_KEY
 
@@ -323,6 +334,7 @@ def apply_outrate_args(engine_args: Any, args: argparse.Namespace) -> Any:
         refuse_prompt_limits(
             policy, deployment.store, deployment.chunked_prefill, deployment.max_model_len
         )
+        refuse_quotas(policy, deployment.store, settings.quota_file)
         for finding in findings + check_exposure(policy.identity, exposure):
             logger.warning("outrate: %s", finding)
     except OutrateError as exc:

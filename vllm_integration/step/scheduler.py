@@ -41,6 +41,7 @@ from vllm.v1.core.sched.utils import remove_all
 from vllm.v1.request import Request, RequestStatus
 
 from outrate.budget.limiter import Limiter
+from outrate.budget.quota import QuotaBook
 from outrate.budget.store import BudgetStore
 from outrate.identity.core import Stamper, resolve_identity
 from outrate.observe.metrics import Metrics
@@ -51,6 +52,7 @@ from vllm_integration.step.kv import HeldFirstAllocation
 from vllm_integration.step.ledger import Ledger
 from vllm_integration.step.lending import Lending, lends
 from vllm_integration.step.prompts import PromptPacer
+from vllm_integration.step.quotas import FOLD_INTERVAL_NS, QuotaMeter
 from vllm_integration.step.recorder import StepRecorder
 from vllm_integration.step.roster import Roster
 from vllm_integration.step.state import ATTR, PolicyBox, RequestState, StepScratch
@@ -76,8 +78,10 @@ class OutrateMixin:
     kv_cache_manager: Any
 
     outrate_threads: Any = None
-    """The engine threads (reload, metrics, trace, leases) `wire_engine` started:
-    the scheduler stops them with itself."""
+    """The engine threads (reload, metrics, trace, leases, quota saves)
+    `wire_engine` started: the scheduler stops them with itself."""
+    quota: QuotaMeter | None = None
+    """With quotas (`--outrate-quota-file`): counts usage into the engine's book."""
 
     def shutdown(self) -> None:
         if self.outrate_threads is not None:
@@ -139,6 +143,7 @@ class OutrateMixin:
                 "prefill lookahead, which outrate's charging hook replaces)"
             )
         self._alloc = HeldFirstAllocation(self)
+        self.quota: QuotaMeter | None = None  # with quotas: `outrate_quotas`
         for req in self.requests.values():  # only tests re-wire a scheduler with requests
             self._register(req)
 
@@ -147,6 +152,10 @@ class OutrateMixin:
         recorder, handed to the holdback and the ledger."""
         self.recorder = StepRecorder(trace)
         self.holdback.recorder = self.ledger.recorder = self.prompts.recorder = self.recorder
+
+    def outrate_quotas(self, book: QuotaBook) -> None:
+        """Count quota usage into `book` (saved by the engine's QuotaSaver)."""
+        self.quota = QuotaMeter(book, self._policy)
 
     def swap_policy(self, policy: CompiledPolicy, now: int) -> None:
         """A reloaded policy takes over at the start of a step: the store
@@ -158,6 +167,8 @@ class OutrateMixin:
         self.prompt_table.set_policy(policy.prompts, now)
         self._pace_prompts(policy)
         self._lends = lends(policy.all_limits())
+        if self.quota is not None:
+            self.quota.set_policy(policy)
         logger.debug("outrate: scheduler switched to %s", policy.summary())
         users = self._users.values()
         self.holdback.rearm(users, now)
@@ -208,6 +219,8 @@ class OutrateMixin:
             rs.user.resident -= 1
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
+        if self.quota is not None:
+            self.quota.count(request)  # its last tokens (quotas.py)
         rs = request.__dict__.pop(ATTR, None)
         if rs is not None:
             self._leave_slot(rs, request)
@@ -330,6 +343,10 @@ class OutrateMixin:
         finally:
             self.max_num_active_reqs = self._cfg_active
         self._after_schedule(out.num_scheduled_tokens, now, visited)
+        quota = self.quota
+        if quota is not None and now >= quota.next_ns:
+            quota.next_ns = now + FOLD_INTERVAL_NS
+            quota.fold(self.requests.values())
         return out
 
     def _after_schedule(self, scheduled: dict[str, int], now: int, visited: int) -> None:
