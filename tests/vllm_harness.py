@@ -8,7 +8,7 @@ import itertools
 import logging
 import sys
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -27,6 +27,7 @@ from outrate.policy.compiler import CompiledPolicy
 from vllm_integration import enginecore
 from vllm_integration.offline.outputs import model_runner_output
 from vllm_integration.step import OutrateAsyncScheduler, OutrateScheduler
+from vllm_integration.step.steptime import Prior
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "examples"))
@@ -96,11 +97,18 @@ def vllm_config(
     )
 
 
+FLAT_STEPS = Prior(fixed_us=10_000, per_decode_us=0, per_prefill_us=0)
+"""The Driver's default clock as a step model: every step 10 ms, whatever it
+holds. The scheduler's prior of its step cost (steptime.py) unless a test
+gives another: on this clock borrowed work costs no time."""
+
+
 def make_scheduler(
     kind: str,
     policy: CompiledPolicy | None = None,
     clock: FakeClock | None = None,
     num_blocks: int = 4096,
+    step_model: Any = FLAT_STEPS,
     **config: Any,
 ) -> Any:
     """kind: 'sync' | 'async' (outrate) or 'stock-sync' | 'stock-async' (vLLM's own)."""
@@ -133,7 +141,7 @@ def make_scheduler(
         log_stats=False,
     )
     if not stock and policy is not None:
-        sched.outrate_configure(policy, clock=clock or FakeClock())
+        sched.outrate_configure(policy, clock=clock or FakeClock(), step_model=step_model)
     return sched
 
 
@@ -180,6 +188,7 @@ class Driver:
     sched: Any
     clock: FakeClock | None = None
     step_ns: int = 10 * MS
+    step_cost: Callable[[Any], int] | None = None  # a step's length from its output, else step_ns
     emitted: dict[str, int] = field(default_factory=dict)  # req id -> tokens delivered
     user_of: dict[str, str] = field(default_factory=dict)
     timeline: list[tuple[int, str]] = field(default_factory=list)  # (time, user) per token
@@ -210,7 +219,7 @@ class Driver:
             self._deliver()
         self.steps += 1
         if self.clock is not None:
-            self.clock.advance(self.step_ns)
+            self.clock.advance(self.step_ns if self.step_cost is None else self.step_cost(out))
         return out
 
     def _deliver(self) -> None:

@@ -36,7 +36,8 @@ PATCHES: tuple[Patch, ...] = (
         "step/scheduler.py",
         "charge one token per sampling dispatch; out of budget return 0 (skip) "
         "or cap a prefill one short of sampling; under prompt limits, cut a "
-        "prefill chunk to its user's prompt budget (step/prompts.py) (stock's body, the prefill "
+        "prefill chunk to its user's prompt budget (step/prompts.py); a borrower's "
+        "chunk to the step time borrowing may spend (step/lending.py) (stock's body, the prefill "
         "lookahead of speculative decoding, is not called: outrate refuses "
         "speculative decoding, and the scheduler refuses a lookahead)",
         _HOOK,

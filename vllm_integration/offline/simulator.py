@@ -189,7 +189,11 @@ class Simulation:
         self.clock = VirtualClock()
         self.outrate = policy is not None
         if self.outrate:  # the engine wired it with the wall clock: the virtual one
-            self.sched.outrate_configure(self.sched.policy_box.current, clock=self.clock)
+            # The step model is the scheduler's prior too: lending by step time
+            # (vllm_integration/step/steptime.py) starts from the clock's own costs.
+            self.sched.outrate_configure(
+                self.sched.policy_box.current, clock=self.clock, step_model=step_model
+            )
         self.trace = None
         if trace is not None:  # the engine's own trace, stamped with the virtual clock
             if not self.outrate:

@@ -50,6 +50,7 @@ from outrate.budget.store import BudgetStore
 from outrate.observe.metrics import Metrics
 from vllm_integration.step.holdback import Holdback
 from vllm_integration.step.state import ATTR, RequestState, StepScratch, UserState
+from vllm_integration.step.steptime import HEADROOM, StepCost
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -123,6 +124,9 @@ class Lending:
         self.st = st
         self.running: dict[Request, None] = {}  # borrowing requests in `running`, oldest first
         self.newcomers = 0  # committed newcomers waiting at this step's plan
+        # What a step costs (steptime.py): borrowing spends only the step time
+        # no committed user needs. None: slots and tokens alone bound it.
+        self.cost: StepCost | None = None
 
     def __len__(self) -> int:
         return len(self.running)
@@ -163,6 +167,13 @@ class Lending:
         if n_wait:  # their seats and their prompts first
             tokens -= _prompt_tokens(waiting, queued)
         allowance = min(active - committed - n_wait, tokens)
+        spare_us = -1.0  # the step time borrowers may fill (< 0: not bounded by time)
+        if self.cost is not None:
+            work = budget - tokens  # committed tokens this step (an upper bound)
+            prompt = (work if work < budget else budget) - committed - n_wait  # beyond one each
+            spare_us = self._spare_us(users, queued, committed + n_wait, prompt)
+            if spare_us >= 0:
+                allowance = min(allowance, self.cost.seqs_within(spare_us))
         if allowance < 0:
             allowance = 0
         if len(borrowing) > allowance:
@@ -173,9 +184,50 @@ class Lending:
         spare = min(sum(st.borrow_quota.values()), resident) if not n_wait else 0
         st.borrow_slots = spare if spare > 0 else 0
         st.borrow_tokens = tokens - len(borrowing)
+        st.borrow_timed = spare_us >= 0
+        if st.borrow_timed and self.cost is not None:  # prompt tokens in the time left
+            seqs = len(borrowing) + sum(st.borrow_quota.values())
+            timed = self.cost.prompt_within(spare_us, seqs)
+            if timed < st.borrow_tokens:
+                st.borrow_tokens = timed
         if not borrowing:
             return [r for r in running if not _held(r)] if committed < len(running) else running
         return [r for r in running if r not in borrowing and not _held(r)] + list(borrowing)
+
+    def _spare_us(
+        self, users: list[UserState], queued: dict[UserState, int], seqs: int, prompt: int
+    ) -> float:
+        """The step time borrowers may fill beside the committed work (`seqs`
+        requests, `prompt` prompt tokens): `HEADROOM` x the longest step in
+        which every committed user still gets its rate, `n_u / r_u` for `n_u`
+        streams resident or admitted now, less the committed work's
+        predicted length (0 when that alone is longer). -1: no committed
+        user has a finite rate to keep, and borrowing is bounded by slots
+        and tokens alone (work conserving). Users borrowing now are past
+        their rate already; rules in shadow promise nothing."""
+        assert self.cost is not None
+        longest = 0.0
+        for u in users:
+            lim = u.bucket.limit
+            if lim.rate is None or lim.shadow or u.n_borrowing:
+                continue
+            n = u.resident + queued.get(u, 0)
+            if n and (not longest or n * lim.token_s < longest):
+                longest = n * lim.token_s
+        if not longest:
+            return -1.0
+        spare = HEADROOM * longest * 1e6 - self.cost.predict_us(seqs, prompt if prompt > 0 else 0)
+        return spare if spare > 0 else 0.0
+
+    def cut(self, n: int) -> int:
+        """A running borrower's prefill chunk of `n` tokens, cut to the prompt
+        tokens this step's time has left (`plan`); its first token is paid
+        for with its slot."""
+        st = self.st
+        left = st.borrow_tokens
+        m = n if n <= left + 1 else (left + 1 if left > 0 else 1)
+        st.borrow_tokens = left - (m - 1)
+        return m
 
     def _share(self, k: int, now: int, running: list[Request], users: Iterable[UserState]) -> None:
         """Give `k` slots to borrowers, one at a time to the user with the least

@@ -56,6 +56,7 @@ from vllm_integration.step.quotas import FOLD_INTERVAL_NS, QuotaMeter
 from vllm_integration.step.recorder import StepRecorder
 from vllm_integration.step.roster import Roster
 from vllm_integration.step.state import ATTR, PolicyBox, RequestState, StepScratch
+from vllm_integration.step.steptime import CostModel, Prior, StepCost
 
 logger = logging.getLogger("vllm.outrate")  # under vLLM's logger: same format and level
 
@@ -93,10 +94,12 @@ class OutrateMixin:
         policy: CompiledPolicy | PolicyBox,
         clock: Callable[[], int] = time.monotonic_ns,
         limiter: BudgetStore | None = None,
+        step_model: CostModel | None = None,
     ) -> None:
         """(Re)wire the limiter. The engine calls this once; tests pass a fake
         clock. `limiter`: a shared store (`--outrate-store`) instead of the
-        in-memory `Limiter`."""
+        in-memory `Limiter`. `step_model`: the prior of the step cost the
+        scheduler learns online (steptime.py; the simulator passes its own)."""
         self.policy_box = policy if isinstance(policy, PolicyBox) else PolicyBox(policy)
         self._policy = self.policy_box.current  # the one the limiter enforces
         # Verifies the identity the API server signed (identity.source header/api_key).
@@ -122,6 +125,8 @@ class OutrateMixin:
             block_size=self.block_size,  # type: ignore[attr-defined]
         )
         self.lending = Lending(self.limiter, self.metrics, self.holdback, self._st)
+        # Borrowing spends only step time no committed user needs: learned while lending runs.
+        self.step_cost = self.lending.cost = StepCost(step_model or Prior())
         self.admission.lending = self.ledger.lending = self.lending
         self._lends = lends(self._policy.all_limits())  # any rule with a peak: lending runs
         # Prompt budgets: a second table over the rules' prompt limits (prompts.py).
@@ -169,6 +174,7 @@ class OutrateMixin:
         self._lends = lends(policy.all_limits())
         if self.quota is not None:
             self.quota.set_policy(policy)
+        self._st.borrow_timed = False  # the next plan says again
         logger.debug("outrate: scheduler switched to %s", policy.summary())
         users = self._users.values()
         self.holdback.rearm(users, now)
@@ -257,6 +263,9 @@ class OutrateMixin:
     def _reserve_prefill_lookahead(
         self, request: Request, num_computed_tokens: int, num_new_tokens: int
     ) -> int:
+        if num_new_tokens > 1 and self._st.borrow_timed:  # a chunk, in a step lent by time
+            if request._outrate.borrowing and request.status == _RUNNING:  # type: ignore[attr-defined]
+                num_new_tokens = self.lending.cut(num_new_tokens)  # its prompt in spare time
         if self._prompts and num_new_tokens and num_computed_tokens < request.num_prompt_tokens:
             n = num_new_tokens  # a chunk with prompt positions (prompts.py)
             return self.prompts.dispatch(request, num_computed_tokens, n, self._step, self._now)
@@ -310,6 +319,8 @@ class OutrateMixin:
     def schedule(self, throttle_prefills: bool = False) -> Any:
         self._step += 1
         now = self._now = self._clock()
+        if self._lends:
+            self.step_cost.tick(now)  # the step before ended: its length (steptime.py)
         self.ledger.begin(now)
         policy = self.policy_box.current
         if policy is not self._policy:
@@ -342,6 +353,10 @@ class OutrateMixin:
             out = super().schedule(throttle_prefills)  # type: ignore[misc]
         finally:
             self.max_num_active_reqs = self._cfg_active
+        if self._lends:
+            self.step_cost.dispatched(
+                now, len(out.num_scheduled_tokens), out.total_num_scheduled_tokens
+            )
         self._after_schedule(out.num_scheduled_tokens, now, visited)
         quota = self.quota
         if quota is not None and now >= quota.next_ns:

@@ -167,6 +167,7 @@ class StepScratch:
         "borrow_slots",
         "borrow_tokens",
         "borrow_quota",
+        "borrow_timed",
     )
 
     def __init__(self) -> None:
@@ -188,3 +189,4 @@ class StepScratch:
         self.borrow_slots = 0
         self.borrow_tokens = 0
         self.borrow_quota: dict[UserState, int] = {}  # per user: its share left for new prompts
+        self.borrow_timed = False  # borrow_tokens is bounded by step time too (running prefills)
