@@ -25,16 +25,15 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from test_scheduler_lending import policy  # noqa: E402
 from vllm_harness import MS, Driver, FakeClock, S, make_request, make_scheduler  # noqa: E402
 
-from outrate.budget.gcra import Limit  # noqa: E402
-from outrate.policy.compiler import CompiledPolicy, compile_policy  # noqa: E402
+from outrate.policy.compiler import compile_policy  # noqa: E402
 from outrate.policy.loader import parse_policy  # noqa: E402
 from outrate.simulate.stepmodel import StepModel  # noqa: E402
 from vllm_integration.step.lending import Lending  # noqa: E402
 from vllm_integration.step.steptime import HEADROOM, Prior, StepCost  # noqa: E402
 
-BURST = 100 * MS
 FIXED, PER_DECODE, PER_PROMPT = 7_000, 900, 200  # us: the fake engine's step costs
 CFG = {"max_num_seqs": 16, "max_num_active_seqs": 12}
 
@@ -93,20 +92,6 @@ def test_what_fits_in_spare_time():
 
 
 # -- the real scheduler on a costed clock ------------------------------------------
-
-
-def policy(**users: tuple[float | None, object]) -> CompiledPolicy:
-    """users: name -> (rate, peak)."""
-    return CompiledPolicy(
-        source="test",
-        default=Limit(None, BURST, label="default"),
-        anonymous=Limit(None, BURST, label="anonymous"),
-        burst_ns=BURST,
-        users={
-            u: Limit(rate, BURST, rule=f"users.{u}", label=u, peak=peak)
-            for u, (rate, peak) in users.items()
-        },
-    )
 
 
 def costed(seed: int = 0):
