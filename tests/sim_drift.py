@@ -11,10 +11,20 @@ Two different things move a run's step length away from a step model:
 They are told apart by a probe that asks no model: the calibration
 workload played again for PROBE_S right after the run, its decode-only
 steps against the calibration run's of the same batch size
-(`machine_drift`). Past MACHINE_BOUND the machine moved: the run is played
-once more; past it again the case cannot be judged (`unjudgeable`): it
-fails under CI and skips elsewhere, never a green pass. The model's own
-error on the run is its error there against the machine's (`model_error`).
+(`machine_drift`). The model's own error on the run is its error there
+with the machine's move taken out (`model_error`). Past MACHINE_BOUND the
+run is played once more (a neighbour's burst passes); moved again, it is
+judged on that corrected figure, which the probe measured. Only a probe
+that cannot tell the machine at all (no batch size shared with the
+calibration run: NaN) leaves a case unjudged (`unjudgeable`): it fails
+under CI and skips elsewhere, never a green pass.
+
+Checks that compare scheduling with the engine are not gated on the
+probe: they scale the model to the step length the run itself measured
+(`at_measured_length`), which takes out any move of the machine since
+the calibration. Measured in one CI run, on a machine whose quiet lane
+ran alone: the probe +23% and +49% on two cases played twice each, the
+model's own error after it -24.8% and -28.0%, as on quiet runs here.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from e2e_support import wait_idle
 from workload_player import Played, Player
 
 from outrate.observe.trace import read_trace
@@ -70,8 +81,14 @@ def steady(drift: float) -> bool:
     return abs(drift) <= MACHINE_BOUND
 
 
+def told(drift: float) -> bool:
+    """The probe could tell how the machine moved (a batch size shared
+    with the calibration run)."""
+    return not math.isnan(drift)
+
+
 def unjudgeable(why: str) -> None:
-    """A case the machine kept from judging, after one rerun: fail under CI
+    """A case the probe could not judge, after one rerun: fail under CI
     (`CI` set, as `.ci/run` runs), skip elsewhere; never a green pass."""
     if os.environ.get("CI"):
         pytest.fail(f"cannot be judged under CI: {why}")
@@ -94,7 +111,10 @@ def at_measured_length(model: StepModel, error: float) -> StepModel:
 
 def play(server, path: Path, seconds: int = 0) -> tuple[object, list[Played], list[dict]]:
     """Play a workload file on a server with a trace (its first `seconds`:
-    0, all of it); (workload, requests, the trace's steps meanwhile)."""
+    0, all of it); (workload, requests, the trace's steps meanwhile). It
+    starts once the engine is idle: the requests a previous play cut at
+    its end are aborted, not still decoding beside this one."""
+    wait_idle(server)
     workload = load_workload(path).workload
     if seconds:
         workload = workload.model_copy(update={"duration": seconds * 1_000_000_000})

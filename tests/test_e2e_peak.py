@@ -15,12 +15,17 @@ each read from the engine's own trace (`borrowed` marks borrowed tokens):
   (arrival to first token, in steps: the trace's `arrived` and `first`) p50
   at most one step more than alone;
 - borrowing in time (issue 40): `committed`'s engine tok/s past the burst
-  beside the borrower is at least 0.9x alone, in tokens per second, not per
-  step: borrowers spend only step time no committed user needs
-  (vllm_integration/step/steptime.py). `roomy`'s is printed (its 5000 tok/s
-  is more than the engine makes: nothing is lent beside it either). The
-  same with a rate sized to the machine at the time (`brisk`), so that the
-  check bites however fast the steps are; The client's first token is printed,
+  beside the borrower is at least 0.9x what it is due, in tokens per
+  second, not per step: its rate, or, where the machine is slower than
+  that at the time, what the steps with its work alone (no borrowed
+  token in them) ran at in the same seconds. Borrowers spend only step
+  time no committed user needs (vllm_integration/step/steptime.py); the
+  machine's own speed, which another test lane on two cores moves by a
+  third between runs a few seconds apart, is measured beside, not
+  assumed from a run before. `roomy`'s is printed (its 5000 tok/s is more
+  than the engine makes: nothing is lent beside it either). The same with
+  a rate sized to the machine at the time (`brisk`), so that the check
+  bites however fast the steps are. The client's first token is printed,
   not asserted: it includes the API server, which shares two cores with 48
   streams. (A user over its committed rate waits for its own budget, which
   a borrower does not change: tests/test_scheduler_lending.py);
@@ -34,6 +39,7 @@ each read from the engine's own trace (`borrowed` marks borrowed tokens):
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
@@ -170,22 +176,53 @@ def _all_in(lines: list[dict], user: str, streams: int, tokens: int) -> tuple[fl
     return got / (hi - lo), per_s, hi - lo
 
 
-def _run(server, user: str, streams: int) -> tuple[float, tuple, float, float]:
-    """Of `user`'s streams of 150 tokens: (engine tok/s past the burst,
+def _lone_step_rate(lines: list[dict], user: str) -> float:
+    """Steps per second the machine made at the time with `user`'s work
+    alone in them: the median length of the steps that charged `user` and
+    nobody else, output or prompt tokens (each to the next step's line),
+    NaN under 10 such steps.
+    What `user` would get without borrowers, measured in the same seconds
+    as what it got beside them: on two cores shared with another test lane
+    the step length moves by a third between runs a few seconds apart."""
+    at = {r["step"]: r["t"] for r in lines}
+    lengths = [
+        at[r["step"] + 1] - r["t"]
+        for r in lines
+        if set(r.get("charged", {})) == {user}
+        and set(r.get("prompt", {})) <= {user}
+        and r["step"] + 1 in at
+    ]
+    return 1e9 / statistics.median(lengths) if len(lengths) >= 10 else float("nan")
+
+
+def _due(rate: float, streams: int, lone: float) -> float:
+    """The tok/s a committed user is due: its rate, or what its streams get
+    from the machine's lone steps at the time if that is less (the rate
+    itself where too few steps were lone to tell)."""
+    return rate if math.isnan(lone) else min(rate, streams * lone)
+
+
+def _run(server, user: str, streams: int, tokens: int) -> tuple[float, tuple, float, float, float]:
+    """Of `user`'s streams of `tokens` tokens: (engine tok/s past the burst,
     `_all_in`, engine time to first token p50 in steps, client time to first
-    token p50 in seconds)."""
+    token p50 in seconds, `_lone_step_rate`)."""
     since = time.monotonic_ns()
-    done = run_concurrently(server.base_url, [(user, streams, 150)])
+    done = run_concurrently(server.base_url, [(user, streams, tokens)])
     assert_complete(done)
     ttft = _engine_ttft_steps(server, user, since)
     assert len(ttft) == streams
     client = statistics.median(s.token_times[0] - s.started for s in done)
-    all_in = _all_in(trace_steps(server, since), user, streams, 150)
-    return _steady_rate(server, user, since), all_in, statistics.median(ttft), client
+    lines = trace_steps(server, since)
+    all_in = _all_in(lines, user, streams, tokens)
+    lone = _lone_step_rate(lines, user)
+    return _steady_rate(server, user, since), all_in, statistics.median(ttft), client, lone
 
 
 def test_a_committed_user_is_not_harmed_by_a_borrower(server):
-    runs = (("committed", 1), ("roomy", ACTIVE))
+    # roomy's 12 streams run 600 tokens: beside 48 streams on a loaded
+    # machine the API server spread their arrivals over more than 150 steps
+    # (of ~2 ms: roomy gets every step it asks for), and no step had all 12.
+    runs = (("committed", 1, 150), ("roomy", ACTIVE, 600))
     alone = {run: _run(server, *run) for run in runs}
     hog: list = []
     t = threading.Thread(
@@ -204,7 +241,7 @@ def test_a_committed_user_is_not_harmed_by_a_borrower(server):
     assert_complete(hog)
     borrowed = sum(r.get("borrowed", {}).get("borrower", 0) for r in trace_steps(server, t0))
     assert borrowed > 0
-    for (user, n), (ra, _, ta, ca), (rb, (sb, per_s, wb), tb, cb) in zip(
+    for (user, n, _), (ra, _, ta, ca, _), (rb, (sb, per_s, wb), tb, cb, lone) in zip(
         runs, alone.values(), beside.values(), strict=True
     ):
         due = min(n, COMMITTED[user] / per_s) if per_s else n
@@ -213,7 +250,9 @@ def test_a_committed_user_is_not_harmed_by_a_borrower(server):
             f"{wb} steps all its streams were in, at {per_s:.0f} steps/s: due {due:.2f} (its "
             f"streams, or its rate at that step rate); engine {ra:.1f} tok/s past the burst "
             f"alone, {rb:.1f} beside; engine first token p50 {ta:g} steps after arrival alone, "
-            f"{tb:g} beside (client: {ca * 1000:.0f} / {cb * 1000:.0f} ms)"
+            f"{tb:g} beside (client: {ca * 1000:.0f} / {cb * 1000:.0f} ms); steps with its "
+            f"work alone beside the borrower ran at {lone:.0f}/s: due "
+            f"{_due(COMMITTED[user], n, lone):.1f} tok/s"
         )
         # The scheduler's part: while all its streams are in, each step gives
         # it a token per stream, or as much as its committed rate comes to at
@@ -229,8 +268,14 @@ def test_a_committed_user_is_not_harmed_by_a_borrower(server):
         # Within its committed rate, a newcomer is scheduled in the step it
         # would be without the borrower: a borrower gives its seat back at once.
         assert tb <= ta + 1
-        if user == "committed":  # its rate, in tokens per second (issue 40)
-            assert rb >= 0.9 * ra
+        # Its rate in tokens per second (issue 40): borrowers spend only
+        # step time it does not need, so it gets its rate, or what the
+        # machine's steps with its work alone gave at the same time. (In
+        # one CI run, 105 tok/s alone then 78 beside, at 78 steps/s: the
+        # other lane's load or the borrowers' time, told apart only by the
+        # steps measured beside.)
+        if user == "committed":
+            assert rb >= 0.9 * _due(COMMITTED[user], n, lone)
 
 
 def test_an_unlimited_user_filling_every_slot_reclaims_them(server):
@@ -290,6 +335,7 @@ def test_a_committed_rate_holds_in_tokens_per_second(server):
         since = time.monotonic_ns()
         assert_complete(run_concurrently(server.base_url, [("brisk", 1, 300)]))
         alone = _steady_rate(server, "brisk", since, skip)
+        lone_alone = _lone_step_rate(trace_steps(server, since), "brisk")
         hog: list = []
         t = threading.Thread(
             target=lambda: hog.extend(
@@ -312,11 +358,17 @@ def test_a_committed_rate_holds_in_tokens_per_second(server):
     full = step_rate([r for r in lines if r["t"] < since], "borrower")
     mine = [r for r in lines if "brisk" in r.get("charged", {})]
     lent = sum(r.get("borrowed", {}).get("borrower", 0) for r in mine)
+    lone = _lone_step_rate([r for r in lines if r["t"] >= since], "brisk")
     print(
         f"brisk {{rate: {rate}}}, one stream: engine {alone:.1f} tok/s past the burst alone, "
         f"{beside:.1f} beside the borrower's {3 * SEQS} streams ({beside / alone:.2f}x); "
         f"the borrower's full batch ran {full:.0f} steps/s; it borrowed {lent} tokens in "
-        f"brisk's {len(mine)} steps"
+        f"brisk's {len(mine)} steps; steps with brisk's work alone ran at {lone_alone:.0f}/s "
+        f"alone and {lone:.0f}/s beside: due {_due(rate, 1, lone_alone):.1f} and "
+        f"{_due(rate, 1, lone):.1f} tok/s"
     )
-    assert alone >= 0.9 * rate  # alone, it gets its rate
-    assert beside >= 0.9 * alone
+    # Alone, it gets its rate (or what the machine's steps gave then); beside
+    # the borrower too: its rate, or what the steps with its work alone gave
+    # in the same seconds (see test_a_committed_user_is_not_harmed_by_a_borrower).
+    assert alone >= 0.9 * _due(rate, 1, lone_alone)
+    assert beside >= 0.9 * _due(rate, 1, lone)

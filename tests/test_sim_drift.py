@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
-from sim_drift import machine_drift, model_error, steady, unjudgeable
+from sim_drift import machine_drift, model_error, steady, told, unjudgeable
 
 from outrate.simulate.stepmodel import decode_step_us
 from outrate.simulate.workload import load_workload
@@ -52,6 +52,8 @@ def test_no_shared_batch_size_cannot_be_told_and_is_not_steady():
     assert math.isnan(machine_drift(reference, other))
     assert math.isnan(machine_drift(reference, few))
     assert not steady(math.nan)
+    assert not told(math.nan)  # the only case left unjudged: fails under CI
+    assert told(machine_drift(reference, reference))
 
 
 def test_a_case_that_cannot_be_judged_fails_under_ci_and_skips_elsewhere(monkeypatch):
