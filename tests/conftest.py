@@ -23,18 +23,18 @@ settings.load_profile("outrate")
 # A failed test whose server's engine died says so (tests/engine_deaths.py);
 # each run ends with its seconds per module (tests/durations.py); the simulate
 # tests' servers start before any test (tests/sim_servers.py).
-pytest_plugins = ["engine_deaths", "durations", "pytester", "sim_servers"]
+# The other modules' servers start one module ahead (tests/prestart.py).
+pytest_plugins = ["engine_deaths", "durations", "pytester", "sim_servers", "prestart"]
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory):
-    """One `outrate serve` on the tiny model for every end-to-end module."""
+def server(request):
+    """One `outrate serve` on the tiny model for every end-to-end module,
+    started one module ahead of the first (tests/prestart.py)."""
     pytest.importorskip("vllm")
-    from e2e_support import start_server
+    from prestart import SESSION_SERVER, prestarted
 
-    proc = start_server(tmp_path_factory)
-    yield proc
-    proc.stop()
+    return prestarted(request, SESSION_SERVER)
 
 
 _PROCESS_ENV = ("OUTRATE_API_SETTINGS", "OUTRATE_IDENTITY_SECRET", "OUTRATE_METRICS_DIR")

@@ -4,6 +4,7 @@ a policy of its own, and how pacing is checked on the engine's own record."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -58,14 +59,16 @@ READ_LIMIT = 1 << 20
 test_hostile.py's oversized policy is one byte over it."""
 
 
-def start_server(tmp_path_factory):
+@contextlib.contextmanager
+def session_server(root: Path):
     """The session's `outrate serve`: test_e2e, test_e2e_peak, test_e2e_truth,
     test_e2e_identity and test_hostile share it, each with its own policy
     applied through hot reload (`use_policy`), and the base POLICY back when
     the module ends. The flags are the union of what they need:
     --enable-log-requests (identity: keys must never reach the log) and
-    --enable-scale-out (hostile: every route to the engine)."""
-    policy_dir = tmp_path_factory.mktemp("policy")
+    --enable-scale-out (hostile: every route to the engine). Started one
+    module ahead of its first user (tests/prestart.py)."""
+    policy_dir = root
     policy = policy_dir / "policy.yaml"
     policy.write_text(POLICY)
     model = build(REPO / "models" / "tiny-llama")
@@ -86,12 +89,15 @@ def start_server(tmp_path_factory):
     )
     env = cpu_server_env({"OUTRATE_MAX_POLICY_BYTES": str(READ_LIMIT)})
     proc = ServerProcess(argv, env=env, log_path=policy_dir / "server.log", name="outrate")
-    proc.start(timeout_s=300)
-    proc.policy_path = policy
-    proc.trace_path = trace
-    proc.quota_path = policy_dir / "quota.json"
-    run_concurrently(proc.base_url, [("warmup", 2, 16)])
-    return proc
+    try:
+        proc.start(timeout_s=300)
+        proc.policy_path = policy
+        proc.trace_path = trace
+        proc.quota_path = policy_dir / "quota.json"
+        run_concurrently(proc.base_url, [("warmup", 2, 16)])
+        yield proc
+    finally:
+        proc.stop()
 
 
 def use_policy(server, text: str, timeout_s: float = 30) -> None:

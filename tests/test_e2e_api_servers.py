@@ -12,6 +12,7 @@ read from the engine's trace. One server for the module.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import re
@@ -26,6 +27,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from build_tiny_model import build  # noqa: E402
+from prestart import prestarted  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from serverproc import HOST, ServerProcess, outrate_serve_argv  # noqa: E402
 
@@ -44,9 +46,9 @@ def policy(header: str) -> str:
     )
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("api-servers")
+@contextlib.contextmanager
+def api_servers_up(workdir: Path):
+    """The module's server, started one module ahead (tests/prestart.py)."""
     path = workdir / "policy.yaml"
     path.write_text(policy("x-user"))
     argv = outrate_serve_argv(
@@ -57,17 +59,25 @@ def server(tmp_path_factory):
         "--enable-log-requests",  # each request logged by the process that took it
     )  # fmt: skip
     proc = ServerProcess(argv, log_path=workdir / "server.log", name="api-servers")
-    proc.start(timeout_s=300)
-    proc.policy = path
-    proc.trace = workdir / "trace.jsonl"
-    yield proc
-    proc.stop()
+    try:
+        proc.start(timeout_s=300)
+        proc.policy = path
+        proc.trace = workdir / "trace.jsonl"
+        yield proc
+    finally:
+        proc.stop()
 
 
-def post(
-    server: ServerProcess, path: str, body: dict, headers: dict[str, str]
-) -> tuple[int, bytes]:
-    c = http.client.HTTPConnection(HOST, server.port, timeout=60)
+PRESTART = api_servers_up
+
+
+@pytest.fixture(scope="module")
+def apis(request):
+    return prestarted(request)
+
+
+def post(apis: ServerProcess, path: str, body: dict, headers: dict[str, str]) -> tuple[int, bytes]:
+    c = http.client.HTTPConnection(HOST, apis.port, timeout=60)
     try:
         c.request("POST", path, json.dumps(body), {"Content-Type": "application/json", **headers})
         r = c.getresponse()
@@ -97,27 +107,27 @@ def complete(header: str, user: str, request_id: str) -> tuple[dict, dict[str, s
 _LOGGED = re.compile(r"^\((\w+) pid=(\d+)\).*Received request (\S+?):")
 
 
-def who_logged(server: ServerProcess) -> dict[str, str]:
+def who_logged(apis: ServerProcess) -> dict[str, str]:
     """request id -> the process that logged it (`<name> pid=<pid>`)."""
     out = {}
-    for line in Path(server.log_path).read_text(errors="replace").splitlines():
+    for line in Path(apis.log_path).read_text(errors="replace").splitlines():
         m = _LOGGED.match(line)
         if m:
             out[m.group(3)] = f"{m.group(1)} pid={m.group(2)}"
     return out
 
 
-def charged(server: ServerProcess, since: int) -> Counter[str]:
+def charged(apis: ServerProcess, since: int) -> Counter[str]:
     total: Counter[str] = Counter()
-    for r in read_trace(server.trace):
+    for r in read_trace(apis.trace):
         if "step" in r and r["t"] >= since:
             total.update(r.get("charged", {}))
     return total
 
 
-def expect_charged(server: ServerProcess, since: int, want: dict[str, int]) -> None:
+def expect_charged(apis: ServerProcess, since: int, want: dict[str, int]) -> None:
     """The trace (written every 100 ms, later on a busy machine) shows `want`."""
-    wait_until(lambda: charged(server, since) == want, f"charged {want}", 10)
+    wait_until(lambda: charged(apis, since) == want, f"charged {want}", 10)
 
 
 def wait_until(check: Callable[[], bool], what: str, timeout_s: float = 20) -> None:
@@ -128,13 +138,13 @@ def wait_until(check: Callable[[], bool], what: str, timeout_s: float = 20) -> N
         time.sleep(0.05)
 
 
-def run_on_both(server: ServerProcess, header: str, user: str, tag: str) -> list[str]:
+def run_on_both(apis: ServerProcess, header: str, user: str, tag: str) -> list[str]:
     """Eight completions at once; their request ids."""
     ids = [f"{tag}-{n}-{time.monotonic_ns()}" for n in range(8)]
 
     def one(rid: str) -> Callable[[], None]:
         def call() -> None:
-            status, answer = post(server, "/v1/completions", *complete(header, user, rid))
+            status, answer = post(apis, "/v1/completions", *complete(header, user, rid))
             assert status == 200, answer
             assert json.loads(answer)["usage"]["completion_tokens"] == 4
 
@@ -144,48 +154,48 @@ def run_on_both(server: ServerProcess, header: str, user: str, tag: str) -> list
     return ids
 
 
-def served_by(server: ServerProcess, ids: list[str]) -> set[str]:
-    wait_until(lambda: all(any(i in k for k in who_logged(server)) for i in ids), "logged")
-    logged = who_logged(server)
+def served_by(apis: ServerProcess, ids: list[str]) -> set[str]:
+    wait_until(lambda: all(any(i in k for k in who_logged(apis)) for i in ids), "logged")
+    logged = who_logged(apis)
     return {p for k, p in logged.items() if any(i in k for i in ids)}
 
 
-def on_both_servers(server: ServerProcess, header: str, user: str, tag: str) -> None:
+def on_both_servers(apis: ServerProcess, header: str, user: str, tag: str) -> None:
     """Batches of eight until both API servers have taken some (usually the
     first batch): every batch is charged to `user`, and to nobody else."""
     seen: set[str] = set()
     for _ in range(5):
         since = time.monotonic_ns()
-        ids = run_on_both(server, header, user, tag)
-        expect_charged(server, since, {user: 32})
-        seen |= served_by(server, ids)
+        ids = run_on_both(apis, header, user, tag)
+        expect_charged(apis, since, {user: 32})
+        seen |= served_by(apis, ids)
         if len(seen) == 2:
             return
     raise AssertionError(f"every batch went to one API server: {seen}")
 
 
-def test_both_api_servers_apply_the_identity_header(server):
-    on_both_servers(server, "x-user", "alice", "hdr")
+def test_both_api_servers_apply_the_identity_header(apis):
+    on_both_servers(apis, "x-user", "alice", "hdr")
 
 
-def test_an_edit_reaches_every_api_server(server):
-    server.policy.write_text(policy("x-team-user"))
+def test_an_edit_reaches_every_api_server(apis):
+    apis.policy.write_text(policy("x-team-user"))
 
     def applied() -> bool:  # bob named by the new header, charged to bob everywhere
         since = time.monotonic_ns()
-        run_on_both(server, "x-team-user", "bob", "probe")
+        run_on_both(apis, "x-team-user", "bob", "probe")
         try:
-            expect_charged(server, since, {"bob": 32})
+            expect_charged(apis, since, {"bob": 32})
         except AssertionError:
             return False
         return True
 
     wait_until(applied, "the edit in both API servers", 60)
-    on_both_servers(server, "x-team-user", "bob", "edited")
+    on_both_servers(apis, "x-team-user", "bob", "edited")
 
 
-def scrape(server: ServerProcess) -> dict[str, dict[str, float]]:
-    c = http.client.HTTPConnection(HOST, server.port, timeout=60)
+def scrape(apis: ServerProcess) -> dict[str, dict[str, float]]:
+    c = http.client.HTTPConnection(HOST, apis.port, timeout=60)
     try:
         c.request("GET", "/metrics")
         text = c.getresponse().read().decode()
@@ -201,16 +211,16 @@ def scrape(server: ServerProcess) -> dict[str, dict[str, float]]:
     return out
 
 
-def test_every_api_server_serves_outrate_metrics(server):
+def test_every_api_server_serves_outrate_metrics(apis):
     """16 scrapes, 8 of them at once: every one has outrate's families, once
     each, with the tokens the engine's trace charged (before the fix, none
     had them: the instrumentator's multiprocess registry held vLLM's alone)."""
-    totals = charged(server, 0)  # everything so far (bob's also has the edit's probes)
+    totals = charged(apis, 0)  # everything so far (bob's also has the edit's probes)
     want = {user: float(totals[user]) for user in ("alice", "bob")}
     assert want["alice"] >= 32 and want["bob"] >= 32
 
     def tokens() -> dict[str, float]:
-        got = scrape(server).get("outrate_output_tokens_total", {})
+        got = scrape(apis).get("outrate_output_tokens_total", {})
         return {k: v for k, v in got.items() if k in want}
 
     wait_until(lambda: tokens() == want, f"the trace's totals {want} on /metrics", 5)

@@ -64,7 +64,7 @@ from loadgen import run_concurrently  # noqa: E402
 
 from outrate.observe.trace import engine_rate, max_window_excess  # noqa: E402
 
-ACTIVE = 12  # the shared server's --max-num-active-seqs (e2e_support.start_server)
+ACTIVE = 12  # the shared server's --max-num-active-seqs (e2e_support.session_server)
 COMMITTED = {"committed": 100, "roomy": 5000}  # their rates in e2e_support.POLICY
 SEQS = 16
 

@@ -11,6 +11,7 @@ clock for every process here."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import time
@@ -25,6 +26,7 @@ pytest.importorskip("redis")
 from build_tiny_model import build  # noqa: E402
 from e2e_support import REPO, assert_complete, start_together  # noqa: E402
 from loadgen import run_concurrently  # noqa: E402
+from prestart import prestarted  # noqa: E402
 from redis_support import RedisServer  # noqa: E402
 from serverproc import ServerProcess, cpu_server_env, outrate_serve_argv  # noqa: E402
 
@@ -75,9 +77,9 @@ def rank_trace(path: Path, rank: int) -> Path:
     return path.with_name(f"{path.stem}.dp{rank}{path.suffix}")  # threads.rank_path
 
 
-@pytest.fixture(scope="module")
-def replicas(tmp_path_factory):
-    root = tmp_path_factory.mktemp("replicas")
+@contextlib.contextmanager
+def replicas_up(root: Path):
+    """Redis and the two replicas, started one module ahead (tests/prestart.py)."""
     redis = RedisServer(root / "redis", password=PASSWORD).start()
     policy = root / "policy.yaml"
     policy.write_text(POLICY)
@@ -137,6 +139,14 @@ def replicas(tmp_path_factory):
         for s in servers:
             s.stop()
         redis.stop()
+
+
+PRESTART = replicas_up
+
+
+@pytest.fixture(scope="module")
+def replicas(request):
+    return prestarted(request)
 
 
 def run_split(replicas: Replicas, plan: list[list[tuple[str, int, int]]]):

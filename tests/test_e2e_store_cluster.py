@@ -11,10 +11,12 @@ engine's own +1 while the cluster was down); she has her rate afterwards;
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +26,7 @@ pytest.importorskip("redis")
 from build_tiny_model import build  # noqa: E402
 from e2e_support import REPO, assert_complete, start_together  # noqa: E402
 from loadgen import run_concurrently  # noqa: E402
+from prestart import prestarted  # noqa: E402
 from redis_cluster_support import Cluster  # noqa: E402
 from serverproc import ServerProcess, cpu_server_env, outrate_serve_argv  # noqa: E402
 
@@ -50,9 +53,10 @@ def metric(text: str, name: str) -> float:
     return float(m.group(1))
 
 
-@pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cluster-e2e")
+@contextlib.contextmanager
+def deployment_up(root: Path):
+    """The Redis Cluster and two engines, started one module ahead
+    (tests/prestart.py)."""
     cluster = Cluster(root / "cluster").start()
     policy = root / "policy.yaml"
     policy.write_text(POLICY)
@@ -86,6 +90,14 @@ def deployment(tmp_path_factory):
         for s in servers:
             s.stop()
         cluster.stop()
+
+
+PRESTART = deployment_up
+
+
+@pytest.fixture(scope="module")
+def deployment(request):
+    return prestarted(request)
 
 
 def test_two_engines_on_a_cluster_keep_the_bound_through_two_failovers(deployment):

@@ -21,10 +21,12 @@ clock for every process here)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +36,7 @@ pytest.importorskip("redis")
 from build_tiny_model import build  # noqa: E402
 from e2e_support import REPO, assert_complete, start_together  # noqa: E402
 from loadgen import run_concurrently  # noqa: E402
+from prestart import prestarted  # noqa: E402
 from redis_support import RedisServer  # noqa: E402
 from serverproc import ServerProcess, cpu_server_env, outrate_serve_argv  # noqa: E402
 
@@ -106,9 +109,10 @@ def wait_for(what, timeout_s: float = 20.0) -> float:
     return time.monotonic() - t0
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("outage")
+@contextlib.contextmanager
+def pair_up(root: Path):
+    """The two engines, without Redis, started one module ahead
+    (tests/prestart.py)."""
     redis = RedisServer(root / "redis")  # not started: both engines start without it
     policy = root / "policy.yaml"
     policy.write_text(POLICY)
@@ -135,6 +139,14 @@ def pair(tmp_path_factory):
         for s in servers:
             s.stop()
         redis.stop()
+
+
+PRESTART = pair_up
+
+
+@pytest.fixture(scope="module")
+def pair(request):
+    return prestarted(request)
 
 
 def test_engines_started_without_redis_serve_then_join(pair):

@@ -135,13 +135,13 @@ SIM_SERVER = SimServer(tuple(ENGINE_FLAGS), POLICY)
 
 
 @pytest.fixture(scope="module")
-def server(request):
+def sim_server(request):
     return sim_servers.sim_server(request)
 
 
-def play(server, name: str, seconds: int = 0) -> tuple[object, list[Played], list[dict]]:
+def play(sim_server, name: str, seconds: int = 0) -> tuple[object, list[Played], list[dict]]:
     """Play a workload of examples/workloads (sim_drift.play)."""
-    return play_file(server, WORKLOADS / f"{name}.yaml", seconds)
+    return play_file(sim_server, WORKLOADS / f"{name}.yaml", seconds)
 
 
 def engine_ttfts(played: list[Played]) -> dict[str, list[float]]:
@@ -185,10 +185,10 @@ class CaseRun:
 
 
 @pytest.fixture(scope="module")
-def calibration_run(server) -> tuple[Calibration, dict[int, list[float]]]:
+def calibration_run(sim_server) -> tuple[Calibration, dict[int, list[float]]]:
     """The step model fitted on 15 s of the calibration workload, and that
     run's decode-only step lengths (what each probe is held against)."""
-    workload, _, steps = play(server, "e2e-agree", seconds=15)
+    workload, _, steps = play(sim_server, "e2e-agree", seconds=15)
     cal = calibrate(steps, workload, source="15 s of e2e-agree.yaml on the server's trace")
     print(cal.describe())
     return cal, decode_step_us(steps, workload)
@@ -200,7 +200,7 @@ def calibrated(calibration_run) -> Calibration:
 
 
 @pytest.fixture(scope="module")
-def runs(server, calibration_run) -> dict[str, CaseRun]:
+def runs(sim_server, calibration_run) -> dict[str, CaseRun]:
     """Each case played once (lazily, by the first test that asks), with its
     probe; played again once if the probe says the machine moved (the
     second run is kept either way)."""
@@ -208,8 +208,8 @@ def runs(server, calibration_run) -> dict[str, CaseRun]:
     class Runs(dict):
         def __missing__(self, case: str) -> CaseRun:
             for tries in (1, 2):
-                workload, played, steps = play(server, case)
-                probe, _, probe_steps = play(server, "e2e-agree", seconds=PROBE_S)
+                workload, played, steps = play(sim_server, case)
+                probe, _, probe_steps = play(sim_server, "e2e-agree", seconds=PROBE_S)
                 run = CaseRun(
                     workload,
                     played,
@@ -240,7 +240,7 @@ def test_the_step_model_carries_over_to_a_workload_it_never_saw(runs, case):
 
 @pytest.mark.parametrize("case", CASES)
 def test_the_simulator_schedules_a_workload_it_never_saw_as_the_engine_does(
-    server, calibrated, runs, case
+    sim_server, calibrated, runs, case
 ):
     run = runs[case]
     engine = engine_from_flags(ENGINE_FLAGS, kv_cache_tokens=KV_TOKENS)
