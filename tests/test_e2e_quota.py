@@ -2,12 +2,15 @@
 quota refuses the user's next request with 429 `insufficient_quota` and
 Retry-After up to the UTC window's reset, read with the openai client; a
 hot reload of the quota keeps the usage already counted; others are not
-refused."""
+refused; every response says each quota in force, what is left of it as
+counted and when it resets (the header fields, read with the openai
+client's raw responses)."""
 
 from __future__ import annotations
 
 import calendar
 import json
+import re
 import time
 
 import pytest
@@ -17,17 +20,22 @@ pytest.importorskip("vllm")
 import openai  # noqa: E402
 from e2e_support import POLICY, use_policy, wait_idle  # noqa: E402
 from loadgen import client  # noqa: E402
+from test_contract import check_draft_fields  # noqa: E402
+
+from outrate.contract.quotas import READ_INTERVAL_S  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
 MODEL = "tiny"
 QUOTA = 40
+READER = 1000
 
 
 def _policy(quota: int) -> str:
     return POLICY + (
         f"  quota-user: {{rate: unlimited, quota: {{output: {quota}/day}}}}\n"
         "  quota-free: {rate: unlimited, quota: {output: 1M/day}}\n"
+        f"  quota-reader: {{rate: 40, quota: {{output: {READER}/day, prompt: 5K/hour}}}}\n"
     )
 
 
@@ -62,9 +70,75 @@ def _until_refused(api, user: str, timeout_s: float = 10) -> tuple[openai.RateLi
     raise AssertionError(f"{user} was not refused within {timeout_s} s")
 
 
-def _used(server, user: str) -> int:
+def _used(server, user: str, key: str = "output/day") -> int:
     data = json.loads(server.quota_path.read_text())
-    return int(data["users"][user]["output/day"][1])
+    return int(data["users"].get(user, {}).get(key, [0, 0])[1])
+
+
+def _fields(headers) -> dict[bytes, bytes]:
+    return {k.lower().encode(): v.encode() for k, v in headers.items()}
+
+
+def _until_saved(server, user: str, at_least: int, timeout_s: float = 10) -> int:
+    """The file's count once it holds `at_least` (the engine saves every second)."""
+    deadline = time.monotonic() + timeout_s
+    while (used := _used(server, user)) < at_least:
+        assert time.monotonic() < deadline, f"{user}: {used} of {at_least} saved"
+        time.sleep(0.05)
+    return used
+
+
+def test_every_response_says_what_is_left_of_each_quota(server):
+    """quota-reader: 1000 output tokens a day, 5,000 prompt tokens an hour.
+    Streamed or not, each response carries both quotas in both styles, with
+    the amount left as counted when the request was admitted: once the first
+    request's usage is saved and read, the next response says exactly what
+    the file holds, and its reset is the next UTC midnight."""
+    api = client(server.base_url).with_options(max_retries=0)
+    reader = {"vllm_xargs": {"output_rate_user": "quota-reader"}, "ignore_eos": True}
+    first = api.completions.with_raw_response.create(
+        model=MODEL, prompt="hello", max_tokens=30, extra_body=reader
+    )
+    assert first.parse().usage.completion_tokens == 30
+    fields = _fields(first.headers)
+    check_draft_fields(fields)
+    day = f"{READER}".encode()
+    assert fields[b"ratelimit-policy"] == (
+        b'output;q=40;w=1;qu="output-tokens", '
+        b"output-day;q=" + day + b';w=86400;qu="output-tokens", '
+        b'prompt-hour;q=5000;w=3600;qu="prompt-tokens"'
+    )
+    assert fields[b"x-ratelimit-limit-tokens-day"] == day
+    assert fields[b"x-ratelimit-remaining-tokens-day"] == day  # nothing counted yet
+    assert fields[b"x-ratelimit-limit-input-tokens-hour"] == b"5000"
+    remaining = {name: int(r.split(";t=")[0]) for name, r in (
+        item.split(";r=") for item in fields[b"ratelimit"].decode().split(", "))}  # fmt: skip
+    assert remaining == {"output-day": READER, "prompt-hour": 5000}
+
+    used = _until_saved(server, "quota-reader", 30)  # all of the first request
+    time.sleep(2 * READ_INTERVAL_S)  # the API server has read that save
+    prompt_used = _used(server, "quota-reader", "prompt/hour")  # the first prompt
+    streamed = api.completions.with_raw_response.create(
+        model=MODEL, prompt="hello", max_tokens=5, stream=True, extra_body=reader
+    )
+    head = _fields(streamed.headers)  # sent before the first token
+    assert sum(1 for _ in streamed.parse()) >= 1
+    check_draft_fields(head)
+    left = int(head[b"x-ratelimit-remaining-tokens-day"])
+    print(f"\nquota-reader: {used} counted, {left} of {READER} left in the header")
+    assert used == 30 and left == READER - used
+    assert f"output-day;r={left};t=".encode() in head[b"ratelimit"]
+    prompt_left = int(head[b"x-ratelimit-remaining-input-tokens-hour"])
+    assert prompt_left == 5000 - prompt_used < 5000
+    now = time.time()
+    midnight = calendar.timegm(time.gmtime(now)[:3] + (0, 0, 0)) + 86400
+    reset = re.fullmatch(
+        r"(?:(\d+)h)?(?:(\d+)m)?([\d.]+)s", head[b"x-ratelimit-reset-tokens-day"].decode()
+    )
+    assert reset is not None, head[b"x-ratelimit-reset-tokens-day"]
+    h, m, sec = reset.groups()
+    reset_s = int(h or 0) * 3600 + int(m or 0) * 60 + float(sec)
+    assert midnight - now - 2 <= reset_s <= midnight - now + 2, reset.group(0)
 
 
 def test_a_spent_quota_is_refused_with_retry_after_to_the_reset(server):
@@ -81,6 +155,11 @@ def test_a_spent_quota_is_refused_with_retry_after_to_the_reset(server):
     midnight = calendar.timegm(time.gmtime(now)[:3] + (0, 0, 0)) + 86400
     retry = int(error.response.headers["retry-after"])
     assert midnight - now - 2 <= retry <= midnight - now + 2
+    fields = _fields(error.response.headers)
+    check_draft_fields(fields)
+    assert fields[b"x-ratelimit-limit-tokens-day"] == str(QUOTA).encode()
+    assert fields[b"x-ratelimit-remaining-tokens-day"] == b"0"
+    assert fields[b"ratelimit"] == f"output-day;r=0;t={retry}".encode()
     assert _used(server, "quota-user") >= 2 * 25
     assert _complete(api, "quota-free", 3).usage.completion_tokens == 3  # others go on
 
