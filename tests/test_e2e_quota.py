@@ -173,4 +173,73 @@ def test_a_reloaded_quota_keeps_the_usage_counted(server):
     use_policy(server, _policy(QUOTA))
     time.sleep(0.5)
     _until_refused(api, "quota-user", timeout_s=3)
-    assert _used(server, "quota-user") >= used + 2  # nothing was forgotten
+    # nothing was forgotten (refused at once, the usage being over QUOTA already:
+    # maybe before those 2 tokens were saved)
+    assert _until_saved(server, "quota-user", used + 2) >= used + 2
+
+
+def _sample(page: str, name: str, **labels: str) -> float | None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(page):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return None
+
+
+def test_the_dashboard_shows_this_servers_quota_usage_and_refusals(server, tmp_path):
+    """The engine's quota gauges and the API server's refusals on the real
+    /metrics page (quota-user spent and refused above, quota-reader not),
+    and the dashboard's refusal and quota panels evaluated by promtool over
+    that page's own series: each returns every limit's figure. (The
+    dashboard's Prometheus run in test_ops shares budgets through a store,
+    which refuses quotas.)"""
+    import httpx
+    from prometheus_support import binaries, page_series, promtool_expect, without_prometheus
+    from test_ops import CONTRACT_NAMES, contract_exprs
+
+    found = binaries()
+    if found is None:
+        without_prometheus()
+    assert found is not None
+    deadline = time.monotonic() + 10
+    while True:  # the engine publishes every 0.5 s, saves every 1 s
+        page = httpx.get(f"{server.root_url}/metrics", timeout=30, trust_env=False).text
+        used = _sample(
+            page, "outrate_quota_used_tokens", limit="quota-user", kind="output", window="day"
+        )
+        if used == _used(server, "quota-user") or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    day = {"kind": "output", "window": "day"}
+    assert used is not None and used == _used(server, "quota-user") >= QUOTA
+    assert _sample(page, "outrate_quota_tokens", limit="quota-user", **day) == QUOTA
+    assert _sample(page, "outrate_quota_spent_users", limit="quota-user", **day) == 1
+    reader = _sample(page, "outrate_quota_used_tokens", limit="quota-reader", **day)
+    assert reader is not None and 35 <= reader < READER
+    assert _sample(page, "outrate_quota_spent_users", limit="quota-reader", **day) == 0
+    refused = _sample(page, "outrate_requests_refused_total", limit="quota-user", reason="quota")
+    assert refused is not None and refused >= 2  # one in each test that spent it
+    counters = {"outrate_requests_refused_total"}
+    series = page_series(page, CONTRACT_NAMES, counters)
+    cases = []
+    for expr in contract_exprs().values():
+        (name,) = CONTRACT_NAMES & set(re.findall(r"outrate_\w+", expr))
+        by = re.search(r"by \(([^)]*)\)", expr)
+        assert by is not None, expr
+        keys = [k.strip() for k in by.group(1).split(",")]
+        want: dict[str, float] = {}
+        for s in series:
+            if not s["series"].startswith(name + "{"):
+                continue
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', s["series"]))
+            key = "{" + ", ".join(f'{k}="{labels[k]}"' for k in keys) + "}"
+            step = float(s["values"].removeprefix("0+").partition("x")[0])
+            want[key] = want.get(key, 0.0) + (step / 15 if name in counters else step)
+        assert want, f"nothing on the page for {expr}"
+        cases.append(
+            {"expr": expr, "exp_samples": [{"labels": k, "value": v} for k, v in want.items()]}
+        )
+    promtool_expect(found[1], tmp_path, series, cases)
+    print(f"\n{len(cases)} panel queries over {len(series)} series of the page")
