@@ -287,3 +287,28 @@ def test_quota_usage_per_label_with_the_series_cap() -> None:
     assert at("outrate_quota_tokens", "other", "output", "day") is None
     merged = merge_snapshots([data, snapshot(metrics, pol, quota=rows)])
     assert merged is not None and merged["quota"]["default"]["output/day"]["used"] == 80
+
+
+def test_quota_gauges_read_the_book_at_most_every_interval() -> None:
+    """A pass over the book is O(users): the publisher (twice a second)
+    reuses the last one for `interval_s`, but not across a policy swap."""
+    from outrate.budget.quota import QuotaBook
+    from outrate.observe.quotas import QuotaGauges
+
+    text = "version: 1\ndefault: {rate: 10, quota: {output: 100/day}}\n"
+    pol = compile_policy(parse_policy(text, "t.yaml"), "t.yaml")
+    book = QuotaBook(clock=lambda: 1_796_378_400.0)
+    now = [0.0]
+    gauges = QuotaGauges(book, interval_s=5.0, clock=lambda: now[0])
+    metrics = Metrics()
+    book.add("zed", "output", 7, ["day"])
+    assert gauges.rows(metrics, pol)["default"]["output/day"]["used"] == 7
+    book.add("zed", "output", 3, ["day"])
+    now[0] = 4.9
+    assert gauges.rows(metrics, pol)["default"]["output/day"]["used"] == 7  # the last pass
+    now[0] = 5.0
+    assert gauges.rows(metrics, pol)["default"]["output/day"]["used"] == 10
+    swapped = compile_policy(parse_policy(text, "t.yaml"), "t.yaml")
+    book.add("zed", "output", 1, ["day"])
+    assert gauges.rows(metrics, swapped)["default"]["output/day"]["used"] == 11
+    assert gauges.passes == 3

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 from vllm_harness import MS, Driver, FakeClock, make_request, make_scheduler  # noqa: E402
 
 from outrate.contract.quotas import QuotaView  # noqa: E402
+from outrate.observe import quotas  # noqa: E402
 from outrate.observe.metrics import SNAPSHOT_FILE  # noqa: E402
 from outrate.observe.publish import families  # noqa: E402
 from outrate.policy.pipeline import load_compiled  # noqa: E402
@@ -69,8 +70,9 @@ def _page(tmp_path: Path) -> str:
     return generate_latest(registry).decode()
 
 
-def test_usage_survives_an_engine_restart_and_nobody_gets_a_fresh_window(tmp_path):
+def test_usage_survives_an_engine_restart_and_nobody_gets_a_fresh_window(tmp_path, monkeypatch):
     (tmp_path / "policy.yaml").write_text(POLICY)
+    monkeypatch.setattr(quotas, "INTERVAL_S", 0.0)  # every snapshot reads the book
     s, d, threads = _engine(tmp_path)
     try:
         for _ in range(2):

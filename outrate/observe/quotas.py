@@ -12,16 +12,24 @@ and `spent` says how many of its users have none left.
 The book belongs to the scheduler thread: this reads it without locking
 (whole-dict copies and single reads, as `QuotaBook.snapshot` does for the
 saver) and resolves labels with `Metrics.label_known`, which never hands
-out a series. O(users with usage) per snapshot, off the scheduler thread.
+out a series. A pass is O(users with usage): about 6.5 us a user here
+(65 ms for 10,000), so `QuotaGauges` makes one at most every
+`INTERVAL_S` and the snapshots between reuse it: the gauges lag the book
+by up to 5 s, which a daily or monthly quota does not notice, and the
+scheduler's thread, which shares the GIL, is not slowed twice a second.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
-from outrate.budget.quota import QuotaBook, used_in
+from outrate.budget.quota import WINDOWS, Quota, QuotaBook, window_bounds
 from outrate.observe.metrics import Metrics, limit_of_label
 from outrate.policy.compiler import CompiledPolicy
+
+INTERVAL_S = 5.0
 
 QuotaRows = dict[str, dict[str, dict[str, int]]]
 """label -> `"output/day"` -> {"used": tokens, "spent": users, "quota": tokens per user}
@@ -31,17 +39,31 @@ QuotaRows = dict[str, dict[str, dict[str, int]]]
 def quota_usage(book: QuotaBook, metrics: Metrics, policy: CompiledPolicy) -> QuotaRows:
     """The current windows' usage per label, and each label's quota in force."""
     now = book.clock()
+    starts = {w: window_bounds(w, now)[0] for w in WINDOWS}
+    keys: dict[Quota, str] = {}
     rows: QuotaRows = {}
     for user, usage in list(book.users.items()):
+        quotas = policy.limit_for(user).quotas  # the quotas in force, not all it counts
+        if not quotas:
+            continue
         label = metrics.label_known(user, policy)
-        for q in policy.limit_for(user).quotas:  # the quotas in force, not all it counts
-            used = used_in(usage, q.kind, q.window, now)
-            if not used:
+        for q in quotas:
+            key = keys.get(q)
+            if key is None:
+                key = keys[q] = f"{q.kind}/{q.window}"
+            counted = usage.get(key)
+            if counted is None or counted[0] != starts[q.window]:
                 continue  # none yet, or a window that has passed
-            key = f"{q.kind}/{q.window}"
-            row = rows.setdefault(label, {}).setdefault(key, {"used": 0, "spent": 0})
+            used = counted[1]
+            by_key = rows.get(label)
+            if by_key is None:
+                by_key = rows[label] = {}
+            row = by_key.get(key)
+            if row is None:
+                row = by_key[key] = {"used": 0, "spent": 0}
             row["used"] += used
-            row["spent"] += used >= q.tokens
+            if used >= q.tokens:
+                row["spent"] += 1
     labels = {*rows, *metrics.labels, "default", "anonymous"}
     labels |= {f"tier:{t}" for t in policy.tiers} | {f"match:{p}" for p, _ in policy.patterns}
     for label in labels:
@@ -67,3 +89,31 @@ def merge_quota(into: dict[str, Any], rows: dict[str, Any]) -> None:
                 continue
             mine[key]["used"] += row["used"]
             mine[key]["spent"] += row["spent"]
+
+
+class QuotaGauges:
+    """`quota_usage` for the metrics publisher, at most every `interval_s`
+    (and at once after a policy swap)."""
+
+    def __init__(
+        self,
+        book: QuotaBook,
+        interval_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.book = book
+        self.interval_s = INTERVAL_S if interval_s is None else interval_s
+        self.clock = clock
+        self.passes = 0
+        self._rows: QuotaRows = {}
+        self._next = 0.0
+        self._policy: CompiledPolicy | None = None
+
+    def rows(self, metrics: Metrics, policy: CompiledPolicy) -> QuotaRows:
+        now = self.clock()
+        if now >= self._next or policy is not self._policy:
+            self._rows = quota_usage(self.book, metrics, policy)
+            self._next = now + self.interval_s
+            self._policy = policy
+            self.passes += 1
+        return self._rows

@@ -22,7 +22,7 @@ from typing import Any
 from outrate.budget.quota import QuotaBook
 from outrate.budget.quotafile import QuotaSaver
 from outrate.observe.publish import Publisher, snapshot
-from outrate.observe.quotas import quota_usage
+from outrate.observe.quotas import QuotaGauges
 from outrate.observe.trace import DEFAULT_MAX_BYTES, TraceWriter
 from outrate.policy.compiler import CompiledPolicy
 from outrate.policy.reload import Reloader
@@ -110,6 +110,8 @@ def start_engine_threads(
         version = vllm_version()
         vllm = {"version": version, "tested": is_supported(version)}
 
+        gauges = None if threads.quota is None else QuotaGauges(threads.quota.book)
+
         def take() -> dict[str, Any]:
             reloader = threads.reloader
             reloads = None
@@ -117,9 +119,7 @@ def start_engine_threads(
                 reloads = {"applied": reloader.applied, "rejected": reloader.rejected}
             lease = None if store is None else store.runner.metrics.snapshot()
             dropped = None if threads.trace is None else threads.trace.dropped_total
-            quota = None
-            if threads.quota is not None:
-                quota = quota_usage(threads.quota.book, scheduler.metrics, box.current)
+            quota = None if gauges is None else gauges.rows(scheduler.metrics, box.current)
             return snapshot(
                 scheduler.metrics,
                 box.current,
