@@ -22,9 +22,10 @@ A limit appears when it is in force for the request: a finite rate of a rule
 not in shadow. Token rates are paced in the engine, not refused, and the API
 server does not see the engine's token buckets, so they carry their limit
 and no remaining count. A quota (`quota:`) is refused in the API server, so
-it carries its remaining amount as counted (the quota file's last save)
-and its reset: the end of its UTC window. Every value is built from integers and fixed tokens
-here, never from a client's or a policy's text: no value can be malformed.
+it carries its remaining amount as counted (the quota file's last save) and
+its reset, the end of its UTC window. Every value is built from integers and
+fixed tokens here, never from a client's or a policy's text: no value can be
+malformed.
 """
 
 from __future__ import annotations
