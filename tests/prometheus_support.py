@@ -199,3 +199,61 @@ def metric_names(expr: str) -> set[str]:
             continue  # a keyword or a function call
         names.add(name)
     return names
+
+
+# -- promtool on a page's samples -----------------------------------------------
+
+PROMTOOL_STEPS = 12
+"""Samples per input series: 15 s apart, 2m45s, so `eval_time: 2m` has a full
+minute of history behind it for rate()."""
+
+
+def page_series(
+    text: str, names: set[str], counters: set[str] = frozenset(), instance: str = "e:8000"
+) -> list[dict[str, str]]:
+    """promtool input series from the samples named `names` on a /metrics
+    page (what an exporter really wrote, labels and all): a gauge holds its
+    value all along; a counter (a name in `counters`) grows by its value
+    every 15 s step, so rate() over it is value / 15."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = []
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name not in names:
+                continue
+            labels = {"job": "vllm", "instance": instance, **s.labels}
+            body = ", ".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+            v = f"{s.value:g}"
+            values = f"0+{v}x{PROMTOOL_STEPS}" if s.name in counters else f"{v}x{PROMTOOL_STEPS}"
+            out.append({"series": f"{s.name}{{{body}}}", "values": values})
+    return out
+
+
+def promtool_expect(
+    promtool: str, directory: Path, series: list[dict[str, str]], cases: list[dict[str, Any]]
+) -> None:
+    """Each case ({"expr", "exp_samples"}) evaluated by promtool (Prometheus's
+    own PromQL engine) at 2m over `series`; an AssertionError with promtool's
+    report (got and expected) otherwise."""
+    import yaml
+
+    spec = {
+        "tests": [
+            {
+                "interval": "15s",
+                "input_series": series,
+                "promql_expr_test": [{"eval_time": "2m", **c} for c in cases],
+            }
+        ]
+    }
+    path = Path(directory) / "panels.test.yml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    run = subprocess.run(
+        [promtool, "test", "rules", path.name],
+        cwd=path.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0 and "SUCCESS" in run.stdout, run.stdout + run.stderr

@@ -5,6 +5,7 @@ grammar for the fields the draft defines; the table runs on a fake clock."""
 
 from __future__ import annotations
 
+import calendar
 import re
 from fractions import Fraction
 
@@ -13,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from outrate.budget.gcra import NS_PER_S, burst_count, per_window
+from outrate.budget.quota import quota_state, spent_of, window_bounds
 from outrate.contract.headers import (
     SF_INTEGER_MAX,
     delay_seconds,
@@ -23,6 +25,7 @@ from outrate.contract.headers import (
     refusal_headers,
     refusal_message,
 )
+from outrate.contract.quotas import QuotaView
 from outrate.contract.requests import RequestTable
 from outrate.identity.core import ANONYMOUS
 from outrate.policy.compiler import CompiledPolicy, compile_policy
@@ -74,14 +77,16 @@ def check_draft_fields(fields: dict[bytes, bytes]) -> None:
             assert re.fullmatch(_TOKEN, name) and set(params) == {"r", "t"}
             assert re.fullmatch(r"[0-9]{1,15}", params["r"])
             assert re.fullmatch(r"[0-9]{1,15}", params["t"])
-    for name in (b"x-ratelimit-limit-requests", b"x-ratelimit-remaining-requests",
-                 b"x-ratelimit-limit-tokens", b"x-ratelimit-limit-input-tokens",
-                 b"retry-after", b"retry-after-ms"):  # fmt: skip
-        if name in fields:
-            assert re.fullmatch(rb"[0-9]{1,15}", fields[name]), (name, fields[name])
-    if b"x-ratelimit-reset-requests" in fields:
-        duration = rb"0s|[0-9]+ms|([0-9]+h)?([0-9]+m)?[0-9]+(\.[0-9]{1,3})?s"
-        assert re.fullmatch(duration, fields[b"x-ratelimit-reset-requests"])
+    duration = rb"0s|[1-9][0-9]{0,2}ms|([1-9][0-9]*h)?([0-9]+m)?[0-9]+(\.[0-9]{1,3})?s"
+    for name, value in fields.items():
+        if name in (b"retry-after", b"retry-after-ms") or name.startswith(
+            (b"x-ratelimit-limit-", b"x-ratelimit-remaining-")
+        ):
+            assert re.fullmatch(rb"[0-9]{1,15}", value), (name, value)
+        elif name.startswith(b"x-ratelimit-reset-"):
+            assert re.fullmatch(duration, value), (name, value)
+        elif name.startswith(b"x-ratelimit-"):
+            raise AssertionError(f"{name!r}: not a limit, remaining or reset field")
 
 
 def test_the_reader_refuses_what_the_grammar_does():
@@ -137,6 +142,54 @@ def test_a_refusal_says_when_and_what():
         "Rate limit reached for requests: at most 300 per minute. Please try again in 0.2s."
     )
     assert dict(refusal_headers("off", policy.limit_for("bob"), refused)) == {b"retry-after": b"1"}
+
+
+def test_quotas_say_what_is_left_and_when_it_resets(tmp_path):
+    """Each quota in force: its own policy item (`output-day`, `w` the window's
+    length) and its remaining amount and reset, in both styles; a spent one
+    says 0, with Retry-After to its reset on the 429."""
+    policy = compiled(
+        "default: {rate: 20, requests: 5, quota: {output: 2M/day, prompt: 50K/month}}\n"
+    )
+    rule = policy.limit_for("bob")
+    admission = RequestTable(clock=lambda: 0).admit(policy, "bob", now=NS_PER_S)
+    now = float(calendar.timegm((2026, 12, 4, 23, 0, 0)))  # 1 h to midnight, 27 d to January
+    usage = {"output/day": [int(now) - 23 * 3600, 120_000], "prompt/month": [0, 7]}
+    quotas = quota_state(rule.quotas, usage, now)
+    fields = dict(limit_headers("both", rule, admission, quotas))
+    check_draft_fields(fields)
+    assert fields[b"ratelimit-policy"] == (
+        b'requests;q=5;w=1, output;q=20;w=1;qu="output-tokens", '
+        b'output-day;q=2000000;w=86400;qu="output-tokens", '
+        b'prompt-month;q=50000;w=2678400;qu="prompt-tokens"'
+    )  # the month's usage row is from another month: nothing counted in this one
+    assert fields[b"ratelimit"] == (
+        b"requests;r=4;t=1, output-day;r=1880000;t=3600, prompt-month;r=50000;t=2336400"
+    )
+    assert fields[b"x-ratelimit-limit-tokens-day"] == b"2000000"
+    assert fields[b"x-ratelimit-remaining-tokens-day"] == b"1880000"
+    assert fields[b"x-ratelimit-reset-tokens-day"] == b"1h0m0s"
+    assert fields[b"x-ratelimit-limit-input-tokens-month"] == b"50000"
+    assert fields[b"x-ratelimit-remaining-input-tokens-month"] == b"50000"
+    assert fields[b"x-ratelimit-reset-input-tokens-month"] == b"649h0m0s"
+    usage["output/day"][1] = 2_000_001  # an overrun: counted, never below 0
+    quotas = quota_state(rule.quotas, usage, now + 0.25)
+    spent = spent_of(quotas)
+    assert spent is not None and spent.quota.window == "day" and spent.used == 2_000_001
+    refused = admission._replace(retry_after_ns=int(spent.reset_s * NS_PER_S))
+    fields = dict(refusal_headers("both", rule, refused, quotas))
+    check_draft_fields(fields)
+    assert fields[b"retry-after"] == b"3600" and fields[b"x-ratelimit-remaining-tokens-day"] == b"0"
+    assert b"output-day;r=0;t=3600" in fields[b"ratelimit"]
+    assert fields[b"x-ratelimit-reset-tokens-day"] == b"59m59.75s"
+    assert set(dict(limit_headers("ietf", rule, admission, quotas))) == {
+        b"ratelimit-policy",
+        b"ratelimit",
+    }
+    view = QuotaView(str(tmp_path / "no-usage-yet.json"), clock=lambda: now)
+    assert view.state(rule, "bob") == quota_state(rule.quotas, {}, now)  # all of it left
+    shadow = compiled("default: {rate: 20, shadow: true, quota: {output: 1K/hour}}\n")
+    assert view.state(shadow.limit_for("bob"), "bob") == []  # not in force: not advertised
 
 
 def test_shadow_limits_are_not_advertised_and_unlimited_users_get_none():
@@ -217,18 +270,33 @@ _rates = st.one_of(
     window=st.sampled_from(["s", "min"]),
     asks=st.integers(1, 5),
     at=st.integers(0, 10**15),
-)
-def test_every_value_is_well_formed(rate, prompt, count, window, asks, at) -> None:
-    """Any policy the loader accepts, any state: every field parses."""
+    quota=st.one_of(
+        st.none(),
+        st.tuples(
+            st.integers(1, 10**12), st.sampled_from(["hour", "day", "week", "month"]),
+            st.integers(0, 10**13), st.floats(0, 4 * 10**9),
+        ),
+    ),
+)  # fmt: skip
+def test_every_value_is_well_formed(rate, prompt, count, window, asks, at, quota) -> None:
+    """Any policy the loader accepts, any state, any quota usage at any time:
+    every field parses."""
     text = f"{rate.numerator}/{rate.denominator}"
     rule = f"{{rate: '{text}', requests: '{count}/{window}'"
     if prompt is not None:
         rule += f", prompt: '{prompt.numerator}/{prompt.denominator}'"
+    usage: dict[str, list[int]] = {}
+    now = 0.0
+    if quota is not None:
+        tokens, per, used, now = quota
+        rule += f", quota: {{output: {tokens}/{per}, prompt: {tokens}/{per}}}"
+        usage[f"output/{per}"] = [window_bounds(per, now)[0], used]
     policy = compiled(f"default: {rule}}}\n")
     table = RequestTable(clock=lambda: at)
     for _ in range(asks):
         admission = table.admit(policy, "u")
-    style_fields = refusal_headers("both", policy.limit_for("u"), admission)
+    quotas = quota_state(policy.limit_for("u").quotas, usage, now)
+    style_fields = refusal_headers("both", policy.limit_for("u"), admission, quotas)
     assert all(value.isascii() and b"\r" not in value and b"\n" not in value
                for _, value in style_fields)  # fmt: skip
     check_draft_fields(dict(style_fields))

@@ -2,12 +2,15 @@
 quota refuses the user's next request with 429 `insufficient_quota` and
 Retry-After up to the UTC window's reset, read with the openai client; a
 hot reload of the quota keeps the usage already counted; others are not
-refused."""
+refused; every response says each quota in force, what is left of it as
+counted and when it resets (the header fields, read with the openai
+client's raw responses)."""
 
 from __future__ import annotations
 
 import calendar
 import json
+import re
 import time
 
 import pytest
@@ -17,17 +20,22 @@ pytest.importorskip("vllm")
 import openai  # noqa: E402
 from e2e_support import POLICY, use_policy, wait_idle  # noqa: E402
 from loadgen import client  # noqa: E402
+from test_contract import check_draft_fields  # noqa: E402
+
+from outrate.contract.quotas import READ_INTERVAL_S  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
 MODEL = "tiny"
 QUOTA = 40
+READER = 1000
 
 
 def _policy(quota: int) -> str:
     return POLICY + (
         f"  quota-user: {{rate: unlimited, quota: {{output: {quota}/day}}}}\n"
         "  quota-free: {rate: unlimited, quota: {output: 1M/day}}\n"
+        f"  quota-reader: {{rate: 40, quota: {{output: {READER}/day, prompt: 5K/hour}}}}\n"
     )
 
 
@@ -62,9 +70,75 @@ def _until_refused(api, user: str, timeout_s: float = 10) -> tuple[openai.RateLi
     raise AssertionError(f"{user} was not refused within {timeout_s} s")
 
 
-def _used(server, user: str) -> int:
+def _used(server, user: str, key: str = "output/day") -> int:
     data = json.loads(server.quota_path.read_text())
-    return int(data["users"][user]["output/day"][1])
+    return int(data["users"].get(user, {}).get(key, [0, 0])[1])
+
+
+def _fields(headers) -> dict[bytes, bytes]:
+    return {k.lower().encode(): v.encode() for k, v in headers.items()}
+
+
+def _until_saved(server, user: str, at_least: int, timeout_s: float = 10) -> int:
+    """The file's count once it holds `at_least` (the engine saves every second)."""
+    deadline = time.monotonic() + timeout_s
+    while (used := _used(server, user)) < at_least:
+        assert time.monotonic() < deadline, f"{user}: {used} of {at_least} saved"
+        time.sleep(0.05)
+    return used
+
+
+def test_every_response_says_what_is_left_of_each_quota(server):
+    """quota-reader: 1000 output tokens a day, 5,000 prompt tokens an hour.
+    Streamed or not, each response carries both quotas in both styles, with
+    the amount left as counted when the request was admitted: once the first
+    request's usage is saved and read, the next response says exactly what
+    the file holds, and its reset is the next UTC midnight."""
+    api = client(server.base_url).with_options(max_retries=0)
+    reader = {"vllm_xargs": {"output_rate_user": "quota-reader"}, "ignore_eos": True}
+    first = api.completions.with_raw_response.create(
+        model=MODEL, prompt="hello", max_tokens=30, extra_body=reader
+    )
+    assert first.parse().usage.completion_tokens == 30
+    fields = _fields(first.headers)
+    check_draft_fields(fields)
+    day = f"{READER}".encode()
+    assert fields[b"ratelimit-policy"] == (
+        b'output;q=40;w=1;qu="output-tokens", '
+        b"output-day;q=" + day + b';w=86400;qu="output-tokens", '
+        b'prompt-hour;q=5000;w=3600;qu="prompt-tokens"'
+    )
+    assert fields[b"x-ratelimit-limit-tokens-day"] == day
+    assert fields[b"x-ratelimit-remaining-tokens-day"] == day  # nothing counted yet
+    assert fields[b"x-ratelimit-limit-input-tokens-hour"] == b"5000"
+    remaining = {name: int(r.split(";t=")[0]) for name, r in (
+        item.split(";r=") for item in fields[b"ratelimit"].decode().split(", "))}  # fmt: skip
+    assert remaining == {"output-day": READER, "prompt-hour": 5000}
+
+    used = _until_saved(server, "quota-reader", 30)  # all of the first request
+    time.sleep(2 * READ_INTERVAL_S)  # the API server has read that save
+    prompt_used = _used(server, "quota-reader", "prompt/hour")  # the first prompt
+    streamed = api.completions.with_raw_response.create(
+        model=MODEL, prompt="hello", max_tokens=5, stream=True, extra_body=reader
+    )
+    head = _fields(streamed.headers)  # sent before the first token
+    assert sum(1 for _ in streamed.parse()) >= 1
+    check_draft_fields(head)
+    left = int(head[b"x-ratelimit-remaining-tokens-day"])
+    print(f"\nquota-reader: {used} counted, {left} of {READER} left in the header")
+    assert used == 30 and left == READER - used
+    assert f"output-day;r={left};t=".encode() in head[b"ratelimit"]
+    prompt_left = int(head[b"x-ratelimit-remaining-input-tokens-hour"])
+    assert prompt_left == 5000 - prompt_used < 5000
+    now = time.time()
+    midnight = calendar.timegm(time.gmtime(now)[:3] + (0, 0, 0)) + 86400
+    reset = re.fullmatch(
+        r"(?:(\d+)h)?(?:(\d+)m)?([\d.]+)s", head[b"x-ratelimit-reset-tokens-day"].decode()
+    )
+    assert reset is not None, head[b"x-ratelimit-reset-tokens-day"]
+    h, m, sec = reset.groups()
+    reset_s = int(h or 0) * 3600 + int(m or 0) * 60 + float(sec)
+    assert midnight - now - 2 <= reset_s <= midnight - now + 2, reset.group(0)
 
 
 def test_a_spent_quota_is_refused_with_retry_after_to_the_reset(server):
@@ -81,6 +155,11 @@ def test_a_spent_quota_is_refused_with_retry_after_to_the_reset(server):
     midnight = calendar.timegm(time.gmtime(now)[:3] + (0, 0, 0)) + 86400
     retry = int(error.response.headers["retry-after"])
     assert midnight - now - 2 <= retry <= midnight - now + 2
+    fields = _fields(error.response.headers)
+    check_draft_fields(fields)
+    assert fields[b"x-ratelimit-limit-tokens-day"] == str(QUOTA).encode()
+    assert fields[b"x-ratelimit-remaining-tokens-day"] == b"0"
+    assert fields[b"ratelimit"] == f"output-day;r=0;t={retry}".encode()
     assert _used(server, "quota-user") >= 2 * 25
     assert _complete(api, "quota-free", 3).usage.completion_tokens == 3  # others go on
 
@@ -94,4 +173,73 @@ def test_a_reloaded_quota_keeps_the_usage_counted(server):
     use_policy(server, _policy(QUOTA))
     time.sleep(0.5)
     _until_refused(api, "quota-user", timeout_s=3)
-    assert _used(server, "quota-user") >= used + 2  # nothing was forgotten
+    # nothing was forgotten (refused at once, the usage being over QUOTA already:
+    # maybe before those 2 tokens were saved)
+    assert _until_saved(server, "quota-user", used + 2) >= used + 2
+
+
+def _sample(page: str, name: str, **labels: str) -> float | None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(page):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return None
+
+
+def test_the_dashboard_shows_this_servers_quota_usage_and_refusals(server, tmp_path):
+    """The engine's quota gauges and the API server's refusals on the real
+    /metrics page (quota-user spent and refused above, quota-reader not),
+    and the dashboard's refusal and quota panels evaluated by promtool over
+    that page's own series: each returns every limit's figure. (The
+    dashboard's Prometheus run in test_ops shares budgets through a store,
+    which refuses quotas.)"""
+    import httpx
+    from prometheus_support import binaries, page_series, promtool_expect, without_prometheus
+    from test_ops import CONTRACT_NAMES, contract_exprs
+
+    found = binaries()
+    if found is None:
+        without_prometheus()
+    assert found is not None
+    deadline = time.monotonic() + 10
+    while True:  # the engine publishes every 0.5 s, saves every 1 s
+        page = httpx.get(f"{server.root_url}/metrics", timeout=30, trust_env=False).text
+        used = _sample(
+            page, "outrate_quota_used_tokens", limit="quota-user", kind="output", window="day"
+        )
+        if used == _used(server, "quota-user") or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    day = {"kind": "output", "window": "day"}
+    assert used is not None and used == _used(server, "quota-user") >= QUOTA
+    assert _sample(page, "outrate_quota_tokens", limit="quota-user", **day) == QUOTA
+    assert _sample(page, "outrate_quota_spent_users", limit="quota-user", **day) == 1
+    reader = _sample(page, "outrate_quota_used_tokens", limit="quota-reader", **day)
+    assert reader is not None and 35 <= reader < READER
+    assert _sample(page, "outrate_quota_spent_users", limit="quota-reader", **day) == 0
+    refused = _sample(page, "outrate_requests_refused_total", limit="quota-user", reason="quota")
+    assert refused is not None and refused >= 2  # one in each test that spent it
+    counters = {"outrate_requests_refused_total"}
+    series = page_series(page, CONTRACT_NAMES, counters)
+    cases = []
+    for expr in contract_exprs().values():
+        (name,) = CONTRACT_NAMES & set(re.findall(r"outrate_\w+", expr))
+        by = re.search(r"by \(([^)]*)\)", expr)
+        assert by is not None, expr
+        keys = [k.strip() for k in by.group(1).split(",")]
+        want: dict[str, float] = {}
+        for s in series:
+            if not s["series"].startswith(name + "{"):
+                continue
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', s["series"]))
+            key = "{" + ", ".join(f'{k}="{labels[k]}"' for k in keys) + "}"
+            step = float(s["values"].removeprefix("0+").partition("x")[0])
+            want[key] = want.get(key, 0.0) + (step / 15 if name in counters else step)
+        assert want, f"nothing on the page for {expr}"
+        cases.append(
+            {"expr": expr, "exp_samples": [{"labels": k, "value": v} for k, v in want.items()]}
+        )
+    promtool_expect(found[1], tmp_path, series, cases)
+    print(f"\n{len(cases)} panel queries over {len(series)} series of the page")

@@ -22,13 +22,23 @@ from typing import Any
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_support import binaries, metric_names, value, without_prometheus
+from prometheus_support import (
+    binaries,
+    metric_names,
+    page_series,
+    promtool_expect,
+    value,
+    without_prometheus,
+)
 
+from outrate.budget.quota import QuotaBook
 from outrate.budget.shared.metrics import StoreMetrics
 from outrate.observe.metrics import Metrics
 from outrate.observe.publish import families, snapshot
+from outrate.observe.quotas import quota_usage
 from outrate.policy.compiler import compile_policy
 from outrate.policy.loader import parse_policy
+from vllm_integration.apiserver.metrics import API_SERVER_COUNTERS, REFUSED
 
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARD = REPO / "ops" / "grafana" / "outrate.json"
@@ -97,13 +107,8 @@ def readme_exprs() -> list[tuple[str, str]]:
     return out
 
 
-def exported_names() -> set[str]:
-    """Every sample name outrate's collector renders, from a snapshot that has
-    every part (a limit, the store, the trace): what /metrics can show."""
-    pol = compile_policy(parse_policy("version: 1\ndefault: 10\n", "t.yaml"), "t.yaml", "sha")
-    store = StoreMetrics()
-    store.primaries = ["127.0.0.1:6379"]  # known after the first round trip
-    data = snapshot(Metrics(), pol, store=store.snapshot(), trace_dropped=0)
+def rendered(data: dict[str, Any]) -> str:
+    """The /metrics text outrate's collector makes of one snapshot."""
     registry = CollectorRegistry()
 
     class Collector:
@@ -111,8 +116,24 @@ def exported_names() -> set[str]:
             return families(data)
 
     registry.register(Collector())
-    text = generate_latest(registry).decode()
-    return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line[:1] != "#"}
+    return generate_latest(registry).decode()
+
+
+def exported_names() -> set[str]:
+    """Every sample name outrate renders, from a snapshot that has every part
+    (a limit, the store, the trace, quota usage), and the API server's own
+    counters: what /metrics can show."""
+    pol = compile_policy(
+        parse_policy("version: 1\ndefault: {rate: 10, quota: {output: 1K/day}}\n", "t.yaml"),
+        "t.yaml",
+        "sha",
+    )
+    store = StoreMetrics()
+    store.primaries = ["127.0.0.1:6379"]  # known after the first round trip
+    quota = quota_usage(QuotaBook(), Metrics(), pol)
+    text = rendered(snapshot(Metrics(), pol, store=store.snapshot(), trace_dropped=0, quota=quota))
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line[:1] != "#"}
+    return names | {f"{name}_total" for name, _ in API_SERVER_COUNTERS}
 
 
 # -- the dashboard, statically -----------------------------------------------------
@@ -199,6 +220,10 @@ def test_dashboard_covers_what_the_issue_asks():
         "outrate_store_failovers_total",
         "outrate_store_redirects_total",
         "outrate_store_resets_total",
+        "outrate_requests_refused_total",
+        "outrate_quota_used_tokens",
+        "outrate_quota_tokens",
+        "outrate_quota_spent_users",
         "vllm:num_requests_running",
     ):
         assert name in used, name
@@ -372,6 +397,95 @@ def test_the_prompt_panels_show_what_the_prompt_series_say(promtool, tmp_path):
     assert "SUCCESS" in run.stdout
 
 
+QUOTA_NAMES = {"outrate_quota_used_tokens", "outrate_quota_tokens", "outrate_quota_spent_users"}
+CONTRACT_NAMES = QUOTA_NAMES | {"outrate_requests_refused_total"}
+
+
+def contract_exprs() -> dict[str, str]:
+    """The dashboard's queries over refusals and quota usage."""
+    return {
+        where: expr
+        for where, expr in dashboard_exprs(GRAFANA_VARS)
+        if metric_names(expr) & CONTRACT_NAMES
+    }
+
+
+def contract_series() -> list[dict[str, str]]:
+    """What the exporters themselves write, as promtool input: the engine's
+    quota gauges rendered from a real quota book (alice, listed, over her
+    1,000 a day; carol and dave under the default's 500 an hour, carol over
+    it) and the API server's refusal counter (prometheus_client's, as
+    count_requests_over makes it): flood 30 and alice 15 refusals per 15 s."""
+    from prometheus_client import Counter
+
+    pol = compile_policy(
+        parse_policy(
+            "version: 1\ndefault: {rate: 10, quota: {output: 500/hour}}\n"
+            "users:\n  alice: {rate: 10, quota: {output: 1K/day}}\n  flood: {rate: 10}\n",
+            "t.yaml",
+        ),
+        "t.yaml",
+        "sha",
+    )
+    book = QuotaBook()
+    for user, tokens in (("alice", 1200), ("carol", 600), ("dave", 100)):
+        book.add(user, "output", tokens, [q.window for q in pol.limit_for(user).quotas])
+    metrics = Metrics()
+    text = rendered(snapshot(metrics, pol, quota=quota_usage(book, metrics, pol)))
+    registry = CollectorRegistry()
+    refused = Counter(*REFUSED, ["limit", "reason"], registry=registry)
+    refused.labels("flood", "requests").inc(30)
+    refused.labels("alice", "quota").inc(15)
+    text += generate_latest(registry).decode()
+    counters = {f"{REFUSED[0]}_total"}
+    return page_series(text, CONTRACT_NAMES, counters)
+
+
+CONTRACT_PANELS: dict[str, list[tuple[dict[str, str], float]]] = {
+    "Requests refused with 429, per limit and reason (per s) / A": [
+        ({"limit": "alice", "reason": "quota"}, 1),
+        ({"limit": "flood", "reason": "requests"}, 2),
+    ],
+    "Quota used against the quota, per limit and window / A": [
+        ({"limit": "alice", "kind": "output", "window": "day"}, 1200),
+        ({"limit": "anonymous", "kind": "output", "window": "hour"}, 0),  # the default's quota
+        ({"limit": "default", "kind": "output", "window": "hour"}, 700),
+    ],
+    "Quota used against the quota, per limit and window / B": [
+        ({"limit": "alice", "kind": "output", "window": "day"}, 1000),
+        ({"limit": "anonymous", "kind": "output", "window": "hour"}, 500),
+        ({"limit": "default", "kind": "output", "window": "hour"}, 500),
+    ],
+    "Users out of quota, per limit and window / A": [
+        ({"limit": "alice", "kind": "output", "window": "day"}, 1),
+        ({"limit": "anonymous", "kind": "output", "window": "hour"}, 0),
+        ({"limit": "default", "kind": "output", "window": "hour"}, 1),
+    ],
+}
+
+
+def test_the_refusal_and_quota_panels_show_what_the_exporters_write(promtool, tmp_path):
+    """Each dashboard query over refusals and quota usage, evaluated by
+    promtool on the series outrate's exporters render: it returns each
+    limit's figures. (The e2e run below shares budgets through a store,
+    which refuses quotas (OR122): test_e2e_quota runs the same queries on
+    the session server's own page.)"""
+    exprs = contract_exprs()
+    assert set(exprs) == set(CONTRACT_PANELS)
+    cases = [
+        {
+            "expr": exprs[where],
+            "exp_samples": [
+                {"labels": "{" + ", ".join(f'{k}="{v}"' for k, v in labels.items()) + "}",
+                 "value": v}
+                for labels, v in want
+            ],
+        }
+        for where, want in CONTRACT_PANELS.items()
+    ]  # fmt: skip
+    promtool_expect(promtool, tmp_path, contract_series(), cases)
+
+
 # -- end to end: a real Prometheus scraping a real `outrate serve` ---------------
 
 POLICY = """\
@@ -383,6 +497,7 @@ users:
   peek: {{rate: 20, shadow: true}}
   lender: {{rate: {lender}, peak: {peak}}}
   spare: {spare}
+  hasty: {{rate: unlimited, requests: 1/min}}
 """
 RATE = 20  # alice's: 2 streams of 270 tokens, 27 s
 LENDER, PEAK = 5, 15  # lender's committed rate and peak: one stream borrows the rest
@@ -399,6 +514,7 @@ class Run:
         self.top_rows: dict[str, Any] = {}
         self.top_window: tuple[float, float] = (0.0, 0.0)
         self.end = 0.0
+        self.refused = 0
         self.report: list[str] = []
 
 
@@ -407,6 +523,24 @@ def _loop(api: Any, user: str, tokens: int, stop: threading.Event, out: list) ->
 
     while not stop.is_set():
         out.append(stream_completion(api, user, tokens))
+
+
+def _hasty(api: Any) -> int:
+    """Three requests of `hasty` (1 a minute) at once: how many got 429."""
+    import openai
+
+    refused = 0
+    for _ in range(3):
+        try:
+            api.completions.create(
+                model="tiny",
+                prompt="hi",
+                max_tokens=1,
+                extra_body={"vllm_xargs": {"output_rate_user": "hasty"}},
+            )
+        except openai.RateLimitError:
+            refused += 1
+    return refused
 
 
 def _policy(spare: int) -> str:
@@ -488,6 +622,7 @@ def run(tmp_path_factory):
         for t in threads:
             t.start()
         metrics = server.root_url + "/metrics"
+        result.refused = _hasty(api)  # 1 a minute: the second and third get 429
         _write(policy, _policy(spare=6))  # a good edit
         _wait_reloads(metrics, "applied", 1)
         _write(policy, _policy(spare=-1))  # refused: the last good one serves
@@ -523,12 +658,15 @@ def all_exprs() -> list[tuple[str, str, bool]]:
     """(where, expr, must return samples) of every expression in ops/ and the
     README. Alert conditions are empty by design while nothing is wrong: they
     must parse and every series they name must exist; everything else must
-    return samples where traffic was, but the prompt limit's line: the run's
-    store refuses prompt limits (OR119), so no limit has a finite prompt rate
-    (test_the_prompt_panels_show_what_the_prompt_series_say checks it with
-    data)."""
-    no_prompt_limit = {"Prompt tokens/s against the prompt limit / B"}
-    out = [(w, e, w not in no_prompt_limit) for w, e in dashboard_exprs(GRAFANA_VARS)]
+    return samples where traffic was, but the prompt limit's line and the
+    quota panels: the run's store refuses prompt limits (OR119) and quotas
+    (OR122), so no limit has a finite prompt rate and there is no quota
+    usage (test_the_prompt_panels_show_what_the_prompt_series_say and
+    test_the_refusal_and_quota_panels_show_what_the_exporters_write check
+    them with data, test_e2e_quota on a real page)."""
+    not_here = {"Prompt tokens/s against the prompt limit / B", *contract_exprs()}
+    not_here -= {w for w, e in contract_exprs().items() if not metric_names(e) & QUOTA_NAMES}
+    out = [(w, e, w not in not_here) for w, e in dashboard_exprs(GRAFANA_VARS)]
     out += [(w, e, True) for w, e in readme_exprs()]
     out += [(r["record"], r["expr"], True) for r in rules() if "record" in r]
     out += [(r["alert"], r["expr"], False) for r in alerts()]
@@ -542,7 +680,7 @@ def test_prometheus_runs_every_expression_on_the_real_series(run):
     names = prom.names()
     empty, missing = [], []
     for where, expr, wanted in all_exprs():
-        for name in sorted(metric_names(expr) - names):
+        for name in sorted(metric_names(expr) - names - QUOTA_NAMES):  # none here: OR122
             missing.append(f"{where}: {name}")
         samples = prom.query(expr, at=run.end)  # raises with Prometheus's parse error
         if wanted and not samples:
@@ -550,6 +688,7 @@ def test_prometheus_runs_every_expression_on_the_real_series(run):
     assert not missing, "series not scraped (renamed?):\n" + "\n".join(missing)
     assert not empty, "no samples:\n" + "\n".join(empty)
     assert recorded() <= names
+    assert run.refused == 2  # hasty's: the refusal panel's data
     print(f"{len(all_exprs())} expressions, {len(names)} metric names", *run.report, sep="\n")
 
 

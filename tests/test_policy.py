@@ -108,6 +108,24 @@ def test_a_peak_dumps_and_reloads() -> None:
     assert parse_policy(text, "dumped.yaml") == policy
 
 
+def test_quotas_dump_and_reload() -> None:
+    """`quota: unlimited` (a tier's quota overridden) dumps as `unlimited`,
+    not `{}`, which the loader refuses ("names no quota")."""
+    policy = parse_policy(
+        "version: 1\n"
+        "default: {rate: 20, quota: {output: 2M/day, prompt: '1.5K/hour'}}\n"
+        "tiers:\n  free: {rate: 5, quota: {output: 10K/week}}\n"
+        "users:\n  bob: {tier: free, quota: unlimited}\n",
+        "p.yaml",
+    )
+    dumped = policy.model_dump(mode="json", exclude_none=True)
+    assert dumped["users"]["bob"]["quota"] == "unlimited"
+    assert dumped["default"]["quota"] == {"output": "2000000/day", "prompt": "1500/hour"}
+    text = yaml.safe_dump(dumped)
+    assert parse_policy(text, "dumped.yaml") == policy
+    assert policy.model_dump()["users"]["bob"]["quota"] == "unlimited"
+
+
 @pytest.mark.parametrize(
     ("value", "rate"),
     [

@@ -238,3 +238,77 @@ def test_prompt_waits_and_shadow_over_render_per_limit_and_add_up_across_ranks()
         for k in ("prompt_over", "prompt_waiting", "prompt_waits"):
             del row[k]
     assert page(old)["outrate_prompt_waits_total", (("limit", "bob"),)] == 0
+
+
+def test_quota_usage_per_label_with_the_series_cap() -> None:
+    """A listed user is its own label; opted-in users with a series too, and
+    past `metrics.max_series` (or before their first request) `other`;
+    everyone else under the rule's label, summed, with how many are spent.
+    Only the quotas in force are shown, and a rule's from the start."""
+    from outrate.budget.quota import QuotaBook
+    from outrate.observe.quotas import quota_usage
+
+    pol = compile_policy(
+        parse_policy(
+            "version: 1\n"
+            "default: {rate: 10, quota: {output: 100/day}}\n"
+            "tiers:\n  t: {rate: 10, quota: {prompt: 5K/hour}}\n"
+            "users:\n  alice: {tier: t}\n  quiet: {tier: t}\n"
+            "metrics: {per_user: ['team-*'], max_series: 1}\n",
+            "t.yaml",
+        ),
+        "t.yaml",
+    )
+    book = QuotaBook(clock=lambda: 1_796_378_400.0)
+    book.add("alice", "prompt", 700, ["hour"])
+    book.add("alice", "output", 9, ["day"])  # counted (some rule has it), not her quota
+    for user, n in (("team-a", 120), ("team-b", 30), ("team-c", 100), ("zed", 40)):
+        book.add(user, "output", n, ["day"])
+    metrics = Metrics()
+    metrics.label_of("team-a", pol)  # the one series the cap allows
+    rows = quota_usage(book, metrics, pol)
+    assert rows["alice"] == {"prompt/hour": {"used": 700, "spent": 0, "quota": 5000}}
+    assert "quiet" not in rows  # a listed user shows from its first request, as for tokens
+    assert rows["team-a"] == {"output/day": {"used": 120, "spent": 1, "quota": 100}}
+    assert rows["other"] == {"output/day": {"used": 130, "spent": 1}}  # no one rule
+    assert rows["default"] == {"output/day": {"used": 40, "spent": 0, "quota": 100}}
+    assert rows["tier:t"] == {"prompt/hour": {"used": 0, "spent": 0, "quota": 5000}}
+    assert metrics.n_series == 1  # reading never handed out a series
+    data = snapshot(metrics, pol, quota=rows)
+    samples = page(data)
+
+    def at(name: str, limit: str, kind: str, window: str) -> float | None:
+        labels = (("kind", kind), ("limit", limit), ("window", window))
+        return samples.get((name, labels))
+
+    assert at("outrate_quota_used_tokens", "other", "output", "day") == 130
+    assert at("outrate_quota_spent_users", "team-a", "output", "day") == 1
+    assert at("outrate_quota_tokens", "tier:t", "prompt", "hour") == 5000
+    assert at("outrate_quota_tokens", "other", "output", "day") is None
+    merged = merge_snapshots([data, snapshot(metrics, pol, quota=rows)])
+    assert merged is not None and merged["quota"]["default"]["output/day"]["used"] == 80
+
+
+def test_quota_gauges_read_the_book_at_most_every_interval() -> None:
+    """A pass over the book is O(users): the publisher (twice a second)
+    reuses the last one for `interval_s`, but not across a policy swap."""
+    from outrate.budget.quota import QuotaBook
+    from outrate.observe.quotas import QuotaGauges
+
+    text = "version: 1\ndefault: {rate: 10, quota: {output: 100/day}}\n"
+    pol = compile_policy(parse_policy(text, "t.yaml"), "t.yaml")
+    book = QuotaBook(clock=lambda: 1_796_378_400.0)
+    now = [0.0]
+    gauges = QuotaGauges(book, interval_s=5.0, clock=lambda: now[0])
+    metrics = Metrics()
+    book.add("zed", "output", 7, ["day"])
+    assert gauges.rows(metrics, pol)["default"]["output/day"]["used"] == 7
+    book.add("zed", "output", 3, ["day"])
+    now[0] = 4.9
+    assert gauges.rows(metrics, pol)["default"]["output/day"]["used"] == 7  # the last pass
+    now[0] = 5.0
+    assert gauges.rows(metrics, pol)["default"]["output/day"]["used"] == 10
+    swapped = compile_policy(parse_policy(text, "t.yaml"), "t.yaml")
+    book.add("zed", "output", 1, ["day"])
+    assert gauges.rows(metrics, swapped)["default"]["output/day"]["used"] == 11
+    assert gauges.passes == 3

@@ -253,20 +253,21 @@ def test_the_docs_example_is_what_the_command_prints(tmp_path, monkeypatch):
 
 
 @pytest.mark.vllm
-def test_the_readme_peak_example_is_what_the_command_prints(monkeypatch):
-    """README "Plan before you deploy", work-conserving (issue 33): alice
-    {rate: 200, peak: unlimited} beside bob and carol. The text is the
-    command's, and what it claims holds: the engine runs at least 0.9x stock,
-    and bob's and carol's first tokens come within 2x of the capped policy's."""
+def test_the_docs_peak_example_is_what_the_command_prints(monkeypatch):
+    """docs/simulate.md "With a peak" (README "Plan before you deploy" links
+    it), work-conserving (issue 33): alice {rate: 200, peak: unlimited}
+    beside bob and carol. The text is the command's, and what it claims
+    holds: the engine runs at least 0.9x stock, and bob's and carol's first
+    tokens come within 2x of the capped policy's."""
     pytest.importorskip("vllm")
     monkeypatch.chdir(REPO)
-    readme = (REPO / "README.md").read_text()
-    command = re.search(r"```\n(outrate simulate \S*plan-peak-policy.yaml .*?)\n```", readme, re.S)
+    doc = DOC.read_text()
+    command = re.search(r"```\n(outrate simulate \S*plan-peak-policy.yaml .*?)\n```", doc, re.S)
     assert command is not None
     args = command.group(1).replace("\\\n", " ").split()[2:]
     result = runner.invoke(app, ["simulate", *args])
     assert result.exit_code == 0, result.output
-    assert f"```\n{result.stdout}```" in readme
+    assert f"```\n{result.stdout}```" in doc
     flags = args[args.index("--") :]
     peak, capped = args[0], args[args.index("--compare") + 1]
     runs = {}

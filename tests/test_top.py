@@ -223,13 +223,13 @@ EXPECTED_ROWS = [
 EXPECTED_TABLE = f"""\
 outrate top {{url}} (rates over 2.00s)
 policy 9f86d081884c ({SOURCE}); reloads: 1 applied, 0 rejected; displaced: 1; deferred: budget 2, max_streams 0
-limit      rate tok/s  borrowed tok/s  limit tok/s  peak tok/s  mode     held  live  throttled  shadow over tok/s  prompt tok/s  prompt limit tok/s  prompt waiting
-other            10.5             0.0            -           -  -           1     1       100%                  -           0.0                   -               0
-alice            20.0             0.0           20          20  enforce     3     4        75%                  -         500.0                 500               2
-tier:pro         30.0            10.0           20          50  enforce     0     2        25%                  -         100.0           unlimited               0
-bob               4.0             0.0            -           -  -           1     1        25%                  -          25.0                   -               0
-anonymous         0.0             0.0          0.5         0.5  enforce     0     0          -                  -           0.0                 200               0
-default           0.0             0.0    unlimited   unlimited  shadow      0     0          -                3.5           0.0           unlimited               0
+limit      rate tok/s  borrowed tok/s  limit tok/s  peak tok/s  mode     held  live  throttled  shadow over tok/s  prompt tok/s  prompt limit tok/s  prompt waiting  429 requests/s  429 quota/s
+other            10.5             0.0            -           -  -           1     1       100%                  -           0.0                   -               0               -            -
+alice            20.0             0.0           20          20  enforce     3     4        75%                  -         500.0                 500               2               -            -
+tier:pro         30.0            10.0           20          50  enforce     0     2        25%                  -         100.0           unlimited               0               -            -
+bob               4.0             0.0            -           -  -           1     1        25%                  -          25.0                   -               0               -            -
+anonymous         0.0             0.0          0.5         0.5  enforce     0     0          -                  -           0.0                 200               0               -            -
+default           0.0             0.0    unlimited   unlimited  shadow      0     0          -                3.5           0.0           unlimited               0               -            -
 """  # noqa: E501
 
 
@@ -367,7 +367,40 @@ def test_a_server_without_prompt_limits_shows_dashes() -> None:
     (alice,) = top.rows(before, after, limit_filter="alice")
     assert (alice.prompt, alice.prompt_limit, alice.prompt_waiting) == (None, None, None)
     line = _plain(top.render("u", before, after, limit_filter="alice")).splitlines()[3]
-    assert line.split()[9:] == ["-", "-", "-", "-"]
+    assert line.split()[9:13] == ["-", "-", "-", "-"]
+
+
+def test_refusals_per_limit_and_reason_from_what_the_api_server_counts() -> None:
+    """The API server's 429 counter (prometheus_client's, as
+    count_requests_over makes it) beside the engine's page: requests refused
+    per second over the request rate and for a spent quota, per limit; a
+    limit refused before any engine series gets a row of its own; no
+    refusals yet is `-`, not 0."""
+    from prometheus_client import Counter
+
+    from vllm_integration.apiserver.metrics import REFUSED
+
+    metrics, page = _published("alice: {rate: 20, requests: 5, quota: {output: 1K/day}}")
+    metrics.record("alice")
+    registry = CollectorRegistry()
+    refused = Counter(*REFUSED, ["limit", "reason"], registry=registry)
+
+    def both() -> str:
+        return page() + generate_latest(registry).decode()
+
+    before = top.parse(both(), 0.0)
+    refused.labels("alice", "requests").inc(6)
+    refused.labels("alice", "quota").inc(2)
+    refused.labels("tier:batch", "requests").inc(1)
+    after = top.parse(both(), 2.0)
+    rows = {r.limit: r for r in top.rows(before, after)}
+    assert (rows["alice"].refused, rows["alice"].quota_refused) == (3.0, 1.0)
+    assert (rows["tier:batch"].refused, rows["tier:batch"].quota_refused) == (0.5, None)
+    assert (rows["default"].refused, rows["default"].quota_refused) == (None, None)
+    line = _plain(top.render("u", before, after, limit_filter="alice")).splitlines()[3]
+    assert line.split()[-2:] == ["3.0", "1.0"]
+    header = _plain(top.render("u", before, after)).splitlines()[2]
+    assert header.rstrip().endswith("429 requests/s  429 quota/s")
 
 
 def test_prompt_columns_from_what_outrate_itself_publishes() -> None:
@@ -525,6 +558,7 @@ def test_once_with_limit_filter(fake_time: FakeTime) -> None:
     assert out.splitlines()[3:] == [
         "tier:pro        30.0            10.0           20          50  enforce     0     2"
         "        25%                  -         100.0           unlimited               0"
+        "               -            -"
     ]
 
 
@@ -539,7 +573,7 @@ def test_watch_redraws_until_ctrl_c(fake_time: FakeTime) -> None:
     assert first.splitlines()[0] == f"outrate top {server.url} (first scrape)"
     alice = " ".join(nothing_yet.splitlines()[3].split())
     # the same page twice: nothing moved
-    assert alice == "alice 0.0 0.0 20 20 enforce 3 4 0% - 0.0 500 1"
+    assert alice == "alice 0.0 0.0 20 20 enforce 3 4 0% - 0.0 500 1 - -"
     assert last == EXPECTED_TABLE.format(url=server.url)
 
 
@@ -807,9 +841,9 @@ def test_user_ids_are_data_not_markup(fake_time: FakeTime) -> None:
         code, out, err = run(server.root, "--once", "--interval", "2")
     assert (code, err) == (0, "")
     assert [" ".join(line.split()) for line in out.splitlines()[3:]] == [
-        "[/] 10.0 0.0 20 40 enforce 1 2 0% - - - -",
-        "[bold]x 2.0 0.0 5 5 [i]shadow 0 1 0% - - - -",
-        "x\\x1b[2J\\u202e 0.0 0.0 1 1 enforce 0 0 - - - - -",
+        "[/] 10.0 0.0 20 40 enforce 1 2 0% - - - - - -",
+        "[bold]x 2.0 0.0 5 5 [i]shadow 0 1 0% - - - - - -",
+        "x\\x1b[2J\\u202e 0.0 0.0 1 1 enforce 0 0 - - - - - - -",
     ]
     assert "\x1b" not in out and "\u202e" not in out
 
@@ -844,10 +878,10 @@ def test_non_finite_values_print_as_such(fake_time: FakeTime) -> None:
     lines = out.splitlines()
     assert lines[1].endswith("displaced: inf; deferred: budget nan")
     assert sorted(" ".join(line.split()) for line in lines[3:]) == [
-        "alice nan nan nan nan enforce inf inf 0% - nan nan inf",
-        "bob nan nan -inf -inf enforce nan nan nan - nan -inf nan",
+        "alice nan nan nan nan enforce inf inf 0% - nan nan inf - -",
+        "bob nan nan -inf -inf enforce nan nan nan - nan -inf nan - -",
         # -inf less -inf
-        "carol 0.0 nan unlimited unlimited shadow -inf 1 nan nan 0.0 unlimited -inf",
+        "carol 0.0 nan unlimited unlimited shadow -inf 1 nan nan 0.0 unlimited -inf - -",
     ]
 
 

@@ -23,6 +23,7 @@ import calendar
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 KINDS = ("output", "prompt")
 WINDOWS = ("hour", "day", "week", "month")
@@ -153,24 +154,42 @@ class Spent:
         """Seconds until the spent window ends (when the user may send again)."""
 
 
+class QuotaLeft(NamedTuple):
+    """One quota of a user now: what the header fields say."""
+
+    quota: Quota
+    used: int
+    """Tokens counted in the current window (an overrun included)."""
+    remaining: int
+    """`quota.tokens - used`, never below 0."""
+    reset_s: float
+    """Seconds until the window ends."""
+    window_s: int
+    """The current window's length in seconds (a month's varies)."""
+
+
 def quota_state(
     quotas: Iterable[Quota], usage: Mapping[str, list[int]], now_s: float
-) -> list[tuple[Quota, int, float]]:
-    """Each quota with its remaining tokens (never below 0) and the seconds
-    until its window resets: what the header fields say."""
+) -> list[QuotaLeft]:
+    """Each quota with what is left of it now."""
     out = []
     for q in quotas:
         used = used_in(usage, q.kind, q.window, now_s)
-        end = window_bounds(q.window, now_s)[1]
-        out.append((q, max(0, q.tokens - used), end - now_s))
+        start, end = window_bounds(q.window, now_s)
+        out.append(QuotaLeft(q, used, max(0, q.tokens - used), end - now_s, end - start))
     return out
 
 
 def spent(quotas: Iterable[Quota], usage: Mapping[str, list[int]], now_s: float) -> Spent | None:
     """The spent quota that resets last (a user with two spent quotas may
     send again only when both are back), or None."""
+    return spent_of(quota_state(quotas, usage, now_s))
+
+
+def spent_of(state: Iterable[QuotaLeft]) -> Spent | None:
+    """`spent` over a `quota_state` already taken."""
     worst: Spent | None = None
-    for q, remaining, reset_s in quota_state(quotas, usage, now_s):
-        if remaining <= 0 and (worst is None or reset_s > worst.reset_s):
-            worst = Spent(q, used_in(usage, q.kind, q.window, now_s), reset_s)
+    for q in state:
+        if q.remaining <= 0 and (worst is None or q.reset_s > worst.reset_s):
+            worst = Spent(q.quota, q.used, q.reset_s)
     return worst

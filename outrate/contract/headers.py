@@ -4,8 +4,9 @@ what it is: docs/client-contract.md.
 
 IETF (draft-ietf-httpapi-ratelimit-headers-11; Structured Fields, RFC 9651):
 
-    RateLimit-Policy: requests;q=5;w=1, output;q=20;w=1;qu="output-tokens"
-    RateLimit: requests;r=4;t=1
+    RateLimit-Policy: requests;q=5;w=1, output;q=20;w=1;qu="output-tokens",
+                      output-day;q=2000000;w=86400;qu="output-tokens"
+    RateLimit: requests;r=4;t=1, output-day;r=1880000;t=3600
 
 OpenAI (`x-ratelimit-*`; per minute, as OpenAI counts):
 
@@ -13,20 +14,28 @@ OpenAI (`x-ratelimit-*`; per minute, as OpenAI counts):
     x-ratelimit-remaining-requests: 4
     x-ratelimit-reset-requests: 200ms
     x-ratelimit-limit-tokens: 1200
+    x-ratelimit-limit-tokens-day: 2000000
+    x-ratelimit-remaining-tokens-day: 1880000
+    x-ratelimit-reset-tokens-day: 1h0m0s
 
 A limit appears when it is in force for the request: a finite rate of a rule
 not in shadow. Token rates are paced in the engine, not refused, and the API
 server does not see the engine's token buckets, so they carry their limit
-and no remaining count. Every value is built from integers and fixed tokens
-here, never from a client's or a policy's text: no value can be malformed.
+and no remaining count. A quota (`quota:`) is refused in the API server, so
+it carries its remaining amount as counted (the quota file's last save) and
+its reset, the end of its UTC window. Every value is built from integers and
+fixed tokens here, never from a client's or a policy's text: no value can be
+malformed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from fractions import Fraction
-from math import floor
+from math import ceil, floor
 
 from outrate.budget.gcra import NS_PER_S, Limit, burst_count
+from outrate.budget.quota import QuotaLeft
 from outrate.contract.requests import Admission
 
 Header = tuple[bytes, bytes]
@@ -98,7 +107,26 @@ def _enforced(lim: Limit | None) -> Limit | None:
     return lim
 
 
-def _ietf(rule: Limit, admission: Admission) -> list[Header]:
+UNITS = {"output": OUTPUT_UNIT, "prompt": PROMPT_UNIT}
+OPENAI_KINDS = {"output": "tokens", "prompt": "input-tokens"}
+"""The words of the OpenAI-style names, as for the rates: output tokens are
+OpenAI's `tokens`, prompt tokens its `input-tokens`."""
+
+
+def _ietf_quotas(quotas: Sequence[QuotaLeft]) -> tuple[list[str], list[str]]:
+    """(RateLimit-Policy items, RateLimit items) of the quotas: one policy
+    named `KIND-WINDOW` each (`output-day`), `w` the current window's length
+    in seconds."""
+    policies, states = [], []
+    for q in quotas:
+        name = f"{q.quota.kind}-{q.quota.window}"
+        unit = UNITS[q.quota.kind]
+        policies.append(f'{name};q={_int(q.quota.tokens)};w={_int(q.window_s)};qu="{unit}"')
+        states.append(f"{name};r={_int(q.remaining)};t={_int(ceil(q.reset_s))}")
+    return policies, states
+
+
+def _ietf(rule: Limit, admission: Admission, quotas: Sequence[QuotaLeft] = ()) -> list[Header]:
     policies: list[str] = []
     requests = _enforced(admission.limit)
     if requests is not None:
@@ -118,17 +146,21 @@ def _ietf(rule: Limit, admission: Admission) -> list[Header]:
     if prompt is not None and prompt.rate is not None:
         q, w = quota_window(prompt.rate)
         policies.append(f'prompt;q={q};w={w};qu="{PROMPT_UNIT}"')
-    out: list[Header] = []
-    if policies:
-        out.append((b"ratelimit-policy", ", ".join(policies).encode("ascii")))
+    quota_policies, states = _ietf_quotas(quotas)
+    policies += quota_policies
     if requests is not None:
         remaining = max(admission.remaining, 0)
         reset = _ceil_div(admission.reset_ns, NS_PER_S)
-        out.append((b"ratelimit", f"requests;r={_int(remaining)};t={_int(reset)}".encode()))
+        states.insert(0, f"requests;r={_int(remaining)};t={_int(reset)}")
+    out: list[Header] = []
+    if policies:
+        out.append((b"ratelimit-policy", ", ".join(policies).encode("ascii")))
+    if states:
+        out.append((b"ratelimit", ", ".join(states).encode("ascii")))
     return out
 
 
-def _openai(rule: Limit, admission: Admission) -> list[Header]:
+def _openai(rule: Limit, admission: Admission, quotas: Sequence[QuotaLeft] = ()) -> list[Header]:
     out: list[Header] = []
     requests = _enforced(admission.limit)
     if requests is not None and requests.rate is not None:
@@ -143,22 +175,35 @@ def _openai(rule: Limit, admission: Admission) -> list[Header]:
     prompt = _enforced(rule.prompt)
     if prompt is not None and prompt.rate is not None:
         out.append((b"x-ratelimit-limit-input-tokens", str(per_minute(prompt.rate)).encode()))
+    for q in quotas:  # x-ratelimit-limit-tokens-day: OpenAI's words, the window after
+        suffix = f"{OPENAI_KINDS[q.quota.kind]}-{q.quota.window}"
+        reset_ns = ceil(q.reset_s * NS_PER_S)
+        out += [
+            (f"x-ratelimit-limit-{suffix}".encode(), str(_int(q.quota.tokens)).encode()),
+            (f"x-ratelimit-remaining-{suffix}".encode(), str(_int(q.remaining)).encode()),
+            (f"x-ratelimit-reset-{suffix}".encode(), go_duration(reset_ns).encode()),
+        ]
     return out
 
 
-def limit_headers(style: str, rule: Limit, admission: Admission) -> list[Header]:
+def limit_headers(
+    style: str, rule: Limit, admission: Admission, quotas: Sequence[QuotaLeft] = ()
+) -> list[Header]:
     """The fields a guarded response carries: `rule` is the user's limit as
     the policy in force at admission resolved it, `admission` its request's
-    decision."""
+    decision, `quotas` the rule's quotas in force with what is left of each
+    as counted (outrate.contract.quotas.QuotaView.state)."""
     out: list[Header] = []
     if style in ("ietf", "both"):
-        out += _ietf(rule, admission)
+        out += _ietf(rule, admission, quotas)
     if style in ("openai", "both"):
-        out += _openai(rule, admission)
+        out += _openai(rule, admission, quotas)
     return out
 
 
-def refusal_headers(style: str, rule: Limit, admission: Admission) -> list[Header]:
+def refusal_headers(
+    style: str, rule: Limit, admission: Admission, quotas: Sequence[QuotaLeft] = ()
+) -> list[Header]:
     """A 429's fields: Retry-After always (whatever the style: RFC 9110's
     answer to "when"), `retry-after-ms` with OpenAI's style (the openai
     clients honour it first), and the limits."""
@@ -166,7 +211,7 @@ def refusal_headers(style: str, rule: Limit, admission: Admission) -> list[Heade
     if style in ("openai", "both"):
         ms = max(1, _ceil_div(admission.retry_after_ns, 1_000_000))
         out.append((b"retry-after-ms", str(_int(ms)).encode()))
-    return out + limit_headers(style, rule, admission)
+    return out + limit_headers(style, rule, admission, quotas)
 
 
 def refusal_message(admission: Admission) -> str:

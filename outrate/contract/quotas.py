@@ -19,7 +19,16 @@ from collections.abc import Callable
 from typing import Any
 
 from outrate.budget.gcra import Limit
-from outrate.budget.quota import WINDOWS, Spent, Usage, quota_state, spent, used_in, window_bounds
+from outrate.budget.quota import (
+    WINDOWS,
+    QuotaLeft,
+    Spent,
+    Usage,
+    quota_state,
+    spent_of,
+    used_in,
+    window_bounds,
+)
 from outrate.budget.quotafile import read_usage
 from outrate.policy.compiler import CompiledPolicy
 
@@ -56,11 +65,16 @@ class QuotaView:
         except (OSError, ValueError):  # FileReadError is an OutrateError, a ValueError
             return  # keep the last good view
 
+    def state(self, rule: Limit, user: str) -> list[QuotaLeft]:
+        """Each quota in force for the user under `rule` (none in shadow),
+        with what is left of it as counted (the file's last save)."""
+        if not rule.quotas or rule.shadow:
+            return []
+        return quota_state(rule.quotas, self.usage(user), self.clock())
+
     def spent(self, rule: Limit, user: str) -> Spent | None:
         """The user's spent quota under `rule` (not in shadow), or None."""
-        if not rule.quotas or rule.shadow:
-            return None
-        return spent(rule.quotas, self.usage(user), self.clock())
+        return spent_of(self.state(rule, user))
 
 
 def quota_message(s: Spent) -> str:
@@ -107,11 +121,10 @@ def usage_lines(
                 rows[key] = f"{used} used  resets {_utc(window_bounds(window, now)[1])}"
         if policy is not None:
             rule = policy.limit_for(user)
-            for q, remaining, reset_s in quota_state(rule.quotas, usage, now):
-                used = used_in(usage, q.kind, q.window, now)
-                rows[f"{q.kind}/{q.window}"] = (
-                    f"{used} used of {q.tokens} ({remaining} left, {rule.rule})  "
-                    f"resets {_utc(now + reset_s)}"
+            for q in quota_state(rule.quotas, usage, now):
+                rows[f"{q.quota.kind}/{q.quota.window}"] = (
+                    f"{q.used} used of {q.quota.tokens} ({q.remaining} left, {rule.rule})  "
+                    f"resets {_utc(now + q.reset_s)}"
                 )
         lines += [f"{user}  {key}  {row}" for key, row in sorted(rows.items())]
     return lines

@@ -135,6 +135,18 @@ class Metrics:
             return OTHER
         return policy.limit_for(user).label or "default"
 
+    def label_known(self, user: str, policy: CompiledPolicy) -> str:
+        """`label_of` that never gives anyone a series, for threads other than
+        the scheduler's (quota usage, outrate.observe.quotas): an opted-in user
+        without a series yet is counted under `other`."""
+        if user == ANONYMOUS:
+            return "anonymous"
+        if user in policy.users:
+            return user
+        if policy.wants_series(user) and not is_rule_label(user):
+            return user if user in self._series else OTHER
+        return policy.limit_for(user).label or "default"
+
     @property
     def n_series(self) -> int:
         return len(self._series)

@@ -29,6 +29,7 @@ from outrate.observe.metrics import (
     Metrics,
     limit_of_label,
 )
+from outrate.observe.quotas import merge_quota
 from outrate.policy.compiler import CompiledPolicy
 
 
@@ -40,12 +41,14 @@ def snapshot(
     store: dict[str, Any] | None = None,
     trace_dropped: int | None = None,
     vllm: dict[str, Any] | None = None,
+    quota: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A JSON-able picture of `metrics` (and of the reloader's counts, which
         live on the reloader, the budget store's, `StoreMetrics.snapshot()`,
         which live on the lease thread, and the trace writer's dropped lines,
         with `--outrate-trace`; and `vllm`, the version the engine runs on and
-    whether outrate is tested on it). Safe to call from another thread."""
+    whether outrate is tested on it; and `quota`, each label's quota usage,
+    outrate.observe.quotas.quota_usage). Safe to call from another thread."""
     now = time.monotonic_ns() if now is None else now
     labels = {}
     for m in list(metrics.labels.values()):
@@ -75,6 +78,8 @@ def snapshot(
         out["trace"] = {"dropped": trace_dropped}
     if vllm is not None:
         out["vllm"] = vllm
+    if quota is not None:
+        out["quota"] = quota
     return out
 
 
@@ -226,6 +231,8 @@ def merge_snapshots(snaps: list[dict[str, Any]]) -> dict[str, Any] | None:
                 mine[k] = add_json(mine[k], row[k])
         if out.get("store") is not None and s.get("store") is not None:
             merge_store(out["store"], s["store"])
+        if s.get("quota") is not None:
+            merge_quota(out.setdefault("quota", {}), s["quota"])
         if s.get("trace") is not None:  # each rank writes its own trace
             trace = out.setdefault("trace", {"dropped": 0})
             trace["dropped"] += s["trace"]["dropped"]
@@ -396,9 +403,44 @@ def families(data: dict[str, Any] | None) -> Iterator[Any]:
         )
         dropped.add_metric([], trace["dropped"])
         yield dropped
+    quota = data.get("quota")
+    if quota is not None:
+        yield from quota_families(quota)
     store = data.get("store")
     if store is not None:
         yield from store_families(store)
+
+
+def quota_families(rows: dict[str, Any]) -> Iterator[Any]:
+    """Quota usage per limit label, kind and window (outrate.observe.quotas)."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    names = ["limit", "kind", "window"]
+    used = GaugeMetricFamily(
+        "outrate_quota_used_tokens",
+        "Tokens counted in the current UTC quota window (an overrun included): the "
+        "user's, or under a rule's label the sum over its users.",
+        labels=names,
+    )
+    quota = GaugeMetricFamily(
+        "outrate_quota_tokens",
+        "The quota in force: tokens per window for one user of the limit.",
+        labels=names,
+    )
+    spent = GaugeMetricFamily(
+        "outrate_quota_spent_users",
+        "Users of the limit whose quota of this kind and window is spent (refused with "
+        "429 insufficient_quota until the window resets).",
+        labels=names,
+    )
+    for label, keys in sorted(rows.items()):
+        for key, row in sorted(keys.items()):
+            kind, _, window = key.partition("/")
+            used.add_metric([label, kind, window], row["used"])
+            spent.add_metric([label, kind, window], row["spent"])
+            if row.get("quota") is not None:
+                quota.add_metric([label, kind, window], row["quota"])
+    yield from (used, quota, spent)
 
 
 class SnapshotCollector:

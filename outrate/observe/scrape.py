@@ -41,6 +41,9 @@ LIMIT_SAMPLES: Mapping[str, str] = {
     "outrate_prompt_waiting_requests": "prompt_waiting",
 }
 """Samples labelled by `limit`: sample name -> `LimitValues` field."""
+REFUSED_SAMPLE = "outrate_requests_refused_total"
+REFUSED_FIELDS: Mapping[str, str] = {"requests": "refused_requests", "quota": "refused_quota"}
+"""The API server's 429s, labelled `limit` and `reason`: reason -> `LimitValues` field."""
 
 NO_METRICS = "has no outrate metrics: is the server running with --outrate-policy?"
 
@@ -65,6 +68,8 @@ class LimitValues:
     prompt_tokens: float | None = None  # prompt tokens computed and charged
     prompt_limit: float | None = None  # configured prompt tok/s; inf = unlimited
     prompt_waiting: float | None = None  # requests waiting for prompt budget now
+    refused_requests: float | None = None  # 429s over the request rate (a counter)
+    refused_quota: float | None = None  # 429s for a spent quota (a counter)
 
 
 CONFIGURED = ("rate_limit", "peak", "prompt_limit")
@@ -103,6 +108,8 @@ class Row(NamedTuple):
     prompt: float | None = None  # prompt tok/s computed and charged
     prompt_limit: float | None = None  # configured prompt tok/s, inf = unlimited
     prompt_waiting: float | None = None  # requests waiting for prompt budget now
+    refused: float | None = None  # requests/s refused with 429 over the request rate
+    quota_refused: float | None = None  # requests/s refused with 429 for a spent quota
 
 
 def metrics_url(url: str) -> str:
@@ -138,6 +145,8 @@ def parse(text: str, at: float) -> Snapshot:
                 continue
             samples += 1
             field = LIMIT_SAMPLES.get(s.name)
+            if s.name == REFUSED_SAMPLE:
+                field = REFUSED_FIELDS.get(s.labels.get("reason", ""))
             if field is not None:
                 limit = s.labels.get("limit")
                 if limit is None:
@@ -172,6 +181,8 @@ def parse(text: str, at: float) -> Snapshot:
             prompt_tokens=fields.get("prompt_tokens"),
             prompt_limit=fields.get("prompt_limit"),
             prompt_waiting=fields.get("prompt_waiting"),
+            refused_requests=fields.get("refused_requests"),
+            refused_quota=fields.get("refused_quota"),
         )
         for name, fields in values.items()
     }
@@ -221,13 +232,15 @@ def rows(prev: Snapshot | None, cur: Snapshot, limit_filter: str | None = None) 
     for limit, now in cur.limits.items():
         if limit_filter is not None and not fnmatchcase(limit, limit_filter):
             continue
-        rate = throttled = shadow_over = borrowed = prompt = None
+        rate = throttled = shadow_over = borrowed = prompt = refused = quota_refused = None
         if prev is not None and dt > 0:
             before = prev.limits.get(limit, NOTHING)
             rate = _per_second(before.tokens, now.tokens, dt)
             borrowed = _per_second(before.borrowed_tokens, now.borrowed_tokens, dt)
             shadow_over = _per_second(before.shadow_over_tokens, now.shadow_over_tokens, dt)
             prompt = _per_second(before.prompt_tokens, now.prompt_tokens, dt)
+            refused = _per_second(before.refused_requests, now.refused_requests, dt)
+            quota_refused = _per_second(before.refused_quota, now.refused_quota, dt)
             held_for = _increase(before.throttled_seconds, now.throttled_seconds)
             if held_for is not None and now.live:  # live 0 or absent: nothing to share
                 throttled = min(max(held_for / (dt * now.live), 0.0), 1.0)
@@ -246,6 +259,8 @@ def rows(prev: Snapshot | None, cur: Snapshot, limit_filter: str | None = None) 
                 prompt=prompt,
                 prompt_limit=now.prompt_limit,
                 prompt_waiting=_count(now.prompt_waiting),
+                refused=refused,
+                quota_refused=quota_refused,
             )
         )
     out.sort(key=lambda r: (-_or(r.throttled), -_or(r.rate), r.limit))

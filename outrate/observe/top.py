@@ -90,6 +90,8 @@ COLUMNS = (
     "prompt tok/s",
     "prompt limit tok/s",
     "prompt waiting",
+    "429 requests/s",
+    "429 quota/s",
 )
 
 
@@ -136,6 +138,8 @@ def _cells(row: Row) -> tuple[Text, ...]:
         _fixed(row.prompt),
         _configured(row.prompt_limit),
         _whole(row.prompt_waiting),
+        _fixed(row.refused),
+        _fixed(row.quota_refused),
     )
     return tuple(Text(_shown(cell)) for cell in cells)
 

@@ -22,7 +22,9 @@ from pydantic import (
     Field,
     PlainSerializer,
     PlainValidator,
+    SerializerFunctionWrapHandler,
     WithJsonSchema,
+    model_serializer,
     model_validator,
 )
 
@@ -133,6 +135,14 @@ class QuotaRule(BaseModel):
             if value is None and key in ("output", "prompt"):
                 raise problem(f"{QUOTA_EXPECTED} (got nothing): leave '{key}' out for none")
         return data
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> Any:
+        """`unlimited` dumps as it was written: `{}` would not load back
+        (a mapping must name a quota)."""
+        if self.output is None and self.prompt is None:
+            return UNLIMITED
+        return handler(self)
 
     def quotas(self) -> tuple[Quota, ...]:
         out = []

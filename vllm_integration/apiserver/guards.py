@@ -47,7 +47,7 @@ from http import HTTPStatus
 from typing import Any, NamedTuple
 
 from outrate.budget.gcra import NS_PER_S
-from outrate.budget.quota import Spent
+from outrate.budget.quota import QuotaLeft, Spent, spent_of
 from outrate.contract.headers import (
     Header,
     limit_headers,
@@ -152,16 +152,19 @@ class IdentityGuard:
             admission = self.gate.requests.admit(policy, key)
             if admission.over:
                 count_requests_over(admission.limit.label, "requests", admission.admitted)
+            view = self.gate.quotas
+            quotas = [] if view is None else view.state(rule, key)
             if not admission.admitted:
-                await _too_many(scope, replay, send, policy.headers, rule, admission)
+                await _too_many(scope, replay, send, policy.headers, rule, admission, quotas)
                 return
-            quotas = self.gate.quotas
-            spent = None if quotas is None else quotas.spent(rule, key)
+            spent = spent_of(quotas)
             if spent is not None:
                 count_requests_over(rule.label, "quota", False)
-                await _quota_spent(scope, replay, send, policy.headers, rule, admission, spent)
+                await _quota_spent(
+                    scope, replay, send, policy.headers, rule, admission, spent, quotas
+                )
                 return
-            fields = limit_headers(policy.headers, rule, admission)
+            fields = limit_headers(policy.headers, rule, admission, quotas)
             if fields:
                 send = _adding(send, fields)
 
@@ -195,7 +198,13 @@ def _adding(send: Send, fields: list[Header]) -> Send:
 
 
 async def _too_many(
-    scope: Scope, receive: Receive, send: Send, style: str, rule: Any, admission: Admission
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    style: str,
+    rule: Any,
+    admission: Admission,
+    quotas: list[QuotaLeft],
 ) -> None:
     """429 in OpenAI's shape (Anthropic's on `/v1/messages`), with Retry-After
     and the limits."""
@@ -215,7 +224,7 @@ async def _too_many(
             }
         }
     response = JSONResponse(body, status_code=HTTPStatus.TOO_MANY_REQUESTS)
-    response.raw_headers += refusal_headers(style, rule, admission)
+    response.raw_headers += refusal_headers(style, rule, admission, quotas)
     await response(scope, receive, send)
 
 
@@ -227,6 +236,7 @@ async def _quota_spent(
     rule: Any,
     admission: Admission,
     spent: Spent,
+    quotas: list[QuotaLeft],
 ) -> None:
     """429 `insufficient_quota` (OpenAI's shape; Anthropic's on `/v1/messages`),
     with Retry-After up to the spent window's reset."""
@@ -239,7 +249,7 @@ async def _quota_spent(
     reset_ns = math.ceil(spent.reset_s * NS_PER_S)
     refused = admission._replace(retry_after_ns=reset_ns)
     response = JSONResponse(body, status_code=HTTPStatus.TOO_MANY_REQUESTS)
-    response.raw_headers += refusal_headers(style, rule, refused)
+    response.raw_headers += refusal_headers(style, rule, refused, quotas)
     await response(scope, receive, send)
 
 

@@ -106,13 +106,25 @@ def install_metrics(directory: str | None = None) -> str:
 
 # -- the API server's own counters -------------------------------------------
 
+REFUSED = (
+    "outrate_requests_refused",
+    "Requests refused with HTTP 429 in the API server, before tokenization.",
+)
+SHADOW_OVER = (
+    "outrate_shadow_requests_over_limit",
+    "Requests over a request rate in shadow: counted, not refused.",
+)
+API_SERVER_COUNTERS = (REFUSED, SHADOW_OVER)
+"""(name, help) of the counters this process keeps itself, both labelled
+`limit` and `reason` (`requests` or `quota`): what /metrics shows as NAME_total."""
+
 _refused: Any = None
 _shadow_over: Any = None
 
 
 def count_requests_over(label: str, reason: str, shadow: bool) -> None:
-    """One request over its user's rate: refused (429), or in shadow counted
-    and let through. Counted in this API-server process with
+    """One request over its user's rate or quota (`reason`): refused (429),
+    or in shadow counted and let through. Counted in this API-server process with
     prometheus_client (multiprocess files when vLLM runs several, summed on
     /metrics); created on first use, after vLLM set its multiprocess
     directory."""
@@ -121,17 +133,9 @@ def count_requests_over(label: str, reason: str, shadow: bool) -> None:
 
     if shadow:
         if _shadow_over is None:
-            _shadow_over = Counter(
-                "outrate_shadow_requests_over_limit",
-                "Requests over a request rate in shadow: counted, not refused.",
-                ["limit", "reason"],
-            )
+            _shadow_over = Counter(*SHADOW_OVER, ["limit", "reason"])
         _shadow_over.labels(label, reason).inc()
         return
     if _refused is None:
-        _refused = Counter(
-            "outrate_requests_refused",
-            "Requests refused with HTTP 429 in the API server, before tokenization.",
-            ["limit", "reason"],
-        )
+        _refused = Counter(*REFUSED, ["limit", "reason"])
     _refused.labels(label, reason).inc()

@@ -7,7 +7,9 @@ From the `EngineSettings` the API server sent:
   server, which serves the snapshots on /metrics);
 - the `TraceWriter` (`--outrate-trace`);
 - the store's lease thread (`--outrate-store`, vllm_integration/enginecore/store.py),
-  whose counts go into the metrics snapshot.
+  whose counts go into the metrics snapshot;
+- the `QuotaSaver` (`--outrate-quota-file`), whose book's usage goes into
+  the metrics snapshot too.
 Each writes from its own daemon thread; the scheduler thread only counts.
 """
 
@@ -20,6 +22,7 @@ from typing import Any
 from outrate.budget.quota import QuotaBook
 from outrate.budget.quotafile import QuotaSaver
 from outrate.observe.publish import Publisher, snapshot
+from outrate.observe.quotas import QuotaGauges
 from outrate.observe.trace import DEFAULT_MAX_BYTES, TraceWriter
 from outrate.policy.compiler import CompiledPolicy
 from outrate.policy.reload import Reloader
@@ -107,6 +110,8 @@ def start_engine_threads(
         version = vllm_version()
         vllm = {"version": version, "tested": is_supported(version)}
 
+        gauges = None if threads.quota is None else QuotaGauges(threads.quota.book)
+
         def take() -> dict[str, Any]:
             reloader = threads.reloader
             reloads = None
@@ -114,6 +119,7 @@ def start_engine_threads(
                 reloads = {"applied": reloader.applied, "rejected": reloader.rejected}
             lease = None if store is None else store.runner.metrics.snapshot()
             dropped = None if threads.trace is None else threads.trace.dropped_total
+            quota = None if gauges is None else gauges.rows(scheduler.metrics, box.current)
             return snapshot(
                 scheduler.metrics,
                 box.current,
@@ -121,6 +127,7 @@ def start_engine_threads(
                 store=lease,
                 trace_dropped=dropped,
                 vllm=vllm,
+                quota=quota,
             )
 
         threads.publisher = Publisher(settings.metrics_dir, take, logger=logger, suffix=suffix)

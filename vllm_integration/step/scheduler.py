@@ -159,8 +159,12 @@ class OutrateMixin:
         self.holdback.recorder = self.ledger.recorder = self.prompts.recorder = self.recorder
 
     def outrate_quotas(self, book: QuotaBook) -> None:
-        """Count quota usage into `book` (saved by the engine's QuotaSaver)."""
+        """Count quota usage into `book` (saved by the engine's QuotaSaver).
+        Users with usage saved before a restart get their metrics label now,
+        as at a first request, so /metrics shows their usage under it."""
         self.quota = QuotaMeter(book, self._policy)
+        for user in list(book.users):
+            self.metrics.label_of(user, self._policy)
 
     def swap_policy(self, policy: CompiledPolicy, now: int) -> None:
         """A reloaded policy takes over at the start of a step: the store
