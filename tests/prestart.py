@@ -53,7 +53,9 @@ class Entry:
 
     def _enter(self) -> None:
         try:
-            root = Path(tempfile.mkdtemp(prefix=f"outrate-{self.key.rsplit('.', 1)[-1]}-"))
+            root = Path(
+                tempfile.mkdtemp(prefix=f"outrate-{self.key.rsplit('.', 1)[-1].replace(' ', '-')}-")
+            )
             cm = self.start(root.resolve())
             self.value = cm.__enter__()
             self.cm = cm
