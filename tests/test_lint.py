@@ -643,21 +643,30 @@ PROMPT_POLICY = "version: 1\ndefault: {rate: 20, prompt: 500}\nusers:\n  u: 5\n"
 QUIET = [*CAPPED, "--host", "::1"]  # silences OR111 and OR113
 
 
-def test_a_store_with_prompt_limits_is_the_engines_error(tmp_path: Path) -> None:
-    """OR119: prompt budgets are per engine; lint says what the engine says
-    when it refuses to start or to reload (outrate/check/prompts.py)."""
+def test_a_store_with_prompt_limits_and_no_chunked_prefill_is_the_engines_error(
+    tmp_path: Path,
+) -> None:
+    """OR119: a shared prompt budget is leased a slice at a time, so without
+    chunked prefill a whole prompt would never fit; lint says what the engine
+    says when it refuses to start or to reload (outrate/check/prompts.py).
+    With chunked prefill (vLLM's default) prompt limits are shared."""
     path = tmp_path / "p.yaml"
     path.write_text(PROMPT_POLICY)
     store = ["--outrate-store", "redis://h:6379/0", "--outrate-store-engines", "2"]
-    report = lint_all(path, deployment_from_args([*QUIET, *store]))
+    assert not lint_all(path, deployment_from_args([*QUIET, *store])).errors
+    unchunked = [*QUIET, *store, "--no-enable-chunked-prefill", "--max-model-len", "51"]
+    report = lint_all(path, deployment_from_args(unchunked))
     assert [(f.code, f.severity, f.location, f.message) for f in report.errors] == [
         (
             "OR119",
             "error",
             f"{path}:2:29",
-            "default.prompt: prompt limits cannot be shared through --outrate-store yet "
-            "(each engine would enforce the whole prompt rate); run without --outrate-store "
-            "or remove 'prompt' from: default, anonymous (default)",
+            "default.prompt: with --outrate-store and chunked prefill off, a prompt limit "
+            "cannot be kept: a prompt is then computed whole, but an engine holds a shared "
+            "budget's credit one lease slice at a time (rate x lease horizon, "
+            "docs/several-engines.md), so a prompt longer than the slice would wait "
+            "forever; enable chunked prefill, or remove 'prompt' from: default, anonymous "
+            "(default)",
         )
     ]
     assert codes(list(lint_all(path, deployment_from_args(QUIET)).findings)) == ["OR011"]

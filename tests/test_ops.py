@@ -321,7 +321,7 @@ PROMPT_PANELS: dict[str, dict[str, float]] = {
 }
 """What each dashboard query over the prompt series returns on PROMPT_SERIES,
 per limit. The e2e run below cannot show them with data: its server shares
-budgets through a store, which refuses prompt limits (OR119)."""
+budgets through a store, and its policy sets no prompt limit."""
 
 
 def prompt_exprs() -> dict[str, str]:
@@ -524,7 +524,7 @@ def all_exprs() -> list[tuple[str, str, bool]]:
     README. Alert conditions are empty by design while nothing is wrong: they
     must parse and every series they name must exist; everything else must
     return samples where traffic was, but the prompt limit's line: the run's
-    store refuses prompt limits (OR119), so no limit has a finite prompt rate
+    policy sets no prompt limit, so no limit has a finite prompt rate
     (test_the_prompt_panels_show_what_the_prompt_series_say checks it with
     data)."""
     no_prompt_limit = {"Prompt tokens/s against the prompt limit / B"}

@@ -37,7 +37,7 @@ Codes are stable (tools and CI filter on them); never renumber, only add:
 - OR117 warning  --outrate-store-fallback share: the deprecated name of pause
 - OR118 error    chunked prefill off and a prompt limit whose burst holds fewer
                  tokens than max_model_len (checked where --max-model-len is known)
-- OR119 error    --outrate-store with a prompt limit (prompt budgets are per engine)
+- OR119 error    --outrate-store with a prompt limit and chunked prefill off
 - OR120 warning  a request rate (`requests:`) with more than one API server: each keeps
                  its own table, so a user may get up to N x its request rate
 """
