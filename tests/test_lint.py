@@ -676,11 +676,12 @@ def test_a_store_with_prompt_limits_and_no_chunked_prefill_is_the_engines_error(
 QUOTA_POLICY = "version: 1\ndefault: 20\nusers:\n  u: {rate: 5, quota: {output: 2M/day}}\n"
 
 
-def test_a_quota_without_a_quota_file_or_beside_a_store_is_the_engines_error(
+def test_a_quota_without_a_quota_file_or_beside_a_data_parallel_store_is_the_engines_error(
     tmp_path: Path,
 ) -> None:
     """OR121 and OR122: a quota is never silently ignored; lint says what
-    both processes say when they refuse to start (outrate/check/quotas.py)."""
+    both processes say when they refuse to start (outrate/check/quotas.py).
+    A store with one engine per server shares the quota (it needs the file too)."""
     path = tmp_path / "p.yaml"
     path.write_text(QUOTA_POLICY)
     quota_file = ["--outrate-quota-file", str(tmp_path / "q.json")]
@@ -695,13 +696,18 @@ def test_a_quota_without_a_quota_file_or_beside_a_store_is_the_engines_error(
             "restart (a restart must not give anyone a fresh window)",
         )
     ]
-    shared = lint_all(path, deployment_from_args([*QUIET, *quota_file, *store]))
+    assert not lint_all(path, deployment_from_args([*QUIET, *quota_file, *store])).errors
+    shared_no_file = lint_all(path, deployment_from_args([*QUIET, *store]))
+    assert [f.code for f in shared_no_file.errors] == ["OR121"]
+    dp = ["--data-parallel-size", "2"]
+    shared = lint_all(path, deployment_from_args([*QUIET, *quota_file, *store, *dp]))
     assert [(f.code, f.location, f.message) for f in shared.errors] == [
         (
             "OR122",
             f"{path}:4:23",
-            "users.u.quota: quotas with --outrate-store are not built yet: each engine "
-            "would count its own usage (remove the quota or the store)",
+            "users.u.quota: quotas with --outrate-store and --data-parallel-size above 1 are "
+            "not built yet: the engine cores of one server would share one quota file (run "
+            "one engine per server, or remove the quota)",
         )
     ]
     assert lint_all(path, deployment_from_args([*QUIET, *quota_file])).ok()

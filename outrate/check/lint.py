@@ -417,7 +417,9 @@ def lint_all(
             refused = prompt_refusals(
                 compiled, deployment.store, deployment.chunked_prefill, deployment.max_model_len
             )
-            refused += quota_refusals(compiled, deployment.store, deployment.quota_file)
+            refused += quota_refusals(
+                compiled, deployment.store, deployment.quota_file, deployment.data_parallel_size
+            )
             findings += [
                 Finding(code, "error", f"{p.field}: {p.message}", f"{p.path}:{p.line}:{p.col}")
                 for code, p in refused
