@@ -32,7 +32,8 @@ engine that the group's state was lost under it (FLUSHALL, a restart
 without persistence), and the script then assumes the worst of every TAT
 it lost (outrate.budget.shared.scripts).
 
-And one hash per deployment, `outrate:{engines}`: each engine's heartbeat
+And one hash per deployment, `outrate:{engines}` (the API servers' that
+lease request rates: `outrate:{engines}:api`): each engine's heartbeat
 (its expiry, its policy's sha256, how long the others keep its part when
 it goes missing, and its N), plus `outrate:{engines}:<id>`, a key
 with a TTL per engine for people looking with redis-cli.
@@ -92,6 +93,13 @@ OUTPUT = ""
 """The kind of budget a lease call is for: output tokens (keys `t:`, `d:`)."""
 PROMPT = "p"
 """Prompt tokens (keys `pt:`, `pd:`): a prompt limit's own global GCRA."""
+REQUESTS = "r"
+"""Requests (keys `rt:`, `rd:`): a request rate's global GCRA, leased by
+the API servers (outrate.contract.requests)."""
+API_SERVERS_KEY = f"{ENGINES_KEY}:api"
+"""The API servers' heartbeats: apart from the engines' (an API server is
+not an engine: it must not change what an engine's fallback divides by),
+under the same hash tag (one slot)."""
 
 
 def user_keys(user: str, kind: str = OUTPUT) -> tuple[str, str]:
@@ -216,8 +224,16 @@ class RedisLink:
     does not answer within `timeout_s` enforces its fallback instead.
     """
 
-    def __init__(self, url: str, password: str | None = None, timeout_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        url: str,
+        password: str | None = None,
+        timeout_s: float = 0.5,
+        peers_key: str = ENGINES_KEY,
+    ) -> None:
         check_url(url)
+        self.peers_key = peers_key
+        """Where this process heartbeats: the engines' hash, or the API servers'."""
         bare, in_url = split_password(url)  # the URL's password first, as redis-py would
         bare, ssl_in_url = split_ssl_password(bare)
         env = Env.read()
@@ -276,8 +292,8 @@ class RedisLink:
                         b"EVALSHA",
                         BEAT_SHA,
                         2,
-                        ENGINES_KEY,
-                        engine_key(engine_id),
+                        self.peers_key,
+                        f"{self.peers_key}:{engine_id}",
                         engine_id,
                         sha,
                         ttl_us,

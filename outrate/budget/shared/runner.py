@@ -51,6 +51,7 @@ from outrate.budget.shared.faults import Faults
 from outrate.budget.shared.faults import StoreRefused as StoreRefused  # (re-exported)
 from outrate.budget.shared.lease import (
     MAX_HORIZON_US,
+    OUTPUT,
     PROMPT,
     LeaseCall,
     RedisLink,
@@ -102,7 +103,9 @@ class LeaseRunner:
     `table` is the scheduler's `Limiter`, lent by `budget`: the runner reads
     its policy, clock and buckets (`buckets()`), and talks to the scheduler
     through `budget` only. `prompts`, where the policy limits prompts: the
-    scheduler's prompt table and the budget lending it, shared alike."""
+    scheduler's prompt table and the budget lending it, shared alike.
+    `kind`: what `table` counts (outrate.budget.shared.lease: `OUTPUT`; an
+    API server's request table leases `REQUESTS`)."""
 
     def __init__(
         self,
@@ -120,6 +123,7 @@ class LeaseRunner:
         hold_s: float = HOLD_S,
         expected_from: str = "the engines expected: 1",
         prompts: tuple[Limiter, SharedBudget] | None = None,
+        kind: str = OUTPUT,
     ) -> None:
         if table.lender is not budget:
             raise ValueError("the table must be lent by this budget (Limiter(lender=budget))")
@@ -132,7 +136,7 @@ class LeaseRunner:
         self.metrics = metrics or StoreMetrics()
         self.engine = engine or engine_id()
         self.log = logger or logging.getLogger("vllm.outrate")
-        self.turns = Turns(budget, self.log, cap)
+        self.turns = Turns(budget, self.log, cap, kind)
         self.kinds = [Kind(table, budget, self.turns)]
         self.interval_ns = int(interval_s * NS_PER_S)
         self.retry_s = retry_s
