@@ -152,3 +152,22 @@ def test_a_store_outage_paces_requests_at_rate_over_n(tmp_path, caplog):
 def test_without_a_store_each_api_server_keeps_its_own_table():
     table, runner = open_requests({}, POLICY)
     assert runner is None and isinstance(table, RequestTable) and table.lender is None
+
+
+def test_an_api_server_leases_requests_only_once_a_rule_has_a_request_rate(redis_server):
+    """No request rate in the policy: no lease thread (nor its log lines)
+    in the API server; a reload that adds one starts it."""
+    from vllm_integration.apiserver.identity import Gate
+
+    plain = compile_policy(parse_policy("version: 1\ndefault: 20\n", "t.yaml"), "t.yaml")
+    gate = Gate(policy=plain)
+    gate.store = {"store": redis_server.url}
+    gate.share_requests(plain)
+    assert gate.lease is None and gate.requests.lender is None
+    gate.publish(POLICY)
+    try:
+        assert gate.lease is not None and gate.lease.up
+        assert gate.requests.lender is not None
+        assert gate.requests.admit(POLICY, "free").admitted
+    finally:
+        gate.stop()

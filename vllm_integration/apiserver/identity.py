@@ -38,6 +38,14 @@ from vllm_integration.common.settings import EngineSettings
 if TYPE_CHECKING:
     from outrate.budget.shared.runner import LeaseRunner
 
+
+def has_request_rates(policy: CompiledPolicy) -> bool:
+    """Some rule has a request rate (enforced or in shadow)."""
+    return any(
+        lim.requests is not None and lim.requests.rate is not None for lim in policy.all_limits()
+    )
+
+
 SETTINGS_ENV = API_SETTINGS
 """JSON: {"policy": path or null, "reload": mode, "vllm_api_key": bool}."""
 
@@ -65,10 +73,27 @@ class Gate:
         self.requests = RequestTable()
         self.lease: LeaseRunner | None = None
         """With --outrate-store: the lease thread of `requests`' shared budget."""
+        self.store: dict[str, Any] | None = None
+        """The store settings handed over (`share_requests`), None without one."""
         self.quotas: QuotaView | None = None
         """With --outrate-quota-file: the usage the engine saves (quota refusals)."""
 
+    def share_requests(self, policy: CompiledPolicy) -> None:
+        """With a store, once some rule has a request rate: lease request
+        credit with the other API servers (vllm_integration/apiserver/store.py).
+        Not before: an API server with no request rate to share keeps no
+        lease thread (nor its log lines). A reload that adds the first rate
+        starts it (its table starts fresh: one burst, once)."""
+        if self.store is None or self.lease is not None or not has_request_rates(policy):
+            return
+        from vllm_integration.apiserver.store import open_requests
+
+        self.requests, self.lease = open_requests(
+            self.store, policy, lambda: (self.policy or policy).sha256
+        )
+
     def publish(self, policy: CompiledPolicy) -> None:
+        self.share_requests(policy)
         self.policy = policy
         old, self.identity = self.identity, policy.identity
         if old != policy.identity:
@@ -145,9 +170,8 @@ def _build() -> Gate:
             raise SystemExit(f"outrate: {e}") from e
     g = Gate(policy.identity, stamper, policy=policy)
     if api.get("store"):
-        from vllm_integration.apiserver.store import open_requests
-
-        g.requests, g.lease = open_requests(api, policy, lambda: (g.policy or policy).sha256)
+        g.store = api
+        g.share_requests(policy)
     if api.get("quota_file"):
         g.quotas = QuotaView(api["quota_file"])
     if policy.identity.source != "body" and stamper is None:
