@@ -5,7 +5,9 @@ lease thread (`LeaseRunner`), with fabricated model outputs (vllm_harness).
 Time is real: the global GCRA runs on the store's TIME, so the schedulers use
 CLOCK_MONOTONIC (one clock on one machine) and are stepped every few ms.
 What each scheduler charged is recorded (`Recorder`) and merged over the
-engines to check a bound per window."""
+engines to check a bound per window. As in the engine core
+(vllm_integration/enginecore/store.py), the prompt table is shared too, by
+the same lease thread."""
 
 from __future__ import annotations
 
@@ -39,6 +41,17 @@ class Recorder:
     def event(self, t: int, **fields: object) -> None:
         pass
 
+    def prompt_tokens(
+        self, user: str, since: int = 0, until: int | None = None
+    ) -> list[tuple[int, int]]:
+        """(time, prompt tokens computed) of each step that computed some of `user`'s."""
+        out = []
+        for t, *rest in self.steps:
+            n = rest[10].get(user, 0)  # the line's prompt tokens (net of refunds)
+            if n and t >= since and (until is None or t < until):
+                out.append((t, n))
+        return out
+
     def tokens(self, user: str, since: int = 0, until: int | None = None) -> list[tuple[int, int]]:
         out = []
         for t, _, _, charged, refunded, *_ in self.steps:  # (time, step, running, ...)
@@ -51,19 +64,25 @@ class Recorder:
 class Engine:
     """One scheduler, its lease thread and what it charged."""
 
-    def __init__(self, kind: str, url: str, name: str, **runner_kw: Any) -> None:
-        pol = compile_policy(parse_policy(POLICY, "t.yaml"), "t.yaml", "sha-t")
+    def __init__(
+        self, kind: str, url: str, name: str, policy: str = POLICY, **runner_kw: Any
+    ) -> None:
+        pol = compile_policy(parse_policy(policy, "t.yaml"), "t.yaml", "sha-t")
         self.sched = make_scheduler(kind)
         fallback = runner_kw.pop("fallback", "local")
         self.budget = SharedBudget(fallback=fallback)
         self.limiter = Limiter(pol, lender=self.budget)
-        self.sched.outrate_configure(pol, limiter=self.limiter)  # CLOCK_MONOTONIC
+        self.pbudget = SharedBudget(fallback=fallback)
+        self.prompts = Limiter(pol.prompts, lender=self.pbudget)
+        # CLOCK_MONOTONIC
+        self.sched.outrate_configure(pol, limiter=self.limiter, prompt_table=self.prompts)
         self.runner = LeaseRunner(
             self.limiter,
             self.budget,
             RedisLink(url),
             policy_sha=lambda: pol.sha256,
             engine=name,
+            prompts=(self.prompts, self.pbudget),
             **runner_kw,
         )
         self.rec = Recorder()
@@ -79,6 +98,14 @@ class Engine:
     def add(self, user: str, streams: int) -> None:
         for _ in range(streams):
             self.driver.add(make_request(user, max_tokens=100_000))
+
+    def feed(self, user: str, live: int, prompt_len: int) -> None:
+        """Keep `live` requests of `user` with `prompt_len`-token prompts and
+        one output token each in this engine: a new one for each that finished."""
+        d = self.driver
+        mine = [r for r, u in d.user_of.items() if u == user and r not in d.finished]
+        for _ in range(live - len(mine)):
+            d.add(make_request(user, prompt_len=prompt_len, max_tokens=1))
 
 
 def run(

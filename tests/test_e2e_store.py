@@ -12,9 +12,13 @@ clock for every process here."""
 from __future__ import annotations
 
 import contextlib
+import json
+import random
 import re
+import string
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -43,7 +47,13 @@ ENGINES = 3  # A, and B's two data-parallel ranks
 SLACK = RATE * LEASE_INTERVAL_S + ENGINES
 """rate * H + N (docs/several-engines.md, "The bound") with H = the 20 ms interval: a
 little under S, whose H adds a round trip, so stricter than the bound."""
-POLICY = "version: 1\ndefault: unlimited\nburst: 100ms\nusers:\n  alice: 20\n"
+PROMPT_RATE = 200
+REQUEST_RATE = 5
+POLICY = (
+    "version: 1\ndefault: unlimited\nburst: 100ms\nusers:\n  alice: 20\n"
+    f"  carol: {{rate: 1000, prompt: {PROMPT_RATE}}}\n"
+    f"  dave: {{rate: 1000, requests: {REQUEST_RATE}}}\n"
+)
 A, B = 0, 1
 
 
@@ -295,3 +305,108 @@ def test_redis_down_then_back(replicas):
         assert metric(m, "outrate_lease_seconds_count") > 10
         log = replicas.servers[i].log_path.read_text(errors="replace")
         assert log.count("budget store") >= 2 and "lost" in log and "is back" in log
+
+
+def _post(base_url: str, user: str, prompt: str) -> int:
+    """One completion of one token, not streamed: its HTTP status (429 too)."""
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": 1,
+        "vllm_xargs": {"output_rate_user": user},
+    }
+    req = urllib.request.Request(
+        f"{base_url}/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            r.read()
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+
+
+def _hammer(replicas: Replicas, user: str, seconds: float, threads: int, prompt) -> list[int]:
+    """`threads` clients per replica sending `user`'s requests back to back
+    for `seconds`; each request's prompt from `prompt(i)`. Returns the statuses."""
+    statuses: list[int] = []
+    lock = threading.Lock()
+    until = time.monotonic() + seconds
+
+    def one(url: str, k: int) -> None:
+        i = 0
+        while time.monotonic() < until:
+            status = _post(url, user, prompt(k * 100_000 + i))
+            i += 1
+            with lock:
+                statuses.append(status)
+
+    ts = [
+        threading.Thread(target=one, args=(s.base_url, 10 * j + k), daemon=True)
+        for j, s in enumerate(replicas.servers)
+        for k in range(threads)
+    ]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return statuses
+
+
+def _prompt(i: int) -> str:
+    """A different ~200-token prompt each time (no prefix-cache hits)."""
+    rnd = random.Random(i)
+    return " ".join("".join(rnd.choices(string.ascii_lowercase, k=5)) for _ in range(40))
+
+
+def test_one_users_prompts_on_two_replicas_share_one_prompt_budget(replicas):
+    """Issue 40 item 7 on real servers: carol {prompt: 200} sends different
+    ~200-token prompts to both replicas (three engines), two at a time on
+    each, for 3 s (the last ones run on past it). The prompt
+    tokens the engines computed for her, merged from their traces, obey
+    `(W + burst) * 200 + 1 + S` in every window and come to ~200/s
+    together, not 200 per engine."""
+    since = time.monotonic_ns()
+    statuses = _hammer(replicas, "carol", 3.0, 2, _prompt)
+    time.sleep(0.3)
+    merged = []
+    per = []
+    for _, path in replicas.traces:
+        mine = [
+            (r["t"], r["prompt"]["carol"])
+            for r in read_trace(path)
+            if r["t"] >= since and "carol" in r.get("prompt", {})
+        ]
+        per.append(sum(k for _, k in mine))
+        merged += mine
+    merged.sort()
+    excess = max_window_excess(merged, PROMPT_RATE, BURST_NS)
+    slack = PROMPT_RATE * 0.05 + ENGINES  # S with H up to 50 ms
+    rate = engine_rate(merged)
+    print(
+        f"carol's prompts over 3 engines: {per} tokens, {rate:.1f} tok/s, worst window "
+        f"{excess:+.2f} (slack {slack:.1f}); {len(statuses)} requests, "
+        f"{statuses.count(200)} answered"
+    )
+    assert set(statuses) == {200}  # paced, never refused
+    assert excess <= slack
+    assert 0.7 * PROMPT_RATE <= rate <= 1.1 * PROMPT_RATE
+    assert min(per[0], per[1] + per[2]) > 0  # both replicas computed her prompts
+
+
+def test_one_users_requests_on_two_replicas_share_one_request_rate(replicas):
+    """Issue 41 item 2 on real servers: dave {requests: 5} sends requests
+    back to back to both replicas' API servers (two, each with its lease
+    thread) for 3 s: the 200s over both stay within `(T + burst) * 5 + 1 +
+    S` (the burst: 5 back to back, 0.8 s), not twice that; the rest are 429."""
+    statuses = _hammer(replicas, "dave", 3.0, 2, lambda i: "hi")
+    ok = statuses.count(200)
+    bound = (3.0 + 0.8) * REQUEST_RATE + 1 + REQUEST_RATE * 0.05 + 2
+    print(f"dave: {len(statuses)} requests, {ok} admitted (bound {bound:.1f}), "
+          f"{statuses.count(429)} refused")  # fmt: skip
+    assert set(statuses) <= {200, 429}
+    assert 0.8 * REQUEST_RATE * 3.0 <= ok <= bound
+    api = replicas.redis.client().hgetall(f"{ENGINES_KEY}:api")
+    assert len(api) == 2  # one per replica's API server, apart from the engines

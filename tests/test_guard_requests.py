@@ -135,3 +135,25 @@ def test_probes_are_neither_counted_nor_labelled(policy_gate):
     for _ in range(3):
         assert _through_guard(b"", "/health", method="GET")[0] == 200
     assert _fields() == {}
+
+
+def test_a_request_waits_once_for_shared_credit_on_its_way(policy_gate):
+    """With --outrate-store a user's first request on an API server finds no
+    request credit yet (tests/test_shared_requests.py): the table says how
+    long until it comes (`pending_ns`), and the guard waits that long and
+    asks again, once, instead of refusing."""
+    from outrate.contract.requests import Admission
+
+    gate = policy_gate(POLICY)
+    asked = []
+
+    class Leasing(RequestTable):
+        def admit(self, policy, user, now=None):
+            a = super().admit(policy, user, now)
+            asked.append(user)
+            return a._replace(admitted=False, pending_ns=1_000_000) if len(asked) == 1 else a
+
+    gate.requests = Leasing(clock=lambda: 10**9)
+    status, _, reached = _through_guard(_body("dave"))
+    assert (status, reached, asked) == (200, _body("dave"), ["dave", "dave"])
+    assert isinstance(gate.requests.admit(gate.policy, "dave"), Admission)

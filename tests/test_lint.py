@@ -643,21 +643,30 @@ PROMPT_POLICY = "version: 1\ndefault: {rate: 20, prompt: 500}\nusers:\n  u: 5\n"
 QUIET = [*CAPPED, "--host", "::1"]  # silences OR111 and OR113
 
 
-def test_a_store_with_prompt_limits_is_the_engines_error(tmp_path: Path) -> None:
-    """OR119: prompt budgets are per engine; lint says what the engine says
-    when it refuses to start or to reload (outrate/check/prompts.py)."""
+def test_a_store_with_prompt_limits_and_no_chunked_prefill_is_the_engines_error(
+    tmp_path: Path,
+) -> None:
+    """OR119: a shared prompt budget is leased a slice at a time, so without
+    chunked prefill a whole prompt would never fit; lint says what the engine
+    says when it refuses to start or to reload (outrate/check/prompts.py).
+    With chunked prefill (vLLM's default) prompt limits are shared."""
     path = tmp_path / "p.yaml"
     path.write_text(PROMPT_POLICY)
     store = ["--outrate-store", "redis://h:6379/0", "--outrate-store-engines", "2"]
-    report = lint_all(path, deployment_from_args([*QUIET, *store]))
+    assert not lint_all(path, deployment_from_args([*QUIET, *store])).errors
+    unchunked = [*QUIET, *store, "--no-enable-chunked-prefill", "--max-model-len", "51"]
+    report = lint_all(path, deployment_from_args(unchunked))
     assert [(f.code, f.severity, f.location, f.message) for f in report.errors] == [
         (
             "OR119",
             "error",
             f"{path}:2:29",
-            "default.prompt: prompt limits cannot be shared through --outrate-store yet "
-            "(each engine would enforce the whole prompt rate); run without --outrate-store "
-            "or remove 'prompt' from: default, anonymous (default)",
+            "default.prompt: with --outrate-store and chunked prefill off, a prompt limit "
+            "cannot be kept: a prompt is then computed whole, but an engine holds a shared "
+            "budget's credit one lease slice at a time (rate x lease horizon, "
+            "docs/several-engines.md), so a prompt longer than the slice would wait "
+            "forever; enable chunked prefill, or remove 'prompt' from: default, anonymous "
+            "(default)",
         )
     ]
     assert codes(list(lint_all(path, deployment_from_args(QUIET)).findings)) == ["OR011"]
@@ -667,11 +676,12 @@ def test_a_store_with_prompt_limits_is_the_engines_error(tmp_path: Path) -> None
 QUOTA_POLICY = "version: 1\ndefault: 20\nusers:\n  u: {rate: 5, quota: {output: 2M/day}}\n"
 
 
-def test_a_quota_without_a_quota_file_or_beside_a_store_is_the_engines_error(
+def test_a_quota_without_a_quota_file_or_beside_a_data_parallel_store_is_the_engines_error(
     tmp_path: Path,
 ) -> None:
     """OR121 and OR122: a quota is never silently ignored; lint says what
-    both processes say when they refuse to start (outrate/check/quotas.py)."""
+    both processes say when they refuse to start (outrate/check/quotas.py).
+    A store with one engine per server shares the quota (it needs the file too)."""
     path = tmp_path / "p.yaml"
     path.write_text(QUOTA_POLICY)
     quota_file = ["--outrate-quota-file", str(tmp_path / "q.json")]
@@ -686,13 +696,18 @@ def test_a_quota_without_a_quota_file_or_beside_a_store_is_the_engines_error(
             "restart (a restart must not give anyone a fresh window)",
         )
     ]
-    shared = lint_all(path, deployment_from_args([*QUIET, *quota_file, *store]))
+    assert not lint_all(path, deployment_from_args([*QUIET, *quota_file, *store])).errors
+    shared_no_file = lint_all(path, deployment_from_args([*QUIET, *store]))
+    assert [f.code for f in shared_no_file.errors] == ["OR121"]
+    dp = ["--data-parallel-size", "2"]
+    shared = lint_all(path, deployment_from_args([*QUIET, *quota_file, *store, *dp]))
     assert [(f.code, f.location, f.message) for f in shared.errors] == [
         (
             "OR122",
             f"{path}:4:23",
-            "users.u.quota: quotas with --outrate-store are not built yet: each engine "
-            "would count its own usage (remove the quota or the store)",
+            "users.u.quota: quotas with --outrate-store and --data-parallel-size above 1 are "
+            "not built yet: the engine cores of one server would share one quota file (run "
+            "one engine per server, or remove the quota)",
         )
     ]
     assert lint_all(path, deployment_from_args([*QUIET, *quota_file])).ok()
@@ -985,6 +1000,9 @@ def test_request_rates_with_several_api_servers_warn_or120(tmp_path):
     assert "up to 3 x its request rate (default)" in finding.message
     one = lint_all(path, deployment_from_args(["-asc", "1"]))
     assert not [f for f in one.findings if f.code == "OR120"]
-    ranks = lint_all(path, deployment_from_args(["-dp", "2", "--outrate-store", "redis://h:1/0"]))
+    ranks = lint_all(path, deployment_from_args(["-dp", "2"]))
     assert [f.code for f in ranks.findings if f.code == "OR120"] == ["OR120"]
+    store = ["--outrate-store", "redis://h:1/0"]
+    shared = lint_all(path, deployment_from_args(["-dp", "2", *store]))  # shared: exact
+    assert not [f for f in shared.findings if f.code == "OR120"]
     assert "requests 5/s" in several.policy.summary()  # type: ignore[union-attr]

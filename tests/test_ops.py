@@ -346,7 +346,7 @@ PROMPT_PANELS: dict[str, dict[str, float]] = {
 }
 """What each dashboard query over the prompt series returns on PROMPT_SERIES,
 per limit. The e2e run below cannot show them with data: its server shares
-budgets through a store, which refuses prompt limits (OR119)."""
+budgets through a store, and its policy sets no prompt limit."""
 
 
 def prompt_exprs() -> dict[str, str]:
@@ -659,9 +659,8 @@ def all_exprs() -> list[tuple[str, str, bool]]:
     README. Alert conditions are empty by design while nothing is wrong: they
     must parse and every series they name must exist; everything else must
     return samples where traffic was, but the prompt limit's line and the
-    quota panels: the run's store refuses prompt limits (OR119) and quotas
-    (OR122), so no limit has a finite prompt rate and there is no quota
-    usage (test_the_prompt_panels_show_what_the_prompt_series_say and
+    quota panels: the run's policy sets no prompt limit and no quota, so no
+    limit has a finite prompt rate and there is no quota usage (test_the_prompt_panels_show_what_the_prompt_series_say and
     test_the_refusal_and_quota_panels_show_what_the_exporters_write check
     them with data, test_e2e_quota on a real page)."""
     not_here = {"Prompt tokens/s against the prompt limit / B", *contract_exprs()}

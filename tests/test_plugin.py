@@ -553,6 +553,8 @@ def test_the_identity_settings_reach_the_api_server_and_the_secret_the_engine(tm
     assert GUARD_MIDDLEWARE in args.middleware
     assert json.loads(os.environ[SETTINGS_ENV]) == {
         "policy": str(policy), "reload": "off", "vllm_api_key": False, "quota_file": None,
+        "store": None, "store_fallback": "local", "store_lease_ms": None, "store_hold_s": None,
+        "store_api_servers": 1,
     }  # fmt: skip
     assert Stamper.from_env() is not None and len(os.environ[SECRET_ENV]) == 64
     assert gate().identity.header == "x-user"

@@ -184,22 +184,29 @@ def test_without_prompt_limits_nothing_is_counted_or_paced(kind):
 
 
 SHARED = (
-    "test.yaml:5:25: users.b.prompt: prompt limits cannot be shared through "
-    "--outrate-store yet (each engine would enforce the whole prompt rate); run without "
-    "--outrate-store or remove 'prompt' from: users.b"
+    "test.yaml:5:25: users.b.prompt: with --outrate-store and chunked prefill off, a "
+    "prompt limit cannot be kept: a prompt is then computed whole, but an engine holds a "
+    "shared budget's credit one lease slice at a time (rate x lease horizon, "
+    "docs/several-engines.md), so a prompt longer than the slice would wait forever; "
+    "enable chunked prefill, or remove 'prompt' from: users.b"
 )
 
 
-def test_a_shared_store_refuses_prompt_limits_with_their_location():
-    """OR119, the engine's side (start and reload): lint's message, located."""
+def test_a_shared_store_refuses_prompt_limits_only_without_chunked_prefill():
+    """OR119, the engine's side (start and reload): lint's message, located.
+    With chunked prefill a prompt limit is shared through the store (issue 40
+    item 7); without it a whole prompt would wait for more credit than an
+    engine ever holds. (max_model_len 51: the burst holds it, so OR118 is quiet.)"""
     from outrate.errors import PolicyError
     from vllm_integration.common.config import refuse_prompt_limits
 
-    refuse_prompt_limits(policy("  a: 100\n"), True, True, 2048)  # no prompt limit: fine
+    refuse_prompt_limits(policy("  a: 100\n"), True, False, 51)  # no prompt limit: fine
     limited = policy("  a: 100\n  b: {rate: 20, prompt: 500}\n")
-    refuse_prompt_limits(limited, False, True, 2048)  # no store: fine
+    refuse_prompt_limits(limited, False, False, 51)  # no store: fine
+    refuse_prompt_limits(limited, True, True, 2048)  # shared, chunked: fine
+    refuse_prompt_limits(limited, True, None, 2048)  # chunked prefill unknown: vLLM's default
     with pytest.raises(PolicyError) as info:
-        refuse_prompt_limits(limited, True, True, 2048)
+        refuse_prompt_limits(limited, True, False, 51)
     assert str(info.value) == SHARED
 
 

@@ -334,6 +334,18 @@ class Limiter:
         t = _ceil_div(b.tat, lim.scale)
         return t if t > now else now
 
+    def waits_for_credit(self, b: Bucket, now: int) -> bool:
+        """A take at `now` fails only for want of credit: the local GCRA
+        conforms, but a shared budget's account holds none (it is on its
+        way: a user new to this process). False without a lender."""
+        a = b.credit if self._spend else None
+        if a is None or a.granted - a.spent - a.released > 0:
+            return False
+        if b.gen != self._gen:
+            self._refresh(b, now)
+        lim = b.limit
+        return not lim.scale or b.tat - now * lim.scale <= lim.tolerance
+
     def available(self, b: Bucket, now: int) -> int:
         """Tokens `b` could take at `now` back to back (its remaining burst).
 

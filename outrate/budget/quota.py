@@ -76,6 +76,9 @@ class QuotaBook:
         self.users: dict[str, Usage] = {}
         self.changed = False
         """Anything added since the last `snapshot` (the writer skips a save otherwise)."""
+        self.dirty: set[str] = set()
+        """Users added to or reset since the writer last took this set (it
+        swaps in an empty one): whose counts a store needs now."""
 
     def add(self, user: str, kind: str, tokens: int, windows: Iterable[str]) -> None:
         """Count `tokens` of `kind` in each of `windows` (those the user's rule
@@ -93,6 +96,7 @@ class QuotaBook:
             else:
                 row[1] += tokens
         self.changed = True
+        self.dirty.add(user)
 
     def used(self, user: str, kind: str, window: str) -> int:
         """Tokens counted in the current window (0 once it has passed)."""
@@ -101,6 +105,7 @@ class QuotaBook:
     def reset(self, user: str) -> bool:
         """Forget `user`'s usage (an operator's reset). Whether it had any."""
         self.changed = True
+        self.dirty.add(user)
         return self.users.pop(user, None) is not None
 
     def load(self, users: Mapping[str, Usage]) -> None:
@@ -120,6 +125,12 @@ class QuotaBook:
 
     def snapshot(self) -> dict[str, Usage]:
         """A copy of the current windows' usage (passed windows dropped)."""
+        out = self.current()
+        self.changed = False
+        return out
+
+    def current(self) -> dict[str, Usage]:
+        """A copy of the current windows' usage, leaving `changed` as it is."""
         now = self.clock()
         out: dict[str, Usage] = {}
         for user, usage in list(self.users.items()):
@@ -130,7 +141,6 @@ class QuotaBook:
             }
             if rows:
                 out[user] = rows
-        self.changed = False
         return out
 
 

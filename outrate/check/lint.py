@@ -37,9 +37,10 @@ Codes are stable (tools and CI filter on them); never renumber, only add:
 - OR117 warning  --outrate-store-fallback share: the deprecated name of pause
 - OR118 error    chunked prefill off and a prompt limit whose burst holds fewer
                  tokens than max_model_len (checked where --max-model-len is known)
-- OR119 error    --outrate-store with a prompt limit (prompt budgets are per engine)
-- OR120 warning  a request rate (`requests:`) with more than one API server: each keeps
-                 its own table, so a user may get up to N x its request rate
+- OR119 error    --outrate-store with a prompt limit and chunked prefill off
+- OR120 warning  a request rate (`requests:`) with more than one API server and no
+                 --outrate-store: each keeps its own table, so a user may get up to
+                 N x its request rate
 """
 
 from __future__ import annotations
@@ -417,7 +418,9 @@ def lint_all(
             refused = prompt_refusals(
                 compiled, deployment.store, deployment.chunked_prefill, deployment.max_model_len
             )
-            refused += quota_refusals(compiled, deployment.store, deployment.quota_file)
+            refused += quota_refusals(
+                compiled, deployment.store, deployment.quota_file, deployment.data_parallel_size
+            )
             findings += [
                 Finding(code, "error", f"{p.field}: {p.message}", f"{p.path}:{p.line}:{p.col}")
                 for code, p in refused
@@ -428,7 +431,9 @@ def lint_all(
 
 def _api_servers_finding(compiled: CompiledPolicy, deployment: Deployment) -> list[Finding]:
     """OR120: request rates are decided in each API server process on its own
-    (docs/client-contract.md)."""
+    (docs/client-contract.md), unless a store shares them (`--outrate-store`)."""
+    if deployment.store:
+        return []
     count = deployment.api_server_count
     if count is None:
         count = max(1, deployment.data_parallel_size)  # vLLM's default: one per rank

@@ -1,8 +1,9 @@
 """Prompt limits against the policy and the deployment (docs/prompt-limits.md):
 the lint warning OR011 and the two configurations the engine refuses, OR118
-and OR119. The refusals are defined here once, as located `Problem`s:
-`outrate lint` reports them, and the engine core raises them at start and
-on reload (vllm_integration/enginecore/store.py), with the same text.
+and OR119 (a shared store with chunked prefill off). The refusals are
+defined here once, as located `Problem`s: `outrate lint` reports them, and
+the engine core raises them at start and on reload
+(vllm_integration/common/config.py), with the same text.
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ from outrate.errors import Problem
 from outrate.policy.compiler import CompiledPolicy
 
 SHARED_PROMPTS = (
-    "prompt limits cannot be shared through --outrate-store yet (each engine would "
-    "enforce the whole prompt rate); run without --outrate-store or remove 'prompt' from: "
+    "with --outrate-store and chunked prefill off, a prompt limit cannot be kept: a "
+    "prompt is then computed whole, but an engine holds a shared budget's credit one "
+    "lease slice at a time (rate x lease horizon, docs/several-engines.md), so a prompt "
+    "longer than the slice would wait forever; enable chunked prefill, or remove "
+    "'prompt' from: "
 )
-"""OR119: `--outrate-store` with any prompt limit."""
+"""OR119: `--outrate-store` with a prompt limit and chunked prefill off."""
 
 
 def burst_tokens(lim: Limit) -> int | None:
@@ -58,8 +62,9 @@ def _limits_by_path(policy: CompiledPolicy) -> dict[tuple[str | int, ...], Limit
 
 
 def shared_prompts_problem(policy: CompiledPolicy) -> Problem | None:
-    """OR119: prompt budgets are per engine for now; with `--outrate-store`
-    each engine would give a user the whole prompt rate. None: no prompt limit."""
+    """OR119: a prompt budget shared through `--outrate-store` is leased a
+    slice at a time, so without chunked prefill (the whole prompt in one
+    step) a long prompt would never fit. None: no prompt limit."""
     rules = policy.prompt_rules
     if not rules:
         return None
@@ -143,13 +148,15 @@ def prompt_refusals(
 ) -> list[tuple[str, Problem]]:
     """(code, problem) of each prompt configuration the engine refuses:
     OR118 (chunked prefill off, `chunked is False`; checked only where
-    `max_model_len` is known) and OR119 (`store`: `--outrate-store`)."""
+    `max_model_len` is known) and OR119 (`store`: `--outrate-store`, with
+    chunked prefill off). With chunked prefill, prompt budgets are shared
+    through the store as output budgets are."""
     out: list[tuple[str, Problem]] = []
     if chunked is False and max_model_len is not None:
         problem = unchunked_prompts_problem(policy, max_model_len)
         if problem is not None:
             out.append(("OR118", problem))
-    if store:
+    if store and chunked is False:
         problem = shared_prompts_problem(policy)
         if problem is not None:
             out.append(("OR119", problem))

@@ -9,23 +9,38 @@ over in requests as it carries token debt. Each request asks for one token
 of its user's request bucket: it conforms (go on) or it does not (HTTP 429).
 
 With `--api-server-count N` each API-server process keeps its own table:
-a user whose connections land on k of them gets up to k times its rate
-(docs/client-contract.md states the bound). Only the event loop's thread
-calls a table; the clock is injected so tests never sleep.
+without a store a user whose connections land on k of them gets up to k
+times its rate (docs/client-contract.md states the bound). With
+`--outrate-store` the table is lent by a `SharedBudget` (`lender`): each API
+server's lease thread (outrate.budget.shared.runner, kind `REQUESTS`) leases
+request credit from one global GCRA per user, exactly as engines lease
+tokens, and a request must fit the local GCRA (at this process's share)
+and the credit held. A user is pinned (its demand registered) from its
+first request until it has sent none for `IDLE_NS`. A refusal only for want
+of credit not yet arrived (a user's first request here) says how long to
+wait for it (`Admission.pending_ns`): the middleware waits that long, once,
+instead of refusing. Only the event loop's thread calls a table; the clock
+is injected so tests never sleep.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple
 
-from outrate.budget.limiter import Limit, Limiter
+from outrate.budget.limiter import Bucket, Lender, Limit, Limiter
 from outrate.policy.compiler import UNLIMITED_REQUESTS, CompiledPolicy
 
 CLEANUP_BUDGET = 8
 """Idle users examined per request: the table stays as large as the users
 seen within about one burst, whatever ids clients send."""
+IDLE_NS = 2_000_000_000
+"""With a store: a user's demand stays registered (its bucket pinned, its
+credit kept) this long after its last request."""
+MAX_WAIT_NS = 100_000_000
+"""With a store: the longest a request waits for credit not yet arrived."""
 
 
 class Admission(NamedTuple):
@@ -43,6 +58,10 @@ class Admission(NamedTuple):
     """How long until the user's whole allowance is back."""
     over: bool = False
     """Over the rate: refused, or (a rule in shadow) counted and admitted."""
+    pending_ns: int = 0
+    """Refused only because this API server holds no credit for the user
+    yet (a shared budget: its first request here): ask again after this
+    long (at most `MAX_WAIT_NS`); 0 otherwise."""
 
 
 UNLIMITED = Admission(True, UNLIMITED_REQUESTS, -1, 0, 0)
@@ -51,10 +70,30 @@ UNLIMITED = Admission(True, UNLIMITED_REQUESTS, -1, 0, 0)
 class RequestTable:
     """Each user's request bucket, in one API-server process."""
 
-    def __init__(self, clock: Callable[[], int] = time.monotonic_ns) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], int] = time.monotonic_ns,
+        lender: Lender | None = None,
+        policy: CompiledPolicy | None = None,
+    ) -> None:
         self.clock = clock
         self._table: Limiter | None = None
         self._policy: CompiledPolicy | None = None
+        self.lender = lender
+        self._live: dict[str, list[int]] = {}
+        """With a lender: users pinned, and when each last sent (ns)."""
+        self._idle: deque[str] = deque()
+        self._pinned: dict[str, Bucket] = {}
+        if policy is not None:
+            self.table_for(policy)
+
+    def table_for(self, policy: CompiledPolicy) -> Limiter:
+        """The table, made at the first policy (a lease thread needs it
+        before the first request: `open_requests`)."""
+        if self._table is None:
+            self._table = Limiter(policy.requests, clock=self.clock, lender=self.lender)
+            self._policy = policy
+        return self._table
 
     def admit(self, policy: CompiledPolicy, user: str, now: int | None = None) -> Admission:
         """Take one request from `user`'s bucket under `policy` (the policy in
@@ -63,14 +102,13 @@ class RequestTable:
             now = self.clock()
         table = self._table
         if table is None:
-            table = self._table = Limiter(policy.requests, clock=self.clock)
-            self._policy = policy
+            table = self.table_for(policy)
         elif policy is not self._policy:
             table.set_policy(policy.requests, now)
             self._policy = policy
         if policy.requests.limit_for(user).rate is None and user not in table:
             return UNLIMITED  # no state for the unlimited
-        b = table.bucket(user)
+        b = table.bucket(user) if self.lender is None else self._pin(table, user, now)
         lim = table.limit_of(b, now)
         if lim.rate is None:
             return UNLIMITED
@@ -80,10 +118,39 @@ class RequestTable:
         elif lim.shadow:  # counted, not enforced: the bucket does not move
             decision = Admission(True, lim, 0, 0, 0, over=True)
         else:
-            decision = Admission(False, lim, 0, table.ready_at(b, now) - now, 0, over=True)
+            wait = table.ready_at(b, now) - now
+            decision = Admission(False, lim, 0, wait, 0, over=True)
+            if self.lender is not None and wait <= MAX_WAIT_NS and table.waits_for_credit(b, now):
+                decision = decision._replace(pending_ns=max(wait, 1))
         decision = decision._replace(reset_ns=table.full_at(b, now) - now)
+        if self.lender is not None:
+            self._unpin_idle(table, now)
         table.cleanup(now, CLEANUP_BUDGET)
         return decision
+
+    def _pin(self, table: Limiter, user: str, now: int) -> Bucket:
+        """The user's bucket, pinned while it sends (its demand registered
+        with the store, its credit kept)."""
+        seen = self._live.get(user)
+        if seen is not None:
+            seen[0] = now
+            return self._pinned[user]
+        b = table.pin(user)
+        self._pinned[user] = b
+        self._live[user] = [now]
+        self._idle.append(user)
+        return b
+
+    def _unpin_idle(self, table: Limiter, now: int) -> None:
+        """Unpin up to `CLEANUP_BUDGET` users examined that sent nothing for `IDLE_NS`."""
+        idle, live = self._idle, self._live
+        for _ in range(min(CLEANUP_BUDGET, len(idle))):
+            user = idle.popleft()
+            if now - live[user][0] >= IDLE_NS:
+                del live[user]
+                table.unpin(self._pinned.pop(user))
+            else:
+                idle.append(user)
 
     def __len__(self) -> int:
         return 0 if self._table is None else len(self._table)

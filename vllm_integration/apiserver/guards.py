@@ -40,6 +40,7 @@ stream. Installed only in the API server, only when a policy is active.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Awaitable, Callable, MutableMapping
 from contextvars import ContextVar
@@ -150,6 +151,9 @@ class IdentityGuard:
             key = ANONYMOUS if user is None else user
             rule = policy.limit_for(key)
             admission = self.gate.requests.admit(policy, key)
+            if admission.pending_ns:  # a shared rate's credit on its way: wait, once
+                await asyncio.sleep(admission.pending_ns / NS_PER_S)
+                admission = self.gate.requests.admit(policy, key)
             if admission.over:
                 count_requests_over(admission.limit.label, "requests", admission.admitted)
             view = self.gate.quotas

@@ -24,7 +24,7 @@ import json
 import logging
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from outrate.contract.quotas import QuotaView
 from outrate.contract.requests import RequestTable
@@ -34,6 +34,17 @@ from outrate.identity.core import BODY, SECRET_ENV, IdentityConfig, Stamper
 from outrate.policy.compiler import CompiledPolicy
 from outrate.policy.reload import Reloader
 from vllm_integration.common.settings import EngineSettings
+
+if TYPE_CHECKING:
+    from outrate.budget.shared.runner import LeaseRunner
+
+
+def has_request_rates(policy: CompiledPolicy) -> bool:
+    """Some rule has a request rate (enforced or in shadow)."""
+    return any(
+        lim.requests is not None and lim.requests.rate is not None for lim in policy.all_limits()
+    )
+
 
 SETTINGS_ENV = API_SETTINGS
 """JSON: {"policy": path or null, "reload": mode, "vllm_api_key": bool}."""
@@ -60,10 +71,29 @@ class Gate:
         """The limits a request is admitted under (request rate, headers);
         None: no policy in this process (no rate-limit headers)."""
         self.requests = RequestTable()
+        self.lease: LeaseRunner | None = None
+        """With --outrate-store: the lease thread of `requests`' shared budget."""
+        self.store: dict[str, Any] | None = None
+        """The store settings handed over (`share_requests`), None without one."""
         self.quotas: QuotaView | None = None
         """With --outrate-quota-file: the usage the engine saves (quota refusals)."""
 
+    def share_requests(self, policy: CompiledPolicy) -> None:
+        """With a store, once some rule has a request rate: lease request
+        credit with the other API servers (vllm_integration/apiserver/store.py).
+        Not before: an API server with no request rate to share keeps no
+        lease thread (nor its log lines). A reload that adds the first rate
+        starts it (its table starts fresh: one burst, once)."""
+        if self.store is None or self.lease is not None or not has_request_rates(policy):
+            return
+        from vllm_integration.apiserver.store import open_requests
+
+        self.requests, self.lease = open_requests(
+            self.store, policy, lambda: (self.policy or policy).sha256
+        )
+
     def publish(self, policy: CompiledPolicy) -> None:
+        self.share_requests(policy)
         self.policy = policy
         old, self.identity = self.identity, policy.identity
         if old != policy.identity:
@@ -74,6 +104,8 @@ class Gate:
     def stop(self) -> None:
         if self.reloader is not None:
             self.reloader.stop()
+        if self.lease is not None:
+            self.lease.stop()
 
 
 _gate: Gate | None = None
@@ -90,6 +122,12 @@ def configure_gate(settings: EngineSettings, policy: CompiledPolicy) -> None:
         "reload": settings.reload,
         "vllm_api_key": settings.vllm_api_key,
         "quota_file": settings.quota_file,
+        "store": settings.store,
+        "store_fallback": settings.store_fallback,
+        "store_lease_ms": settings.store_lease_ms,
+        "store_hold_s": settings.store_hold_s,
+        # what an API server that never reached the store divides by
+        "store_api_servers": settings.store_engines or settings.data_parallel_size or 1,
     }
     os.environ[SETTINGS_ENV] = json.dumps(api)
     with _lock:
@@ -131,6 +169,9 @@ def _build() -> Gate:
         except OutrateError as e:
             raise SystemExit(f"outrate: {e}") from e
     g = Gate(policy.identity, stamper, policy=policy)
+    if api.get("store"):
+        g.store = api
+        g.share_requests(policy)
     if api.get("quota_file"):
         g.quotas = QuotaView(api["quota_file"])
     if policy.identity.source != "body" and stamper is None:

@@ -149,12 +149,14 @@ def refuse_prompt_limits(
     return policy
 
 
-def refuse_quotas(policy: CompiledPolicy, store: bool, quota_file: str | None) -> CompiledPolicy:
+def refuse_quotas(
+    policy: CompiledPolicy, store: bool, quota_file: str | None, data_parallel: int = 1
+) -> CompiledPolicy:
     """The quotas this deployment cannot keep, refused with lint's located
     messages (outrate/check/quotas.py): OR121 without a file to keep usage
-    in, OR122 beside a shared store (not built). At start in both processes
-    and on reload (the edit is rejected). Returns `policy`."""
-    refused = quota_refusals(policy, store, quota_file)
+    in, OR122 beside a shared store with data parallel (not built). At start
+    in both processes and on reload (the edit is rejected). Returns `policy`."""
+    refused = quota_refusals(policy, store, quota_file, data_parallel)
     if refused:
         raise PolicyError([p for _, p in refused], depends_on=policy.depends_on)
     return policy

@@ -29,11 +29,14 @@ logger = logging.getLogger("vllm.outrate")
 
 
 class Store:
-    """A table lent by a shared budget, and the thread that keeps its credit topped up."""
+    """The tables lent by shared budgets (output tokens, and prompt tokens),
+    and the thread that keeps their credit topped up."""
 
-    def __init__(self, limiter: Limiter, runner: LeaseRunner) -> None:
+    def __init__(self, limiter: Limiter, runner: LeaseRunner, prompts: Limiter) -> None:
         self.limiter = limiter
         self.runner = runner
+        self.prompts = prompts
+        """The scheduler's prompt table (`prompt:` limits), shared like `limiter`."""
 
     def start(self, policy_sha: Callable[[], str]) -> None:
         """After `outrate_configure`: heartbeat the policy in force, start leasing."""
@@ -55,6 +58,9 @@ def open_store(policy: CompiledPolicy, settings: EngineSettings, vllm_config: An
     interval_s = float(settings.store_lease_ms or LEASE_INTERVAL_S * 1000) / 1000
     budget = SharedBudget(fallback=settings.store_fallback, engines_hint=n, interval_s=interval_s)
     limiter = Limiter(policy, lender=budget)
+    # Prompt budgets: a second table, its own budget, the same thread and rounds.
+    pbudget = SharedBudget(fallback=settings.store_fallback, engines_hint=n, interval_s=interval_s)
+    prompts = Limiter(policy.prompts, lender=pbudget)
     runner = LeaseRunner(
         limiter,
         budget,
@@ -64,8 +70,9 @@ def open_store(policy: CompiledPolicy, settings: EngineSettings, vllm_config: An
         interval_s=interval_s,
         hold_s=settings.store_hold_s or HOLD_S,
         expected_from=expected_from,
+        prompts=(prompts, pbudget),
     )
-    return Store(limiter, runner)
+    return Store(limiter, runner, prompts)
 
 
 def engines_expected(settings: EngineSettings) -> tuple[int, str]:

@@ -63,10 +63,22 @@ def start_engine_threads(
         def failed(e: Exception) -> None:
             logger.warning("outrate: cannot save quota usage to %s: %s", path, e)
 
-        threads.quota = QuotaSaver(path, book, on_error=failed)  # loads the saved usage
+        share = None
+        if settings.store:  # the store holds usage; the file this engine's part of it
+            from outrate.budget.shared.runner import TIMEOUT_S
+            from outrate.budget.shared.usage import UsageLink
+
+            share = UsageLink(settings.store, timeout_s=TIMEOUT_S)
+
+        def told(line: str) -> None:
+            logger.warning("outrate: %s", line)
+
+        # (loads the saved usage)
+        threads.quota = QuotaSaver(path, book, on_error=failed, share=share, on_share=told)
         scheduler.outrate_quotas(book)
         threads.quota.start()
-        logger.info("outrate: quota usage in %s", path)
+        where = f"{path}, shared through {share.url}" if share is not None else path
+        logger.info("outrate: quota usage in %s", where)
     if settings.reload != "off" and settings.policy is not None:
         from vllm_integration.common.config import (
             load_checked,
@@ -79,7 +91,9 @@ def start_engine_threads(
 
         def load(path: str | os.PathLike[str]) -> CompiledPolicy:
             new = load_checked(path, settings.vllm_api_key)
-            refuse_quotas(new, store is not None, settings.quota_file)
+            refuse_quotas(
+                new, store is not None, settings.quota_file, settings.data_parallel_size or 1
+            )
             return refuse_prompt_limits(new, store is not None, chunked, max_len)
 
         def publish(new: CompiledPolicy) -> None:

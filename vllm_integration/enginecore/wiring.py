@@ -71,9 +71,14 @@ def wire_engine(sched: Any) -> Any:
     policy = compile_settings(settings)
     chunked = bool(sched.scheduler_config.enable_chunked_prefill)
     refuse_prompt_limits(policy, bool(settings.store), chunked, sched.max_model_len)
-    refuse_quotas(policy, bool(settings.store), settings.quota_file)
+    refuse_quotas(
+        policy, bool(settings.store), settings.quota_file, settings.data_parallel_size or 1
+    )
     store = open_store(policy, settings, sched.vllm_config)
-    sched.outrate_configure(policy, limiter=store.limiter if store is not None else None)
+    if store is None:
+        sched.outrate_configure(policy)
+    else:
+        sched.outrate_configure(policy, limiter=store.limiter, prompt_table=store.prompts)
     logger.info("outrate: %s", policy.summary())
     if policy.shadow_rules:
         logger.info("outrate: shadow (counted, not enforced): %s", ", ".join(policy.shadow_rules))

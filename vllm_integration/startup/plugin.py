@@ -334,7 +334,9 @@ def apply_outrate_args(engine_args: Any, args: argparse.Namespace) -> Any:
         refuse_prompt_limits(
             policy, deployment.store, deployment.chunked_prefill, deployment.max_model_len
         )
-        refuse_quotas(policy, deployment.store, settings.quota_file)
+        refuse_quotas(
+            policy, deployment.store, settings.quota_file, settings.data_parallel_size or 1
+        )
         for finding in findings + check_exposure(policy.identity, exposure):
             logger.warning("outrate: %s", finding)
     except OutrateError as exc:

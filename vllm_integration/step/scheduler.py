@@ -95,11 +95,14 @@ class OutrateMixin:
         clock: Callable[[], int] = time.monotonic_ns,
         limiter: BudgetStore | None = None,
         step_model: CostModel | None = None,
+        prompt_table: Limiter | None = None,
     ) -> None:
         """(Re)wire the limiter. The engine calls this once; tests pass a fake
         clock. `limiter`: a shared store (`--outrate-store`) instead of the
-        in-memory `Limiter`. `step_model`: the prior of the step cost the
-        scheduler learns online (steptime.py; the simulator passes its own)."""
+        in-memory `Limiter`; `prompt_table`: the prompt budgets' table lent by
+        that store (vllm_integration/enginecore/store.py), else one in memory.
+        `step_model`: the prior of the step cost the scheduler learns online
+        (steptime.py; the simulator passes its own)."""
         self.policy_box = policy if isinstance(policy, PolicyBox) else PolicyBox(policy)
         self._policy = self.policy_box.current  # the one the limiter enforces
         # Verifies the identity the API server signed (identity.source header/api_key).
@@ -130,7 +133,9 @@ class OutrateMixin:
         self.admission.lending = self.ledger.lending = self.lending
         self._lends = lends(self._policy.all_limits())  # any rule with a peak: lending runs
         # Prompt budgets: a second table over the rules' prompt limits (prompts.py).
-        self.prompt_table = Limiter(self._policy.prompts, clock=clock)
+        if prompt_table is None:
+            prompt_table = Limiter(self._policy.prompts, clock=clock)
+        self.prompt_table = prompt_table
         chunked = bool(sc.enable_chunked_prefill)
         self.prompts = PromptPacer(
             self.prompt_table, self.metrics, self._st, chunked, self, _RUNNING
@@ -394,6 +399,8 @@ class OutrateMixin:
         if self.recorder is not None:
             self.recorder.write(scheduled, self.requests, self._step, now, visited)
         self.limiter.cleanup(now, 4)
+        # Idle users of the prompt table go too; a shared prompt budget's step boundary.
+        self.prompt_table.cleanup(now, 4)
 
     def _displace(self, now: int) -> None:
         """Fair admission (admission.py): one held request gives its slot to a

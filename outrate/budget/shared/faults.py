@@ -85,6 +85,20 @@ class Faults:
         """When a round trip last answered in full (monotonic ns; 0: never)."""
         self.grace_end = 0
         self.ever_up = False
+        self.kinds: list[tuple[SharedBudget, Turns]] = [(budget, turns)]
+        """Every kind of budget this engine shares (output, and prompt where
+        the policy limits prompts): one mode for all, published to each."""
+
+    def follow(self, budget: SharedBudget, turns: Turns) -> None:
+        """Share another kind of budget (prompt tokens) through the same store:
+        it falls back, waits and comes back with the first, in the same mode."""
+        budget.mode = self.budget.mode
+        self.kinds.append((budget, turns))
+
+    def _publish(self, mode: Mode) -> None:
+        """One mode record, assigned to every kind's budget."""
+        for budget, _ in self.kinds:
+            budget.mode = mode
 
     def answered(self) -> None:
         self.fails = 0
@@ -104,10 +118,11 @@ class Faults:
         if first and self.budget.fallback == "pause":
             self._wait()
         else:
-            self.budget.mode = Mode(shared=False, grace=False, n=self.peers.n)
+            self._publish(Mode(shared=False, grace=False, n=self.peers.n))
             self.metrics.fallback_since = time.monotonic_ns()
-        for c in self.turns.active:
-            c.reg = False  # Redis forgets demand by itself (TTL)
+        for _, turns in self.kinds:
+            for c in turns.active:
+                c.reg = False  # Redis forgets demand by itself (TTL)
         if not first:
             self.metrics.transitions["down"] += 1
         if first and refused(e):
@@ -164,7 +179,7 @@ class Faults:
     def _wait(self) -> None:
         """Shared with no credit coming: limited users wait, they are not cut
         (fallback `pause` only)."""
-        self.budget.mode = Mode(shared=True, n=self.peers.n)
+        self._publish(Mode(shared=True, n=self.peers.n))
         self.metrics.waiting = 1
         self.metrics.fallback_since = 0
 
@@ -217,7 +232,7 @@ class Faults:
         # Back from the fallback, N is at least what it was: a restarted
         # Redis forgot the heartbeats of engines that may still be in theirs.
         n = max(self.budget.mode.n, self.peers.n) if was_down else self.peers.n
-        self.budget.mode = Mode(shared=True, grace=was_down, n=n, scale=self.peers.scale())
+        self._publish(Mode(shared=True, grace=was_down, n=n, scale=self.peers.scale()))
         if not self.ever_up:
             self.ever_up = True
             self.log.info(
@@ -245,4 +260,4 @@ class Faults:
         )
         scale = self.peers.scale()
         if grace != mode.grace or scale != mode.scale:
-            self.budget.mode = mode._replace(grace=grace, scale=scale)
+            self._publish(mode._replace(grace=grace, scale=scale))

@@ -22,6 +22,9 @@ a group in one slot and every call touches one slot (`user_keys`):
   the user) with an expiry, one line `demand:expiry_us:engine` per engine,
   so the script can size this engine's fair slice. A string, not a hash, so
   one `MGET` reads every user's state of a call.
+- `outrate:{g:<n>}:pt:<user>` and `outrate:{g:<n>}:pd:<user>`: the same two
+  for the user's prompt budget (`prompt:` limits; the kind `PROMPT`), its
+  own GCRA under the same group, so one script call serves both kinds.
 
 Both keys carry a TTL: a user who leaves leaves nothing behind. One more
 key per group lives a day past its last call, `outrate:{g:<n>}:epoch`: made once, it tells an
@@ -29,7 +32,8 @@ engine that the group's state was lost under it (FLUSHALL, a restart
 without persistence), and the script then assumes the worst of every TAT
 it lost (outrate.budget.shared.scripts).
 
-And one hash per deployment, `outrate:{engines}`: each engine's heartbeat
+And one hash per deployment, `outrate:{engines}` (the API servers' that
+lease request rates: `outrate:{engines}:api`): each engine's heartbeat
 (its expiry, its policy's sha256, how long the others keep its part when
 it goes missing, and its N), plus `outrate:{engines}:<id>`, a key
 with a TTL per engine for people looking with redis-cli.
@@ -85,11 +89,25 @@ def group_of(user: str) -> int:
     return zlib.crc32(user.encode()) % GROUPS
 
 
-def user_keys(user: str) -> tuple[str, str]:
-    """(tat key, demand key) of one user, under its group's hash tag. The
-    id follows the tag, so no character of it can change the slot."""
+OUTPUT = ""
+"""The kind of budget a lease call is for: output tokens (keys `t:`, `d:`)."""
+PROMPT = "p"
+"""Prompt tokens (keys `pt:`, `pd:`): a prompt limit's own global GCRA."""
+REQUESTS = "r"
+"""Requests (keys `rt:`, `rd:`): a request rate's global GCRA, leased by
+the API servers (outrate.contract.requests)."""
+API_SERVERS_KEY = f"{ENGINES_KEY}:api"
+"""The API servers' heartbeats: apart from the engines' (an API server is
+not an engine: it must not change what an engine's fallback divides by),
+under the same hash tag (one slot)."""
+
+
+def user_keys(user: str, kind: str = OUTPUT) -> tuple[str, str]:
+    """(tat key, demand key) of one user's budget of `kind`, under its
+    group's hash tag (the user's, whatever the kind). The id follows the
+    tag, so no character of it can change the slot."""
     base = f"{PREFIX}:{{g:{group_of(user)}}}"
-    return f"{base}:t:{user}", f"{base}:d:{user}"
+    return f"{base}:{kind}t:{user}", f"{base}:{kind}d:{user}"
 
 
 def engine_key(engine_id: str) -> str:
@@ -177,6 +195,8 @@ class LeaseCall(NamedTuple):
     lost: bool = False
     """This user's state was lost in Redis (its group's epoch changed): the
     script puts its TAT where the lost one may have been, at the worst."""
+    kind: str = OUTPUT
+    """Which of the user's budgets: `OUTPUT` or `PROMPT` (its keys)."""
 
 
 class Round:
@@ -204,8 +224,16 @@ class RedisLink:
     does not answer within `timeout_s` enforces its fallback instead.
     """
 
-    def __init__(self, url: str, password: str | None = None, timeout_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        url: str,
+        password: str | None = None,
+        timeout_s: float = 0.5,
+        peers_key: str = ENGINES_KEY,
+    ) -> None:
         check_url(url)
+        self.peers_key = peers_key
+        """Where this process heartbeats: the engines' hash, or the API servers'."""
         bare, in_url = split_password(url)  # the URL's password first, as redis-py would
         bare, ssl_in_url = split_ssl_password(bare)
         env = Env.read()
@@ -215,8 +243,8 @@ class RedisLink:
         self.nodes = open_nodes(
             bare, password, timeout_s, (LEASE_SCRIPT, HEARTBEAT_SCRIPT), SLOTS, ssl_password
         )
-        self._users: dict[tuple[str, Units], tuple[bytes, bytes]] = {}
-        """Per user and limit: its two keys and its limit, packed."""
+        self._users: dict[tuple[str, str, Units], tuple[bytes, bytes]] = {}
+        """Per kind, user and limit: its two keys and its limit, packed."""
         self.epochs: dict[int, bytes] = {}
         """Per group, the epoch this engine last saw (outrate.budget.shared.scripts)."""
         self.script_calls = 0
@@ -264,8 +292,8 @@ class RedisLink:
                         b"EVALSHA",
                         BEAT_SHA,
                         2,
-                        ENGINES_KEY,
-                        engine_key(engine_id),
+                        self.peers_key,
+                        f"{self.peers_key}:{engine_id}",
                         engine_id,
                         sha,
                         ttl_us,
@@ -326,14 +354,14 @@ class RedisLink:
         args = []
         for i in batch:
             c = calls[i]
-            cached = users.get((c.user, c.units))
+            cached = users.get((c.kind, c.user, c.units))
             if cached is None:
                 if len(users) > 100_000:
                     users.clear()
-                tat, dem = user_keys(c.user)
+                tat, dem = user_keys(c.user, c.kind)
                 u = c.units
                 cached = (_bulk(tat) + _bulk(dem), b"%d %d %d" % (u.p, u.num, u.tol_us))
-                users[(c.user, c.units)] = cached
+                users[(c.kind, c.user, c.units)] = cached
             keys.append(cached[0])
             one = b"%d %d %d %d %s %d %d %d" % (
                 c.demand,

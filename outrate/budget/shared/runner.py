@@ -23,6 +23,13 @@ wrong password) stops the start. State lost under the engine (an epoch changed:
 FLUSHALL, a restart) is answered in the script, and the users of that group
 not in the call are marked for it. Each switch is logged once and counted
 in `StoreMetrics`.
+
+Prompt budgets (`prompt:` limits) are shared the same way, by the same
+thread in the same rounds: the scheduler's prompt table is a second
+`Limiter` lent by a second `SharedBudget` (`prompts=`), its users have their
+own keys and their own global GCRA (outrate.budget.shared.lease, `PROMPT`),
+and one `Mode` is published to both, so the two kinds fall back, wait and
+come back together, with the same bound.
 """
 
 from __future__ import annotations
@@ -35,13 +42,22 @@ import time
 import uuid
 from collections.abc import Callable
 from fractions import Fraction
+from typing import NamedTuple
 
 from outrate.budget.limiter import NS_PER_S, Limiter
 from outrate.budget.shared.credit import LEASE_INTERVAL_S, Credit, SharedBudget, credit_of
 from outrate.budget.shared.faults import DOWN_AFTER as DOWN_AFTER  # (re-exported)
 from outrate.budget.shared.faults import Faults
 from outrate.budget.shared.faults import StoreRefused as StoreRefused  # (re-exported)
-from outrate.budget.shared.lease import MAX_HORIZON_US, LeaseCall, RedisLink, Round, group_of
+from outrate.budget.shared.lease import (
+    MAX_HORIZON_US,
+    OUTPUT,
+    PROMPT,
+    LeaseCall,
+    RedisLink,
+    Round,
+    group_of,
+)
 from outrate.budget.shared.metrics import StoreMetrics
 from outrate.budget.shared.peers import HOLD_S, Peers
 from outrate.budget.shared.turns import ROUND_CALLS, Turns
@@ -67,6 +83,15 @@ RESET_LOG_NS = 10 * NS_PER_S
 is found group by group, and a script may flush every few hundred ms)."""
 
 
+class Kind(NamedTuple):
+    """One kind of budget the lease thread shares: the scheduler's table of
+    it, the budget that lends that table credit, and whom to call in turn."""
+
+    table: Limiter
+    budget: SharedBudget
+    turns: Turns
+
+
 def engine_id() -> str:
     """Unique per engine-core process: host, pid and a random suffix."""
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
@@ -77,7 +102,10 @@ class LeaseRunner:
 
     `table` is the scheduler's `Limiter`, lent by `budget`: the runner reads
     its policy, clock and buckets (`buckets()`), and talks to the scheduler
-    through `budget` only."""
+    through `budget` only. `prompts`, where the policy limits prompts: the
+    scheduler's prompt table and the budget lending it, shared alike.
+    `kind`: what `table` counts (outrate.budget.shared.lease: `OUTPUT`; an
+    API server's request table leases `REQUESTS`)."""
 
     def __init__(
         self,
@@ -94,9 +122,13 @@ class LeaseRunner:
         cap: int = ROUND_CALLS,
         hold_s: float = HOLD_S,
         expected_from: str = "the engines expected: 1",
+        prompts: tuple[Limiter, SharedBudget] | None = None,
+        kind: str = OUTPUT,
     ) -> None:
         if table.lender is not budget:
             raise ValueError("the table must be lent by this budget (Limiter(lender=budget))")
+        if prompts is not None and prompts[0].lender is not prompts[1]:
+            raise ValueError("the prompt table must be lent by its budget")
         self.table = table
         self.budget = budget
         self.link = link
@@ -104,7 +136,8 @@ class LeaseRunner:
         self.metrics = metrics or StoreMetrics()
         self.engine = engine or engine_id()
         self.log = logger or logging.getLogger("vllm.outrate")
-        self.turns = Turns(budget, self.log, cap)
+        self.turns = Turns(budget, self.log, cap, kind)
+        self.kinds = [Kind(table, budget, self.turns)]
         self.interval_ns = int(interval_s * NS_PER_S)
         self.retry_s = retry_s
         self.heartbeat_ns = int(heartbeat_s * NS_PER_S)
@@ -120,6 +153,12 @@ class LeaseRunner:
             GRACE_NS,
             expected_from,
         )
+        if prompts is not None:
+            ptable, pbudget = prompts
+            pbudget.kick = budget.kick  # one thread: either kind's newcomer wakes it
+            pturns = Turns(pbudget, self.log, cap, PROMPT)
+            self.kinds.append(Kind(ptable, pbudget, pturns))
+            self.faults.follow(pbudget, pturns)
         self.metrics.hold_s = hold_s
         # What the others keep for this engine once its heartbeat is gone:
         # its fallback, plus a retry and a connect it may be late by.
@@ -155,8 +194,16 @@ class LeaseRunner:
 
     @property
     def max_horizon_us(self) -> int:
-        """The longest horizon sent (the bound's H)."""
-        return self.turns.max_horizon_us
+        """The longest horizon sent (the bound's H), over every kind."""
+        return max(k.turns.max_horizon_us for k in self.kinds)
+
+    def _drain(self) -> None:
+        for k in self.kinds:
+            k.turns.drain()
+
+    def _active(self) -> list[Credit]:
+        """Every credit with a lease here, of every kind."""
+        return [c for k in self.kinds for c in k.turns.active]
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -194,7 +241,7 @@ class LeaseRunner:
                     return
                 if self.faults.hold_ran_out():
                     continue
-                self.turns.drain()
+                self._drain()
                 self.connect()
                 next_round = time.monotonic_ns()
                 continue
@@ -225,7 +272,8 @@ class LeaseRunner:
         last round trip: at least the lease interval, at most 1 s. With a
         fast store and few users that is ~20 ms; slow rounds or many users
         make it grow, and the script grants what conforms within H."""
-        cycle = self.period_ns + (self.turns.rounds() - 1) * self.avg_period_ns
+        rounds = max(k.turns.rounds() for k in self.kinds)
+        cycle = self.period_ns + (rounds - 1) * self.avg_period_ns
         h = max(self.interval_ns, cycle + self.last_rtt_ns)
         return min(h // 1000, MAX_HORIZON_US)
 
@@ -235,17 +283,18 @@ class LeaseRunner:
         if self._last_start:
             self.period_ns = start - self._last_start
             self.avg_period_ns += (self.period_ns - self.avg_period_ns) // 8
-            if self.period_ns > 2 * self.interval_ns and self.turns.active:
+            late = self.period_ns > 2 * self.interval_ns
+            if late and any(k.turns.active for k in self.kinds):
                 self.late_ns += self.period_ns - 2 * self.interval_ns
         self._last_start = start
-        self.turns.drain()
-        plan = self.turns.plan(self.table.policy, start, self.horizon_us(), debts)
-        budget = self.budget
+        self._drain()
+        horizon = self.horizon_us()
+        plan = [p for k in self.kinds for p in k.turns.plan(k.table.policy, start, horizon, debts)]
         beat = None
         if start - self._last_beat >= self.heartbeat_ns:
             beat = (self.policy_sha(), int(ENGINE_TTL_S * 1_000_000))
         if not plan and beat is None:
-            budget.next_credit_ns = start + self.interval_ns
+            self._next_credit(start + self.interval_ns)
             return True
         got = Round()
         hold = (self._hold_us, self.peers.n)
@@ -268,19 +317,24 @@ class LeaseRunner:
         m.calls += len(plan)
         m.lease.observe(end - start)
         self.last_rtt_ns = end - start
-        budget.next_credit_ns = start + self.interval_ns + self.last_rtt_ns
+        self._next_credit(start + self.interval_ns + self.last_rtt_ns)
         if got.engines is not None:
             self._last_beat = start
             self._engines(got.engines, got.missing)
         return True
 
+    def _next_credit(self, at: int) -> None:
+        for k in self.kinds:
+            k.budget.next_credit_ns = at
+
     def _apply(self, plan: list[tuple[Credit, LeaseCall]], got: Round, start: int) -> None:
         """Take in what answered (on a cluster, some shards may not have)."""
-        budget = self.budget
+        budgets = {k.turns.kind: k.budget for k in self.kinds}
         grants = got.grants or [None] * len(plan)
         for (c, call), g in zip(plan, grants, strict=True):
             if g is None:
                 continue
+            budget = budgets[call.kind]
             if g.granted:
                 c.granted += g.granted
                 if c.bucket.pins == 0:
@@ -312,7 +366,7 @@ class LeaseRunner:
         """Groups whose state was lost: the script already assumed the worst
         for the users it was called for; the others of those groups are
         marked, so their next call does."""
-        for c in self.turns.active:
+        for c in self._active():
             if c not in called and group_of(c.bucket.key) in groups:
                 c.lost = True
         self.metrics.resets += len(groups)
@@ -358,7 +412,7 @@ class LeaseRunner:
         debts = None
         if was_down:
             debts = self._debts()
-            for c in self.turns.active:
+            for c in self._active():
                 c.sent = c.released  # credit from before the outage was dropped
         # Still down (or not tried) until this round answers: a store that
         # pings but does not serve (a cluster with a shard down) stays lost,
@@ -376,28 +430,32 @@ class LeaseRunner:
     def _debts(self) -> dict[Credit, int]:
         """What each user spent here while the store was away, in the store's
         microseconds: the local debt in tokens (TAT ahead of now), at the
-        user's full rate."""
-        now = self.table.clock()
-        policy = self.table.policy
+        user's full rate (of each kind)."""
         out: dict[Credit, int] = {}
-        for b in self.table.buckets():
-            lim = b.limit
-            if not lim.scale or b.tat <= now * lim.scale:
-                continue
-            units = self.turns.units_of(policy.limit_for(b.key))
-            if units is None:
-                continue
-            c = credit_of(b)
-            out[c] = units.us_for((b.tat - now * lim.scale) / lim.interval)
-            self.turns.activate(c)
+        for table, _, turns in self.kinds:
+            now = table.clock()
+            policy = table.policy
+            for b in table.buckets():
+                lim = b.limit
+                if not lim.scale or b.tat <= now * lim.scale:
+                    continue
+                units = turns.units_of(policy.limit_for(b.key))
+                if units is None:
+                    continue
+                c = credit_of(b)
+                out[c] = units.us_for((b.tat - now * lim.scale) / lim.interval)
+                turns.activate(c)
         return out
 
     def _leave(self) -> None:
         calls = []
-        policy = self.table.policy
-        for c in list(self.turns.active):
-            refund = c.granted - c.spent - c.sent  # all credit, released or not
-            units = self.turns.units_of(policy.limit_for(c.bucket.key))
-            if units is not None and (refund > 0 or c.reg):
-                calls.append(LeaseCall(c.bucket.key, units, 0, 0, 0, max(refund, 0), 0))
+        for table, _, turns in self.kinds:
+            policy = table.policy
+            for c in list(turns.active):
+                refund = c.granted - c.spent - c.sent  # all credit, released or not
+                units = turns.units_of(policy.limit_for(c.bucket.key))
+                if units is not None and (refund > 0 or c.reg):
+                    calls.append(
+                        LeaseCall(c.bucket.key, units, 0, 0, 0, max(refund, 0), 0, kind=turns.kind)
+                    )
         self.link.round_trip(self.engine, calls, 1, (self.policy_sha(), 0), None, (0, 1))

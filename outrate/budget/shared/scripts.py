@@ -214,3 +214,76 @@ for i = 1, #fields, 2 do
 end
 return {live, missing}
 """
+
+USAGE_SCRIPT = """
+-- Quota usage of one group's users (one hash tag: one slot), each engine's
+-- count kept apart so that a write is idempotent: an engine writes its own
+-- running count of a window, never a difference, so a retried or repeated
+-- call adds nothing, and a store that lost its state is written back whole
+-- by the engines still running.
+-- KEYS: per user i, KEYS[2i-1] its usage hash (field
+--   `kind/window/start/engine` -> that engine's count in that window),
+--   KEYS[2i] its reset mark (server us of the operator's last reset).
+-- ARGV[1] this engine's quota id, ARGV[2] the hash's TTL in ms, then per
+--   user one string: `applied n kind/window start count ...` (n triples;
+--   applied: the last reset mark this engine applied, 0 for none).
+-- Per user, one line of the reply: `mark total ...`: the reset mark (0 for
+-- none) and, per triple in order, the user's count over every engine in
+-- that window. A mark newer than `applied` means the operator reset the
+-- user: nothing of this engine's is written (its counts predate the reset).
+local eid = ARGV[1]
+local ttl = tonumber(ARGV[2])
+local lines = {}
+for i = 1, #KEYS / 2 do
+  local hkey, rkey = KEYS[2 * i - 1], KEYS[2 * i]
+  local words = {}
+  for w in string.gmatch(ARGV[2 + i], '%S+') do words[#words + 1] = w end
+  local applied, n = tonumber(words[1]), tonumber(words[2])
+  local mark = tonumber(redis.call('GET', rkey) or '0')
+  local stale = mark > applied
+  local want = {}
+  for j = 0, n - 1 do
+    local kw, start, count = words[3 + 3 * j], words[4 + 3 * j], tonumber(words[5 + 3 * j])
+    want[#want + 1] = kw .. '/' .. start
+    if not stale and count > 0 then
+      local field = kw .. '/' .. start .. '/' .. eid
+      local cur = tonumber(redis.call('HGET', hkey, field) or '0')
+      if count > cur then redis.call('HSET', hkey, field, count) end
+    end
+  end
+  local totals, current = {}, {}
+  for _, w in ipairs(want) do
+    totals[w] = 0
+    local kw, start = string.match(w, '^(.*)/(%d+)$')
+    current[kw] = tonumber(start)
+  end
+  local fields = redis.call('HGETALL', hkey)
+  for f = 1, #fields, 2 do
+    local kw, start = string.match(fields[f], '^([^/]+/[^/]+)/(%d+)/')
+    if kw then
+      local w = kw .. '/' .. start
+      if totals[w] ~= nil then
+        totals[w] = totals[w] + tonumber(fields[f + 1])
+      elseif current[kw] ~= nil and tonumber(start) < current[kw] then
+        redis.call('HDEL', hkey, fields[f])  -- a window that has passed
+      end
+    end
+  end
+  if #fields > 0 then redis.call('PEXPIRE', hkey, ttl) end
+  local out = {string.format('%.0f', mark)}
+  for _, w in ipairs(want) do out[#out + 1] = string.format('%.0f', totals[w]) end
+  lines[#lines + 1] = table.concat(out, ' ')
+end
+return table.concat(lines, '\\n')
+"""
+
+RESET_SCRIPT = """
+-- The operator's reset of one user's quota usage: every engine's count
+-- goes, and the reset mark (server time, us) tells each engine to forget
+-- its own count at its next call. KEYS[1] the usage hash, KEYS[2] the mark.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+redis.call('DEL', KEYS[1])
+redis.call('SET', KEYS[2], string.format('%.0f', now), 'PX', tonumber(ARGV[1]))
+return string.format('%.0f', now)
+"""

@@ -28,7 +28,7 @@ from collections import deque
 
 from outrate.budget.limiter import Limit, LimitSource
 from outrate.budget.shared.credit import Credit, SharedBudget, credit_of
-from outrate.budget.shared.lease import MAX_DEMAND, MAX_TOKENS, LeaseCall, Units
+from outrate.budget.shared.lease import MAX_DEMAND, MAX_TOKENS, OUTPUT, LeaseCall, Units
 
 ROUND_CALLS = 1024
 """Most lease calls one round sends. A call costs Redis and this thread
@@ -40,12 +40,20 @@ DEMAND_REFRESH_NS = 500_000_000
 
 
 class Turns:
-    """The users with a lease here, and the order they are called in."""
+    """The users with a lease here of one kind of budget (`kind`: output or
+    prompt tokens, outrate.budget.shared.lease), and the order they are called in."""
 
-    def __init__(self, budget: SharedBudget, log: logging.Logger, cap: int = ROUND_CALLS) -> None:
+    def __init__(
+        self,
+        budget: SharedBudget,
+        log: logging.Logger,
+        cap: int = ROUND_CALLS,
+        kind: str = OUTPUT,
+    ) -> None:
         if cap < 1:
             raise ValueError(f"a round's cap must be >= 1 call, got {cap}")
         self.budget = budget
+        self.kind = kind
         self.log = log
         self.cap = cap
         self.active: dict[Credit, None] = {}
@@ -156,7 +164,8 @@ class Turns:
                 return True
             if units is None:
                 units = Units(1, 1, 0)  # only deregisters: no token moves
-            out.append((c, LeaseCall(key, units, 0, 0, 0, refund, 0, debt, True, lost)))
+            call = LeaseCall(key, units, 0, 0, 0, refund, 0, debt, True, lost, self.kind)
+            out.append((c, call))
             return True
         d = min(pins, MAX_DEMAND)
         assert units is not None  # (pins > 0: a limited user)
@@ -168,7 +177,17 @@ class Turns:
         c.seen = spent
         if low or refund or debt or register or lost:
             call = LeaseCall(
-                key, units, d, max(held, 0), MAX_TOKENS, refund, horizon_us, debt, register, lost
+                key,
+                units,
+                d,
+                max(held, 0),
+                MAX_TOKENS,
+                refund,
+                horizon_us,
+                debt,
+                register,
+                lost,
+                self.kind,
             )
             out.append((c, call))
             if horizon_us > self.max_horizon_us:
