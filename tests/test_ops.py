@@ -660,7 +660,8 @@ def all_exprs() -> list[tuple[str, str, bool]]:
     must parse and every series they name must exist; everything else must
     return samples where traffic was, but the prompt limit's line and the
     quota panels: the run's policy sets no prompt limit and no quota, so no
-    limit has a finite prompt rate and there is no quota usage (test_the_prompt_panels_show_what_the_prompt_series_say and
+    limit has a finite prompt rate and there is no quota usage
+    (test_the_prompt_panels_show_what_the_prompt_series_say and
     test_the_refusal_and_quota_panels_show_what_the_exporters_write check
     them with data, test_e2e_quota on a real page)."""
     not_here = {"Prompt tokens/s against the prompt limit / B", *contract_exprs()}
