@@ -21,12 +21,16 @@ happen in it as on the engine, on the virtual clock.
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 pytest.importorskip("vllm")
 
+from outrate.cli import app  # noqa: E402
 from outrate.observe.trace import max_window_excess, read_trace  # noqa: E402
 from outrate.simulate.engine import engine_from_flags  # noqa: E402
 from outrate.simulate.report import format_compare, format_time  # noqa: E402
@@ -188,3 +192,35 @@ def test_lending_by_time_keeps_a_committed_rate_in_the_simulator(tmp_path):
     assert fitted[2] == pytest.approx(truth.per_prefill_us, rel=0.05)
     assert rates["time"][0] >= 0.9 * rates["alone"][0]
     assert rates["slots"][0] < 0.7 * rates["alone"][0]
+
+
+# -- the docs --------------------------------------------------------------------
+
+
+def test_the_docs_flood_is_what_the_command_prints(monkeypatch):
+    """docs/simulate.md shows the flood's workload, command and table; the
+    README's "Plan before you deploy" runs the same command and quotes bob's
+    figures each way."""
+    repo = WORKLOADS.parent.parent
+    monkeypatch.chdir(repo)
+    doc = (repo / "docs" / "simulate.md").read_text()
+    command = re.search(r"```\n(outrate simulate \S*prompt-flood-policy.yaml .*?)\n```", doc, re.S)
+    assert command is not None
+    args = command.group(1).replace("\\\n", " ").split()[2:]
+    runner = CliRunner()
+    result = runner.invoke(app, ["simulate", *args])
+    assert result.exit_code == 0, result.output
+    assert f"```\n{result.stdout}```" in doc
+    assert f"```yaml\n{FLOOD.read_text().split(chr(10), 4)[4]}```" in doc  # less its comment
+    readme = (repo / "README.md").read_text()
+    inline = re.search(r"`(outrate simulate \S*prompt-flood-policy.yaml[^`]*)`", readme)
+    assert inline is not None and inline.group(1).split()[2:] == args
+    flags = args.index("--")
+    data = runner.invoke(app, ["simulate", *args[:flags], "--format", "json", *args[flags:]])
+    a, b = (run["users"]["bob"] for run in json.loads(data.stdout)["runs"])
+    said = (
+        f"gives bob {a['tokens_per_s']:.1f} tok/s and first tokens in "
+        f"{a['ttft_p50_ms']:.0f} ms with her\n`prompt: 500`, {b['tokens_per_s']:.1f} tok/s and "
+        f"{b['ttft_p50_ms']:.0f} ms without it"
+    )
+    assert said in readme
