@@ -45,13 +45,14 @@ Why the ratios are what they are:
   LONG_PROMPT-token prompt paced at PROMPT_PACE tok/s (a few tokens a step:
   still prefilling when the run ends), the others decode. Every request is
   scheduled every step: N paced chunks (the prompt charge, cut and trim of
-  each) and R - N decodes. Stock gets the same requests, which it prefills
-  during warm-up and then decodes, so the ratio is over stock with all R
-  running, as at 0%. `p0`: the limits alone, everyone decoding. No target.
+  each) and R - N decodes. Stock gets the same requests and computes those
+  prompts PACED_CHUNK tokens a step (`long_prefill_token_threshold`): the
+  same work, so the ratio is over stock with all R running, as at 0%, and
+  is what pacing adds. `p0`: the limits alone, everyone decoding. No target.
 - Lending by step time (`t<borrow%>`, first table): borrower cells on a
   clock whose steps cost what they hold (TIMED_STEP: a fixed part and a part
   per request, the scheduler's fit given it as its prior), committed users
-  at COMMITTED_RATE tok/s: the time target binds, so the step lends only
+  at `committed_rate(R)` tok/s: the time target binds, so the step lends only
   part of the borrowers' requests and holds the rest (checked). Compared,
   like throttled cells, with stock scheduling the n requests outrate
   schedules. No target.
@@ -144,13 +145,19 @@ SLOW_RATE = "0.001"  # tok/s: one token, then held for ~1000 s of fake time
 TARGET_UNTHROTTLED = 1.08
 TARGET_WORST = 1.3
 PROMPT_PACE = "400"  # tok/s: ~4 prompt tokens a 10 ms step
-LONG_PROMPT = 1500  # a paced prompt: ~400 steps to compute, far more than a run
+PACED_CHUNK = 4  # stock's chunk of those prompts (long_prefill_token_threshold): the same work
+LONG_PROMPT = 1900  # ~475 steps to compute at 4 a step: more than a full run
 TIMED_STEP = Prior(fixed_us=5000, per_decode_us=100, per_prefill_us=0)
 """The clock of `t` cells: 5 ms a step and 0.1 ms a request it holds."""
-COMMITTED_RATE = "320"
-"""tok/s of `t` cells' committed users (4 streams each): `HEADROOM x 4 /
-320` = 10 ms, the step time their rates allow; their own 32 decodes take
-8.2 ms of it (R = 64), so about half the borrowers' requests fit."""
+
+
+def committed_rate(running: int) -> str:
+    """tok/s of a `t` cell's committed users (8 of them, R/16 streams each):
+    the rate whose time target, `HEADROOM x (R/16) / rate`, is the step of
+    the committed R/2 decodes and half the borrowers' R/2 (5 ms + 0.1 ms
+    x 3R/4): about half the borrowers' requests fit (320 tok/s at R = 64)."""
+    step_s = (TIMED_STEP.fixed_us + TIMED_STEP.per_decode_us * 3 * running / 4) / 1e6
+    return str(round(0.8 * running / 16 / step_s))
 
 
 @dataclass(frozen=True)
@@ -410,15 +417,17 @@ def build(
     policy: CompiledPolicy | None,
     lengths: Sequence[int] | None = None,
     cost: Prior | None = None,
+    chunk: int = 0,
 ) -> Bench:
     """A scheduler with len(owners) running requests, warmed up into decode
-    (but the ones `policy` paces through long prompts). `lengths`: each
-    request's prompt length (PROMPT_LEN); `cost`: the clock's step cost,
-    also the scheduler's prior of it (a flat STEP_NS)."""
+    (but the long prompts, which `policy` paces or stock computes `chunk`
+    tokens a step). `lengths`: each request's prompt length (PROMPT_LEN);
+    `cost`: the clock's step cost, also the scheduler's prior of it (a flat
+    STEP_NS)."""
     r = len(owners)
     lengths = list(lengths) if lengths is not None else [PROMPT_LEN] * r
     clock = FakeClock()
-    tokens = max(lengths) + sizes.total + PROBE_STEPS + 4  # most a request can reach
+    tokens = max(PROMPT_LEN + sizes.total + PROBE_STEPS + 4, max(lengths) + 1)  # the most
     if tokens >= MAX_MODEL_LEN:
         raise ValueError(f"{sizes.total} steps would run requests into max_model_len")
     extra = sum(lengths) - PROMPT_LEN * r  # the long prompts' tokens
@@ -430,14 +439,20 @@ def build(
         num_blocks=r * per_req_blocks + 64 + -(-extra // BLOCK) + r,
         step_model=cost or FLAT_STEPS,
         max_num_seqs=r + 1,  # see module docstring: the last free seat
-        max_num_batched_tokens=max(r * PROMPT_LEN, 256) + extra,  # stock prefills in warm-up
+        max_num_batched_tokens=max(r * PROMPT_LEN, 256) + extra,
+        scheduler={
+            "long_prefill_token_threshold": chunk,
+            "long_prefill_token_threshold_adaptive": False,
+        }
+        if chunk
+        else None,
     )
     bench = Bench(kind, sched, clock, cost=cost)
     for i, user in enumerate(owners):
         n = lengths[i]
         sched.add_request(make_request(user, n, MAX_TOKENS, prompt=prompt(i, n), req_id=f"q{i}"))
     bench.run(sizes.warmup, record=False)
-    paced = sum(n > PROMPT_LEN for n in lengths) if policy is not None else 0
+    paced = sum(n > PROMPT_LEN for n in lengths) if policy is not None or chunk else 0
     if cost is None:  # (lent by time, a borrower's new prompt may wait for spare time)
         _check_settled(bench, r, paced)
     return bench
@@ -520,7 +535,7 @@ def measure(cell: Cell, sizes: Sizes, copies: int = COPIES) -> Result:
         w = workload(cell.running, cell.users, cell.throttled, cell.borrowing)
     lengths = prompt_lengths(w)
     cost = TIMED_STEP if cell.timed else None
-    committed = COMMITTED_RATE if cell.timed else FREE_RATE
+    committed = committed_rate(cell.running) if cell.timed else FREE_RATE
     pol = policy_for(w, cell.peak, prompts, committed)
 
     def probed() -> Bench:
@@ -543,19 +558,20 @@ def measure(cell: Cell, sizes: Sizes, copies: int = COPIES) -> Result:
     twins: list[Bench] = []
     full = cell.throttled == 0 and not cell.timed  # the base: stock with all R
     same = lengths if full else None  # (n == R: the same requests)
+    chunk = PACED_CHUNK if prompts else 0  # stock computes the long prompts as paced
 
     def base() -> None:
         if full or not alls:  # informational when throttled: one copy
-            alls.append(build(stock, [None] * cell.running, sizes, None, same))
+            alls.append(build(stock, [None] * cell.running, sizes, None, same, chunk=chunk))
         bases.append(alls[-1] if full else build(stock, [None] * n, sizes, None))
 
     makers = (
         lambda: outs.append(probed()),
         base,
-        lambda: twins.append(build(stock, [None] * n, sizes, None, same)),
+        lambda: twins.append(build(stock, [None] * n, sizes, None, same, chunk=chunk)),
     )
     base()  # outrate's first copy came first (it tells n); then each copy in a rotated order
-    twins.append(build(stock, [None] * n, sizes, None, same))
+    twins.append(build(stock, [None] * n, sizes, None, same, chunk=chunk))
     for c in range(1, copies):
         for j in range(3):
             makers[(c + j) % 3]()

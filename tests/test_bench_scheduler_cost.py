@@ -55,8 +55,12 @@ def test_paced_prompts_prefill_a_few_tokens_every_step() -> None:
     assert len(long) == 2 and all(q.is_prefill_chunk for q in long)
     for q in long:  # 400 tok/s on 10 ms steps: ~4 tokens a step
         assert 0 < q.num_computed_tokens - before[q.request_id] <= 5 * 4 + 1
-    stock = bench.build("stock-sync", [None] * 16, TINY, None, bench.prompt_lengths(w))
-    assert not any(q.is_prefill_chunk for q in stock.sched.running)  # prefilled in warm-up
+    stock = bench.build("stock-sync", [None] * 16, TINY, None, bench.prompt_lengths(w), chunk=4)
+    before = {q.request_id: q.num_computed_tokens for q in stock.sched.running}
+    stock.run(5)
+    long = [q for q in stock.sched.running if q.num_prompt_tokens == bench.LONG_PROMPT]
+    assert len(long) == 2 and all(q.is_prefill_chunk for q in long)  # the same work, in stock
+    assert all(q.num_computed_tokens - before[q.request_id] == 5 * 4 for q in long)
 
 
 def test_measure_tiny_prompt_and_timed_cells() -> None:
@@ -79,8 +83,9 @@ def test_lending_by_time_binds_on_the_costed_clock() -> None:
     """t50 at R = 64: committed users at 320 tok/s with 4 streams each allow
     0.8 x 4 / 320 = 10 ms a step; their 32 decodes take 8.2 ms on the clock,
     so ~18 of the 32 borrowers' requests fit (0.1 ms each)."""
+    assert bench.committed_rate(64) == "327"
     w = bench.workload(64, 16, 0.0, borrowing=0.5)
-    pol = bench.policy_for(w, committed=bench.COMMITTED_RATE)
+    pol = bench.policy_for(w, committed=bench.committed_rate(64))
     b = bench.build("sync", w.users, TINY, pol, cost=bench.TIMED_STEP)
     b.run(10)
     lent = len(b.sched.lending)
