@@ -357,10 +357,17 @@ def _turnaround_us(
     each step it was charged for fewer tokens than it has streams is a
     stream between requests. Only users never held and never waiting for
     prompt budget (a throttled stream sits out for budget, not for its
-    client) count; the mean over them."""
+    client) count, and a throttled user with one stream, whose requests'
+    arrivals say it directly (`_one_stream_us`); the mean over them."""
     held = {u for r in steps.values() for f in ("held", "prompt_waiting") for u in r.get(f, {})}
     found = []
     for user, load in workload.expanded():
+        if load.streams == 1 and user in held:
+            gap = _one_stream_us(steps, user, mean_step_us)
+            if gap is not None:
+                think = load.think.mean / 1000 if load.think is not None else 0.0
+                found.append(max(gap - think, 0.0))
+            continue
         if load.streams is None or user in held:
             continue
         mine = [n for n, r in steps.items() if user in r.get("charged", {})]
@@ -382,6 +389,24 @@ def _turnaround_us(
         think = load.think.mean / 1000 if load.think is not None else 0.0
         found.append(max(missing * mean_step_us / requests - think, 0.0))
     return statistics.fmean(found) if found else None
+
+
+def _one_stream_us(
+    steps: dict[int, dict[str, Any]], user: str, mean_step_us: float
+) -> float | None:
+    """A one-stream user's mean time from a request's last token to its next
+    request's arrival: each `arrived` step less the step after its last
+    charged one (when that token existed). None: fewer than two arrivals
+    after a token."""
+    last = 0
+    gaps = []
+    for n in sorted(steps):
+        r = steps[n]
+        if user in r.get("arrived", {}) and last:
+            gaps.append((r["t"] - last) / 1000 - mean_step_us)
+        if user in r.get("charged", {}):
+            last = r["t"]
+    return statistics.fmean(gaps) if len(gaps) >= 2 else None
 
 
 def prompt_means_of(workload: Workload) -> dict[str, float]:
