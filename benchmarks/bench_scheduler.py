@@ -40,6 +40,22 @@ Why the ratios are what they are:
   scheduled every step (the benchmark checks that, and that every
   borrower's request is borrowing), so the ratio is over stock with all R
   running, as at 0%: what lending costs a step. No target.
+- Prompt limits (issue 40; `p<N>` in `--only`, in the first table): every
+  rule has a prompt limit; N users own one request each with a
+  LONG_PROMPT-token prompt paced at PROMPT_PACE tok/s (a few tokens a step:
+  still prefilling when the run ends), the others decode. Every request is
+  scheduled every step: N paced chunks (the prompt charge, cut and trim of
+  each) and R - N decodes. Stock gets the same requests and computes those
+  prompts PACED_CHUNK tokens a step (`long_prefill_token_threshold`): the
+  same work, so the ratio is over stock with all R running, as at 0%, and
+  is what pacing adds. `p0`: the limits alone, everyone decoding. No target.
+- Lending by step time (`t<borrow%>`, first table): borrower cells on a
+  clock whose steps cost what they hold (TIMED_STEP: a fixed part and a part
+  per request, the scheduler's fit given it as its prior), committed users
+  at `committed_rate(R)` tok/s: the time target binds, so the step lends only
+  part of the borrowers' requests and holds the rest (checked). Compared,
+  like throttled cells, with stock scheduling the n requests outrate
+  schedules. No target.
 
 Noise: the machine is small and shared (other test runs come and go), and
 two schedulers built alike differ by a few points (where their objects land
@@ -105,6 +121,7 @@ sys.path.insert(0, str(REPO / "tests"))  # the vLLM harness lives with the tests
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm_harness import (  # noqa: E402
     BLOCK,
+    FLAT_STEPS,
     MS,
     TOKEN,
     FakeClock,
@@ -116,6 +133,7 @@ from vllm_harness import (  # noqa: E402
 from outrate.policy.compiler import CompiledPolicy, compile_policy  # noqa: E402
 from outrate.policy.loader import parse_policy  # noqa: E402
 from vllm_integration.offline.outputs import model_runner_output  # noqa: E402
+from vllm_integration.step.steptime import Prior  # noqa: E402
 
 PROMPT_LEN = 8
 MAX_TOKENS = 1_000_000  # never reached: the run is far shorter
@@ -126,6 +144,20 @@ FREE_RATE = "1000000"  # tok/s: never reached
 SLOW_RATE = "0.001"  # tok/s: one token, then held for ~1000 s of fake time
 TARGET_UNTHROTTLED = 1.08
 TARGET_WORST = 1.3
+PROMPT_PACE = "400"  # tok/s: ~4 prompt tokens a 10 ms step
+PACED_CHUNK = 4  # stock's chunk of those prompts (long_prefill_token_threshold): the same work
+LONG_PROMPT = 1900  # ~475 steps to compute at 4 a step: more than a full run
+TIMED_STEP = Prior(fixed_us=5000, per_decode_us=100, per_prefill_us=0)
+"""The clock of `t` cells: 5 ms a step and 0.1 ms a request it holds."""
+
+
+def committed_rate(running: int) -> str:
+    """tok/s of a `t` cell's committed users (8 of them, R/16 streams each):
+    the rate whose time target, `HEADROOM x (R/16) / rate`, is the step of
+    the committed R/2 decodes and half the borrowers' R/2 (5 ms + 0.1 ms
+    x 3R/4): about half the borrowers' requests fit (320 tok/s at R = 64)."""
+    step_s = (TIMED_STEP.fixed_us + TIMED_STEP.per_decode_us * 3 * running / 4) / 1e6
+    return str(round(0.8 * running / 16 / step_s))
 
 
 @dataclass(frozen=True)
@@ -136,12 +168,19 @@ class Cell:
     throttled: float  # fraction of requests whose user is out of budget
     borrowing: float = 0.0  # fraction whose user is past its committed rate, below its peak
     peak: str = "unlimited"  # the borrowing users' peak (policy syntax)
+    prompting: int | None = None  # prompt limits on: requests prefilling a paced prompt
+    timed: bool = False  # borrowers lend by step time on a clock that costs the batch
 
     @property
     def name(self) -> str:
         """How `--only` names the cell: mode:R:U:thr% or, with borrowers,
-        mode:R:U:b<borrow%>, with @<peak> where the peak is finite."""
+        mode:R:U:b<borrow%>, with @<peak> where the peak is finite; with
+        prompt limits mode:R:U:p<prefilling>; lending by time mode:R:U:t<borrow%>."""
         head = f"{self.mode}:{self.running}:{self.users}"
+        if self.prompting is not None:
+            return f"{head}:p{self.prompting}"
+        if self.timed:
+            return f"{head}:t{self.borrowing * 100:.0f}"
         if not self.borrowing:
             return f"{head}:{self.throttled * 100:.0f}"
         finite = "" if self.peak == "unlimited" else f"@{self.peak}"
@@ -180,7 +219,7 @@ class Result:
 
     @property
     def target(self) -> float | None:
-        if self.cell.borrowing:
+        if self.cell.borrowing or self.cell.prompting is not None:
             return None
         if self.cell.throttled == 0:
             return TARGET_UNTHROTTLED
@@ -203,6 +242,7 @@ class Workload:
     free_users: list[str]
     label: str
     borrowing_users: list[str] = field(default_factory=list)
+    prompting_users: list[str] = field(default_factory=list)  # one long paced prompt each
 
     @property
     def n_throttled(self) -> int:
@@ -252,14 +292,46 @@ def workload(running: int, users: int, throttled: float, borrowing: float = 0.0)
     return Workload(owners, slow, free, f"{k_slow}+{k_free}")
 
 
-def policy_for(w: Workload, peak: str = "unlimited") -> CompiledPolicy:
+def prompt_workload(running: int, users: int, prompting: int) -> Workload:
+    """`prompting` users own one request each (a long prompt, paced), spread
+    through the arrival order; the other requests go round-robin over the
+    rest of the users (u0, u1, ...)."""
+    if not 0 <= prompting < min(users, running):
+        raise ValueError(f"need 0 <= prompting < users, running; got {prompting}")
+    free = [f"u{i}" for i in range(users - prompting)]
+    slow = [f"p{i}" for i in range(prompting)]
+    owners: list[str] = []
+    i_slow = i_free = 0
+    for i in range(running):
+        if (i + 1) * prompting // running != i * prompting // running:
+            owners.append(slow[i_slow])
+            i_slow += 1
+        else:
+            owners.append(free[i_free % len(free)])
+            i_free += 1
+    return Workload(owners, [], free, f"{prompting}+{len(free)}", prompting_users=slow)
+
+
+def prompt_lengths(w: Workload) -> list[int]:
+    """Each request's prompt length: LONG_PROMPT for the prompting users'."""
+    slow = set(w.prompting_users)
+    return [LONG_PROMPT if u in slow else PROMPT_LEN for u in w.users]
+
+
+def policy_for(
+    w: Workload, peak: str = "unlimited", prompts: bool = False, committed: str = FREE_RATE
+) -> CompiledPolicy:
     """Throttled users at SLOW_RATE; borrowing users committed to SLOW_RATE
     with `peak` above it (one committed token, then every token borrowed);
-    the others at FREE_RATE."""
-    lines = ["version: 1", f"default: {FREE_RATE}", "burst: 100ms", "users:"]
+    the others at `committed` (FREE_RATE: never reached). `prompts`: every
+    rule limits prompts too, at FREE_RATE, and the prompting users' at
+    PROMPT_PACE."""
+    mine = f", prompt: {FREE_RATE}" if prompts else ""
+    lines = ["version: 1", f"default: {{rate: {FREE_RATE}{mine}}}", "burst: 100ms", "users:"]
     lines += [f"  {u}: {SLOW_RATE}" for u in w.throttled_users]
     lines += [f"  {u}: {{rate: {SLOW_RATE}, peak: {peak}}}" for u in w.borrowing_users]
-    lines += [f"  {u}: {FREE_RATE}" for u in w.free_users]
+    lines += [f"  {u}: {{rate: {committed}{mine}}}" for u in w.free_users]
+    lines += [f"  {u}: {{rate: {FREE_RATE}, prompt: {PROMPT_PACE}}}" for u in w.prompting_users]
     text = "\n".join(lines) + "\n"
     return compile_policy(parse_policy(text, "bench.yaml"), "bench.yaml")
 
@@ -278,6 +350,7 @@ class Bench:
     rounds: list[list[int]] = field(default_factory=list)  # ns per step, per round
     scheduled: list[int] = field(default_factory=list)
     _pending: deque = field(default_factory=deque)
+    cost: Prior | None = None  # the clock's step cost (None: STEP_NS flat)
 
     @property
     def is_async(self) -> bool:
@@ -300,7 +373,14 @@ class Bench:
                 spent += self._deliver()
         elif not self.is_async or len(pending) >= 2:
             spent += self._deliver()
-        self.clock.advance(STEP_NS)
+        cost = self.cost
+        if cost is None:
+            self.clock.advance(STEP_NS)
+        else:
+            us = cost.fixed_us + cost.per_decode_us * len(ids)
+            self.clock.advance(
+                int((us + cost.per_prefill_us * out.total_num_scheduled_tokens) * 1000)
+            )
         return spent, len(ids)
 
     def _deliver(self) -> int:
@@ -331,42 +411,62 @@ class Bench:
 
 
 def build(
-    kind: str, owners: Sequence[str | None], sizes: Sizes, policy: CompiledPolicy | None
+    kind: str,
+    owners: Sequence[str | None],
+    sizes: Sizes,
+    policy: CompiledPolicy | None,
+    lengths: Sequence[int] | None = None,
+    cost: Prior | None = None,
+    chunk: int = 0,
 ) -> Bench:
-    """A scheduler with len(owners) running requests, warmed up into decode."""
+    """A scheduler with len(owners) running requests, warmed up into decode
+    (but the long prompts, which `policy` paces or stock computes `chunk`
+    tokens a step). `lengths`: each request's prompt length (PROMPT_LEN);
+    `cost`: the clock's step cost, also the scheduler's prior of it (a flat
+    STEP_NS)."""
     r = len(owners)
+    lengths = list(lengths) if lengths is not None else [PROMPT_LEN] * r
     clock = FakeClock()
-    tokens = PROMPT_LEN + sizes.total + PROBE_STEPS + 4  # most a request can reach
-    per_req_blocks = -(-tokens // BLOCK) + 1
+    tokens = max(PROMPT_LEN + sizes.total + PROBE_STEPS + 4, max(lengths) + 1)  # the most
     if tokens >= MAX_MODEL_LEN:
         raise ValueError(f"{sizes.total} steps would run requests into max_model_len")
+    extra = sum(lengths) - PROMPT_LEN * r  # the long prompts' tokens
+    per_req_blocks = -(-(PROMPT_LEN + sizes.total + PROBE_STEPS + 4) // BLOCK) + 1
     sched = make_scheduler(
         kind,
         policy,
         clock,
-        num_blocks=r * per_req_blocks + 64,
+        num_blocks=r * per_req_blocks + 64 + -(-extra // BLOCK) + r,
+        step_model=cost or FLAT_STEPS,
         max_num_seqs=r + 1,  # see module docstring: the last free seat
-        max_num_batched_tokens=max(r * PROMPT_LEN, 256),
+        max_num_batched_tokens=max(r * PROMPT_LEN, 256) + extra,
+        scheduler={
+            "long_prefill_token_threshold": chunk,
+            "long_prefill_token_threshold_adaptive": False,
+        }
+        if chunk
+        else None,
     )
-    bench = Bench(kind, sched, clock)
+    bench = Bench(kind, sched, clock, cost=cost)
     for i, user in enumerate(owners):
-        sched.add_request(
-            make_request(user, PROMPT_LEN, MAX_TOKENS, prompt=prompt(i), req_id=f"q{i}")
-        )
+        n = lengths[i]
+        sched.add_request(make_request(user, n, MAX_TOKENS, prompt=prompt(i, n), req_id=f"q{i}"))
     bench.run(sizes.warmup, record=False)
-    _check_settled(bench, r)
+    paced = sum(n > PROMPT_LEN for n in lengths) if policy is not None or chunk else 0
+    if cost is None:  # (lent by time, a borrower's new prompt may wait for spare time)
+        _check_settled(bench, r, paced)
     return bench
 
 
-def prompt(i: int) -> list[int]:
-    """Request i's prompt, the same in every scheduler and distinct for each i
-    (its first two tokens spell i in base 497): copies see identical requests."""
-    return [3 + i % 497, 3 + i // 497 % 497] + [
-        3 + (i * 31 + j) % 497 for j in range(PROMPT_LEN - 2)
-    ]
+def prompt(i: int, n: int = PROMPT_LEN) -> list[int]:
+    """Request i's prompt of `n` tokens, the same in every scheduler and
+    distinct for each i (its first two tokens spell i in base 497): copies
+    see identical requests."""
+    return [3 + i % 497, 3 + i // 497 % 497] + [3 + (i * 31 + j) % 497 for j in range(n - 2)]
 
 
-def _check_settled(bench: Bench, r: int) -> None:
+def _check_settled(bench: Bench, r: int, prefilling: int = 0) -> None:
+    """Every request running, all in decode but `prefilling` (paced prompts)."""
     sched = bench.sched
     running, waiting = sched.get_request_counts()
     if waiting or running != r:
@@ -374,8 +474,10 @@ def _check_settled(bench: Bench, r: int) -> None:
             f"{bench.name}: not settled after warm-up: {running} running, {waiting} waiting"
         )
     busy = [q for q in sched.running if q.is_prefill_chunk]
-    if busy:
-        raise RuntimeError(f"{bench.name}: {len(busy)} requests still prefilling after warm-up")
+    if len(busy) != prefilling:
+        raise RuntimeError(
+            f"{bench.name}: {len(busy)} requests prefilling after warm-up, not {prefilling}"
+        )
 
 
 def interleave(benches: Sequence[Bench], sizes: Sizes) -> None:
@@ -423,38 +525,53 @@ def measure(cell: Cell, sizes: Sizes, copies: int = COPIES) -> Result:
     0% throttled, stock with the n requests outrate schedules otherwise; its
     twin (built alike, measured alike) gives `a/a`, the cell's noise floor.
     With borrowers the base is stock with all R, as at 0%: every request is
-    scheduled, every borrower's borrowing (checked)."""
-    w = workload(cell.running, cell.users, cell.throttled, cell.borrowing)
+    scheduled, every borrower's borrowing (checked). With prompt limits
+    (`p` cells) stock gets the same requests, long prompts included: all R,
+    as at 0%. Lending by time (`t` cells): stock with n, as when throttled."""
+    prompts = cell.prompting is not None
+    if prompts:
+        w = prompt_workload(cell.running, cell.users, cell.prompting or 0)
+    else:
+        w = workload(cell.running, cell.users, cell.throttled, cell.borrowing)
+    lengths = prompt_lengths(w)
+    cost = TIMED_STEP if cell.timed else None
+    committed = committed_rate(cell.running) if cell.timed else FREE_RATE
+    pol = policy_for(w, cell.peak, prompts, committed)
 
     def probed() -> Bench:
-        b = build(cell.mode, w.users, sizes, policy_for(w, cell.peak))
+        b = build(cell.mode, w.users, sizes, pol, lengths, cost)
         b.run(PROBE_STEPS)  # n: what outrate schedules once the throttled are held
         lent = len(b.sched.lending)
-        if lent != w.n_borrowing:
+        if cell.timed and not 0 < lent < w.n_borrowing:  # the time target binds
+            raise RuntimeError(f"{cell.name}: {lent} of {w.n_borrowing} requests borrowing")
+        if not cell.timed and lent != w.n_borrowing:
             raise RuntimeError(f"{cell.name}: {lent} requests borrowing, not {w.n_borrowing}")
         return b
 
     outs = [probed()]
     n = outs[0].median_scheduled()
-    if cell.borrowing and n != cell.running:
+    if (cell.borrowing and not cell.timed or prompts) and n != cell.running:
         raise RuntimeError(f"{cell.name}: {n} of {cell.running} requests scheduled per step")
     stock = f"stock-{cell.mode}"
     alls: list[Bench] = []
     bases: list[Bench] = []
     twins: list[Bench] = []
+    full = cell.throttled == 0 and not cell.timed  # the base: stock with all R
+    same = lengths if full else None  # (n == R: the same requests)
+    chunk = PACED_CHUNK if prompts else 0  # stock computes the long prompts as paced
 
     def base() -> None:
-        if cell.throttled == 0 or not alls:  # informational when throttled: one copy
-            alls.append(build(stock, [None] * cell.running, sizes, None))
-        bases.append(alls[-1] if cell.throttled == 0 else build(stock, [None] * n, sizes, None))
+        if full or not alls:  # informational when throttled: one copy
+            alls.append(build(stock, [None] * cell.running, sizes, None, same, chunk=chunk))
+        bases.append(alls[-1] if full else build(stock, [None] * n, sizes, None))
 
     makers = (
         lambda: outs.append(probed()),
         base,
-        lambda: twins.append(build(stock, [None] * n, sizes, None)),
+        lambda: twins.append(build(stock, [None] * n, sizes, None, same, chunk=chunk)),
     )
     base()  # outrate's first copy came first (it tells n); then each copy in a rotated order
-    twins.append(build(stock, [None] * n, sizes, None))
+    twins.append(build(stock, [None] * n, sizes, None, same, chunk=chunk))
     for c in range(1, copies):
         for j in range(3):
             makers[(c + j) % 3]()
@@ -503,13 +620,35 @@ def grid(quick: bool) -> list[Cell]:
     return limited + lending
 
 
+COST_CELLS = ((None, False, 0.0), (0, False, 0.0), (8, False, 0.0), (None, True, 0.5))
+"""Issue 40's cells (prompting, timed, borrowing), 16 users, R = 64 and 256:
+the 0% cell beside them (the same run's price of the hooks), prompt limits
+with everyone decoding (p0) and with 8 paced prompts (p8), and lending by
+step time with half the requests borrowing (t50)."""
+
+
+def cost_grid() -> list[Cell]:
+    """Prompt limits and lending by time (issue 40): `--cost` runs them, and
+    `--only` may name them."""
+    return [
+        Cell(mode, r, 16, 0.0, part, prompting=p, timed=t)
+        for mode in ("sync", "async")
+        for r in (64, 256)
+        for p, t, part in COST_CELLS
+    ]
+
+
 HEADER = """\
 Per-step cost of schedule() + update_from_output(), median us, all requests in decode.
 stock_all: stock vLLM with all R running.  stock_sched: stock vLLM with only the
 requests outrate actually schedules (sched/step).  ratio = outrate / stock_all at 0%
 throttled (price of the hooks), outrate / stock_sched otherwise (price of the held).
 a/a: a second set of stock_sched copies over the first, measured alike (the noise
-floor).  users: count, or throttled+free users when some are throttled."""
+floor).  users: count, or throttled+free users when some are throttled.
+thr% p<N>: prompt limits on every rule, N users each prefilling one paced prompt
+(prompting+decoding users; ratio over stock with the same requests, all R).
+thr% t<B>: B% of the requests borrowing, lent by step time on a costed clock
+(borrowing+committed users; ratio over stock with the n scheduled)."""
 
 COLUMNS = {
     "mode": 5, "R": 5, "users": 7, "thr%": 4, "sched/step": 10, "stock_all_us": 12,
@@ -537,12 +676,12 @@ BORROW_COLUMNS = {
 
 def format_table(results: Iterable[Result]) -> str:
     results = list(results)
-    limited = [r for r in results if not r.cell.borrowing]
-    lending = [r for r in results if r.cell.borrowing]
+    limited = [r for r in results if not r.cell.borrowing or r.cell.timed]
+    lending = [r for r in results if r.cell.borrowing and not r.cell.timed]
     lines = [HEADER, "", format_row(COLUMNS)] if limited or not lending else []
     for res in limited:
         c = res.cell
-        row = [c.mode, str(c.running), res.users_label, f"{c.throttled * 100:.0f}"]
+        row = [c.mode, str(c.running), res.users_label, _kind(c)]
         row.append(str(res.scheduled))
         row += [f"{us:.0f}" for us in (res.stock_all_us, res.stock_sched_us, res.outrate_us)]
         row.append(f"{res.ratio:.3f}")
@@ -561,6 +700,15 @@ def format_table(results: Iterable[Result]) -> str:
         row += [f"{res.ratio:.3f}", f"{res.aa:.3f}"]
         lines.append(format_row(row, BORROW_COLUMNS))
     return "\n".join(lines)
+
+
+def _kind(c: Cell) -> str:
+    """The first table's thr% column: throttled %, p<prompting> or t<borrow%>."""
+    if c.prompting is not None:
+        return f"p{c.prompting}"
+    if c.timed:
+        return f"t{c.borrowing * 100:.0f}"
+    return f"{c.throttled * 100:.0f}"
 
 
 def profile_worst(mode: str = "sync", users: int = 16, steps: int = 300, top: int = 15) -> str:
@@ -769,6 +917,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="reduced grid and steps (CI smoke)")
     ap.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
     ap.add_argument("--no-profile", action="store_true", help="skip the cProfile section")
+    ap.add_argument(
+        "--cost",
+        action="store_true",
+        help="the cells of prompt limits (p0, p8) and lending by step time (t50) instead",
+    )
     ap.add_argument("--copies", type=int, default=COPIES, help="schedulers built per kind")
     ap.add_argument(
         "--only",
@@ -798,7 +951,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     with contextlib.redirect_stdout(sys.stderr):
         model_dir()  # builds or reuses the tiny model; keep its chatter off the table
     results = []
-    for cell in grid(args.quick):
+    cells = cost_grid() if args.cost else grid(args.quick)
+    if args.only and not args.cost:  # any cell by name
+        cells += [c for c in cost_grid() if c.name not in {g.name for g in cells}]
+    for cell in cells:
         if args.only and cell.name not in args.only.split(","):
             continue
         results.append(measure(cell, sizes, max(args.copies, 1)))

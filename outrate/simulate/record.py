@@ -39,6 +39,7 @@ class _User:
     deferred: int = 0
     arrived: int = 0
     completed: int = 0
+    prompt: list[tuple[int, int]] = field(default_factory=list)  # (step start, tokens)
 
 
 class Recorder:
@@ -83,6 +84,11 @@ class Recorder:
     def deferral(self, user: str) -> None:
         self.users[user].deferred += 1
 
+    def prompt(self, user: str, t: int, n: int) -> None:
+        """`user`'s requests computed `n` prompt positions in the step
+        dispatched at `t` (stamped at dispatch, as the trace's `prompt`)."""
+        self.users[user].prompt.append((t, n))
+
     def step(
         self,
         t: int,
@@ -108,6 +114,7 @@ class Recorder:
         live until then (not completed)."""
         for r in self.requests.values():
             self.users[r.user].live_ns += end_ns - r.arrival
+        seconds = (end_ns - self.start) / 1e9
         users = {}
         for name, u in self.users.items():
             times = u.times
@@ -127,11 +134,13 @@ class Recorder:
                 arrived=u.arrived,
                 completed=u.completed,
                 started=len(u.ttft),
+                prompt_tokens=sum(k for _, k in u.prompt),
+                prompt_rate=sum(k for _, k in u.prompt) / seconds if seconds > 0 else 0.0,
+                prompt_steps=[(t - self.start, k) for t, k in u.prompt],
                 token_times=[t - self.start for t in times],
                 gaps=u.gaps,
                 ttfts=u.ttft,
             )
-        seconds = (end_ns - self.start) / 1e9
         engine = EngineStats(
             steps=self.steps,
             seconds=seconds,

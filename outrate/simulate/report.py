@@ -63,6 +63,14 @@ class UserStats:
     started: int = 0
     """Requests that got a first token (cut at the end included): the
     population of the time to first token."""
+    prompt_tokens: int = 0
+    """Prompt positions the engine computed for it (prefix-cache hits are
+    not computed; recomputation after a preemption is)."""
+    prompt_rate: float = 0.0
+    """`prompt_tokens` per second of the run."""
+    prompt_steps: list[tuple[int, int]] = field(repr=False, default_factory=list)
+    """(ns from the start, prompt tokens) per step that computed any, stamped
+    when the step was dispatched."""
     token_times: list[int] = field(repr=False, default_factory=list)
     gaps: list[int] = field(repr=False, default_factory=list)
     ttfts: list[int] = field(repr=False, default_factory=list)
@@ -81,6 +89,8 @@ class UserStats:
             "requests": self.arrived,
             "completed": self.completed,
             "started": self.started,
+            "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens_per_s": round(self.prompt_rate, 3),
         }
 
 
@@ -127,6 +137,8 @@ class RunResult:
     meta: dict[str, Any] = field(default_factory=dict)
     partial: str = ""
     """Why the run stopped before the workload's end (Ctrl-C); "" if it did not."""
+    prompt_limited: bool = False
+    """Its policy limits some user's prompts: the tables show prompt tok/s."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -134,6 +146,7 @@ class RunResult:
             **({"partial": self.partial} if self.partial else {}),
             **self.meta,
             "wall_s": round(self.wall_s, 3),
+            "prompt_limited": self.prompt_limited,
             "users": {name: u.to_json() for name, u in self.users.items()},
             "engine": self.engine.to_json(),
         }
@@ -158,10 +171,13 @@ def format_time(ns: int | None) -> str:
 
 
 _HEAD = ("user", "tok/s", "TTFT p50", "TTFT p99", "gap p50", "gap p99", "held", "deferred", "done")
+PROMPT_HEAD = "prompt/s"
+"""The column of prompt tokens computed per second, shown where a run's
+policy limits prompts (tables without prompt limits read as before)."""
 
 
-def _row(u: UserStats) -> list[str]:
-    return [
+def _row(u: UserStats, prompts: bool = False) -> list[str]:
+    row = [
         u.user,
         f"{u.rate:.1f}",
         format_time(u.ttft_p50),
@@ -172,6 +188,9 @@ def _row(u: UserStats) -> list[str]:
         str(u.deferred),
         f"{u.completed}/{u.arrived}",
     ]
+    if prompts:
+        row.insert(2, f"{u.prompt_rate:.0f}")
+    return row
 
 
 def _table(head: Sequence[str], rows: list[list[str]]) -> list[str]:
@@ -200,7 +219,9 @@ def format_run(result: RunResult) -> str:
     lines = [f"== {result.label}"] if result.label else []
     if result.partial:
         lines.append(f"== PARTIAL: {result.partial}")
-    lines += _table(_HEAD, [_row(u) for u in result.users.values()])
+    prompts = result.prompt_limited
+    head = (*_HEAD[:2], PROMPT_HEAD, *_HEAD[2:]) if prompts else _HEAD
+    lines += _table(head, [_row(u, prompts) for u in result.users.values()])
     lines.append(engine_line(result.engine))
     return "\n".join(lines)
 
@@ -216,7 +237,10 @@ def _change(a: float | None, b: float | None) -> str:
 
 def format_compare(a: RunResult, b: RunResult) -> str:
     """Both runs per user, `A -> B (change)`, then both engine lines."""
-    head = ("user", "tok/s", "TTFT p50", "TTFT p99", "gap p99", "held", "done")
+    prompts = a.prompt_limited or b.prompt_limited
+    head: tuple[str, ...] = ("user", "tok/s", "TTFT p50", "TTFT p99", "gap p99", "held", "done")
+    if prompts:
+        head = (*head[:2], PROMPT_HEAD, *head[2:])
     rows = []
     for name in a.users.keys() | b.users.keys():
         ua, ub = a.users.get(name), b.users.get(name)
@@ -233,6 +257,8 @@ def format_compare(a: RunResult, b: RunResult) -> str:
                 f"{ua.completed} -> {ub.completed}",
             ]
         )
+        if prompts:
+            rows[-1].insert(2, f"{ua.prompt_rate:.0f} -> {ub.prompt_rate:.0f}")
     order = list(a.users)
     rows.sort(key=lambda r: order.index(r[0]) if r[0] in order else len(order))
     lines = [f"== A: {a.label}", f"== B: {b.label}"]

@@ -11,10 +11,14 @@ The defaults are rough figures for an 8B model in bf16 on one H100-class GPU
 about 17k prompt tokens/s); they give sensible shapes, not your numbers.
 `calibrate` fits the model to the engine's own record (`--outrate-trace`):
 the time between two consecutive steps is the first one's length, the
-tokens it charged are its batch. A step's prompt tokens are not in the
-trace; given the workload that ran, each new request a step started (a
-user's charged count rising without a release) is counted with the mean
-prompt of its user. Without a workload the prompt cost is kept from `base`.
+tokens it charged are its batch. A step's prompt tokens are in the trace
+when the engine's policy limits prompts (`prompt`: what each user's chunks
+computed in that step, charged at dispatch): then they are read as they
+are. Otherwise, given the workload that ran, each new request a step
+started (a user's charged count rising without a release) is counted with
+the mean prompt of its user: all of it in the step of its first token,
+where a chunked prompt was computed over several. Without either the
+prompt cost is kept from `base`.
 
 The fit is ordinary least squares on every step but the ones the engine
 idled after (longer than `IDLE_FACTOR` x the median): a mean-unbiased model,
@@ -202,17 +206,23 @@ def calibrate(
     steps = {r["step"]: r for r in lines if "step" in r and "t" in r}
     if len(steps) < 10:
         raise OutrateError(f"{source}: fewer than 10 steps in the trace: nothing to fit")
-    prompt_means = prompt_means_of(workload) if workload is not None else None
-    samples = _samples(steps, prompt_means)
+    traced = traces_prompts(steps.values())
+    prompt_means = prompt_means_of(workload) if workload is not None and not traced else None
+    samples = _samples(steps, prompt_means, traced)
     if len(samples) < 10:
         raise OutrateError(f"{source}: fewer than 10 consecutive steps with tokens: nothing to fit")
     median = statistics.median(s[2] for s in samples)
     kept = [s for s in samples if s[2] <= IDLE_FACTOR * median]
     rows = [[1.0, d, p] for d, p, _ in kept]
     ys = [s[2] for s in kept]
-    fixed = {} if prompt_means is not None else {2: base.per_prefill_us}
+    fitted = prompt_means is not None or traced
+    fixed = {} if fitted else {2: base.per_prefill_us}
     notes = []
-    if prompt_means is None:
+    if traced:
+        notes.append("prompt tokens per step read from the trace (its policy limits prompts)")
+    if workload is None and traced:
+        notes.append(f"turnaround kept ({base.turnaround_us:g}us): pass the workload to fit it")
+    elif workload is None:
         notes.append(
             f"prompt cost and turnaround kept ({base.per_prefill_us:g}us/token, "
             f"{base.turnaround_us:g}us): pass the workload (--workload) to fit them"
@@ -262,16 +272,28 @@ Sample = tuple[float, float, float]
 """(requests decoding, prompt tokens, step length in us)."""
 
 
+def traces_prompts(lines: Iterable[dict[str, Any]]) -> bool:
+    """Whether a trace counts each step's prompt tokens: its engine's policy
+    limited prompts (then every user's chunks are charged and written as
+    `prompt`; without a prompt limit no line has the field)."""
+    return any("prompt" in r for r in lines)
+
+
 def _samples(
-    steps: dict[int, dict[str, Any]], prompt_means: dict[str, float] | None
+    steps: dict[int, dict[str, Any]],
+    prompt_means: dict[str, float] | None,
+    traced: bool = False,
 ) -> list[Sample]:
-    """A sample per traced step followed by the next one (its length)."""
+    """A sample per traced step followed by the next one (its length).
+    `traced`: the prompt tokens are the step's own `prompt` counts, and its
+    requests decoding those charged less its first tokens (`first`)."""
     default_prompt = statistics.fmean(prompt_means.values()) if prompt_means else 0.0
     samples: list[Sample] = []
     for number, rec in steps.items():
         nxt = steps.get(number + 1)
         charged: dict[str, int] = rec.get("charged", {})
-        if nxt is None or not charged:
+        prompt: dict[str, int] = rec.get("prompt", {})
+        if nxt is None or not (charged or (traced and prompt)):
             continue
         refunded: dict[str, int] = rec.get("refunded", {})
         released: dict[str, int] = rec.get("released", {})
@@ -282,9 +304,13 @@ def _samples(
             for u, k in charged.items()
         }
         prefill = 0.0
-        if prompt_means is not None:
+        started = sum(new.values())
+        if traced:  # what the step computed, and the requests it gave a first token
+            prefill = float(sum(prompt.values()))
+            started = sum(rec.get("first", {}).values())
+        elif prompt_means is not None:
             prefill = sum(k * prompt_means.get(u, default_prompt) for u, k in new.items())
-        samples.append((n - sum(new.values()), prefill, (nxt["t"] - rec["t"]) / 1000))
+        samples.append((n - started, prefill, (nxt["t"] - rec["t"]) / 1000))
     return samples
 
 
@@ -296,7 +322,7 @@ def time_error(model: StepModel, lines: Iterable[dict[str, Any]], workload: Work
     machine's load moved, or the batch left the fitted range) rather than
     the scheduling."""
     steps = {r["step"]: r for r in lines if "step" in r and "t" in r}
-    samples = _samples(steps, prompt_means_of(workload))
+    samples = _samples(steps, prompt_means_of(workload), traces_prompts(steps.values()))
     if not samples:
         return 0.0
     median = statistics.median(s[2] for s in samples)
@@ -312,7 +338,7 @@ def decode_step_us(lines: Iterable[dict[str, Any]], workload: Workload) -> dict[
     runs on one machine share such steps whatever their workloads, so their
     lengths compared say how the machine moved without asking any model."""
     steps = {r["step"]: r for r in lines if "step" in r and "t" in r}
-    samples = _samples(steps, prompt_means_of(workload))
+    samples = _samples(steps, prompt_means_of(workload), traces_prompts(steps.values()))
     if not samples:
         return {}
     median = statistics.median(s[2] for s in samples)
@@ -329,11 +355,19 @@ def _turnaround_us(
     """The time a closed-loop stream spends between requests beyond its think
     time, from the steps it sat out: between a user's first and last token,
     each step it was charged for fewer tokens than it has streams is a
-    stream between requests. Only users never held (a throttled stream sits
-    out for budget, not for its client) count; the mean over them."""
-    held = {u for r in steps.values() for u in r.get("held", {})}
+    stream between requests. Only users never held and never waiting for
+    prompt budget (a throttled stream sits out for budget, not for its
+    client) count, and a throttled user with one stream, whose requests'
+    arrivals say it directly (`_one_stream_us`); the mean over them."""
+    held = {u for r in steps.values() for f in ("held", "prompt_waiting") for u in r.get(f, {})}
     found = []
     for user, load in workload.expanded():
+        if load.streams == 1 and user in held:
+            gap = _one_stream_us(steps, user, mean_step_us)
+            if gap is not None:
+                think = load.think.mean / 1000 if load.think is not None else 0.0
+                found.append(max(gap - think, 0.0))
+            continue
         if load.streams is None or user in held:
             continue
         mine = [n for n, r in steps.items() if user in r.get("charged", {})]
@@ -355,6 +389,24 @@ def _turnaround_us(
         think = load.think.mean / 1000 if load.think is not None else 0.0
         found.append(max(missing * mean_step_us / requests - think, 0.0))
     return statistics.fmean(found) if found else None
+
+
+def _one_stream_us(
+    steps: dict[int, dict[str, Any]], user: str, mean_step_us: float
+) -> float | None:
+    """A one-stream user's mean time from a request's last token to its next
+    request's arrival: each `arrived` step less the step after its last
+    charged one (when that token existed). None: fewer than two arrivals
+    after a token."""
+    last = 0
+    gaps = []
+    for n in sorted(steps):
+        r = steps[n]
+        if user in r.get("arrived", {}) and last:
+            gaps.append((r["t"] - last) / 1000 - mean_step_us)
+        if user in r.get("charged", {}):
+            last = r["t"]
+    return statistics.fmean(gaps) if len(gaps) >= 2 else None
 
 
 def prompt_means_of(workload: Workload) -> dict[str, float]:

@@ -300,9 +300,9 @@ class Simulation:
                 self.rec.step(now, wake - now, 0, kvm.usage, held, len(sched.waiting), False)
                 clock.now = wake
                 continue
-            decode = sum(1 for n in scheduled.values() if n == 1)
-            dt = model.step_ns(decode, out.total_num_scheduled_tokens - decode)
             requests = sched.requests
+            decode = self._count_prompts(scheduled, requests, now)
+            dt = model.step_ns(decode, out.total_num_scheduled_tokens - decode)
             samplers = [r for r in scheduled if not requests[r].is_prefill_chunk]
             pending.append((out, samplers))
             clock.now = now + dt
@@ -310,6 +310,30 @@ class Simulation:
                 self._apply(*pending.popleft(), clock.now)
             self.rec.step(now, dt, len(scheduled), kvm.usage, held, len(sched.waiting), True)
         return end
+
+    def _count_prompts(self, scheduled: dict[str, int], requests: dict[str, Any], now: int) -> int:
+        """Each user's prompt positions computed in the step dispatched at
+        `now` (stock advanced `num_computed_tokens` at dispatch); returns the
+        requests scheduled one token (the step model's `decode`: a one-token
+        chunk costs what a decode does, one query position, as the engine's
+        online fit prices it too, steptime.py)."""
+        decode = 0
+        per_user: dict[str, int] = {}
+        of = self.rec.requests
+        for rid, n in scheduled.items():
+            if n == 1:
+                decode += 1
+            req = requests[rid]
+            p = req.num_prompt_tokens
+            start = req.num_computed_tokens - n
+            if start < p:
+                end = req.num_computed_tokens
+                k = (end if end < p else p) - start
+                user = of[rid].user
+                per_user[user] = per_user.get(user, 0) + k
+        for user, k in per_user.items():
+            self.rec.prompt(user, now, k)
+        return decode
 
     def _idle_until(self, now: int, end: int) -> int:
         """When a step that ran nothing is followed by the next one."""
@@ -374,6 +398,7 @@ class Simulation:
         result = self.rec.result(end, self.label, still_preempted=still)
         result.wall_s = wall_s
         result.partial = self.partial
+        result.prompt_limited = self.outrate and bool(self.sched.policy_box.current.prompt_rules)
         result.meta = {
             "engine_config": self.engine.describe(),
             "step_model": self.step_model.to_json(),
