@@ -71,9 +71,14 @@ _DROPPED_ENV = ("VLLM_CPU_KVCACHE_SPACE",)
 
 
 def cpu_server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """``os.environ`` plus :data:`CPU_SERVER_ENV` plus ``extra``."""
+    """``os.environ`` plus :data:`CPU_SERVER_ENV` plus ``extra``; a
+    ``VLLM_CPU_OMP_THREADS_BIND`` of the caller's environment is kept (`make
+    test`'s lanes bind their servers' workers to a core each: with "auto"
+    every server's worker sits on core 0)."""
     env = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENV}
     env.update(CPU_SERVER_ENV)
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ["VLLM_CPU_OMP_THREADS_BIND"]
     env.update(extra or {})
     return env
 

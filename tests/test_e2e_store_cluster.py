@@ -7,14 +7,22 @@ completes; her tokens summed over both engines' traces stay within the
 bound across a failover (docs/several-engines.md: S twice, plus each
 engine's own +1 while the cluster was down); she has her rate afterwards;
 /metrics says which nodes serve and how many failovers each engine saw.
+
+Before that, on the same two engines (each with its quota file): carol's
+quota is one count over both (issue 41 item 3). She runs 60 tokens on each
+engine against `quota: {output: 100/day}`; each engine's file comes to
+show 120, and both refuse her next request with 429 `insufficient_quota`,
+though either served her 60 alone (each counting its own, neither would).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -39,7 +47,10 @@ pytestmark = pytest.mark.e2e
 RATE = 20
 BURST_NS = 100_000_000
 ENGINES = 2
-POLICY = "version: 1\ndefault: unlimited\nburst: 100ms\nusers:\n  alice: 20\n"
+POLICY = (
+    "version: 1\ndefault: unlimited\nburst: 100ms\nusers:\n  alice: 20\n"
+    "  carol: {rate: unlimited, quota: {output: 100/day}}\n"
+)
 S = RATE * LEASE_INTERVAL_S + ENGINES
 """rate * H + N with H = the 20 ms interval: under the stated S, whose H is
 the longest horizon sent (after a round that waited out its timeout, over
@@ -76,6 +87,8 @@ def deployment_up(root: Path):
             str(trace),
             "--outrate-store",
             cluster.url,
+            "--outrate-quota-file",
+            str(root / f"quota-{i}.json"),
         )
         env = cpu_server_env({"VLLM_CPU_OMP_THREADS_BIND": core})
         servers.append(
@@ -85,7 +98,7 @@ def deployment_up(root: Path):
         start_together(servers)
         for s in servers:
             run_concurrently(s.base_url, [("warmup", 2, 8)])
-        yield cluster, servers, traces
+        yield cluster, servers, traces, [root / f"quota-{i}.json" for i in range(2)]
     finally:
         for s in servers:
             s.stop()
@@ -100,8 +113,51 @@ def deployment(request):
     return prestarted(request)
 
 
+def _carol(server, tokens: int) -> tuple[int, str]:
+    """One completion for carol: (HTTP status, the error code or '')."""
+    body = json.dumps(
+        {
+            "model": "tiny",
+            "prompt": "hello",
+            "max_tokens": tokens,
+            "ignore_eos": True,
+            "vllm_xargs": {"output_rate_user": "carol"},
+        }
+    ).encode()
+    req = urllib.request.Request(
+        server.base_url + "/completions", body, {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, ""
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()).get("error", {}).get("code", "")
+
+
+def _carol_total(path: Path) -> int:
+    try:
+        users = json.loads(path.read_text()).get("users", {})
+    except (OSError, ValueError):  # not written yet
+        return 0
+    return sum(count for _, count in users.get("carol", {}).values())
+
+
+def test_two_engines_share_one_quota(deployment):
+    _, servers, _, files = deployment
+    for server in servers:
+        assert _carol(server, 60) == (200, "")
+    deadline = time.monotonic() + 20  # each saves every 1 s; every user synced every 5 s
+    while [_carol_total(f) for f in files] != [120, 120]:
+        assert time.monotonic() < deadline, [_carol_total(f) for f in files]
+        time.sleep(0.2)
+    time.sleep(0.5)  # the API servers read the file every 0.2 s
+    refused = [_carol(server, 10) for server in servers]
+    print(f"carol: 60 tokens on each engine, both files 120, then {refused}")
+    assert refused == [(429, "insufficient_quota")] * 2
+
+
 def test_two_engines_on_a_cluster_keep_the_bound_through_two_failovers(deployment):
-    cluster, servers, traces = deployment
+    cluster, servers, traces, _ = deployment
     slot = GROUP_SLOTS[group_of("alice")]
     marks: dict[str, int] = {}
 
