@@ -23,18 +23,17 @@ settings.load_profile("outrate")
 # A failed test whose server's engine died says so (tests/engine_deaths.py);
 # each run ends with its seconds per module (tests/durations.py); the simulate
 # tests' servers start before any test (tests/sim_servers.py).
-# The other modules' servers start one module ahead (tests/prestart.py).
-pytest_plugins = ["engine_deaths", "durations", "pytester", "sim_servers", "prestart"]
+pytest_plugins = ["engine_deaths", "durations", "pytester", "sim_servers"]
 
 
 @pytest.fixture(scope="session")
-def server(request):
-    """One `outrate serve` on the tiny model for every end-to-end module,
-    started one module ahead of the first (tests/prestart.py)."""
+def server(tmp_path_factory):
+    """One `outrate serve` on the tiny model for every end-to-end module."""
     pytest.importorskip("vllm")
-    from prestart import SESSION_SERVER, prestarted
+    from e2e_support import session_server
 
-    return prestarted(request, SESSION_SERVER)
+    with session_server(tmp_path_factory.mktemp("policy")) as proc:
+        yield proc
 
 
 _PROCESS_ENV = ("OUTRATE_API_SETTINGS", "OUTRATE_IDENTITY_SECRET", "OUTRATE_METRICS_DIR")

@@ -66,8 +66,7 @@ def session_server(root: Path):
     applied through hot reload (`use_policy`), and the base POLICY back when
     the module ends. The flags are the union of what they need:
     --enable-log-requests (identity: keys must never reach the log) and
-    --enable-scale-out (hostile: every route to the engine). Started one
-    module ahead of its first user (tests/prestart.py)."""
+    --enable-scale-out (hostile: every route to the engine)."""
     policy_dir = root
     policy = policy_dir / "policy.yaml"
     policy.write_text(POLICY)

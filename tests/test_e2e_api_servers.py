@@ -27,7 +27,6 @@ import pytest
 pytest.importorskip("vllm")
 
 from build_tiny_model import build  # noqa: E402
-from prestart import prestarted  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from serverproc import HOST, ServerProcess, outrate_serve_argv  # noqa: E402
 
@@ -48,7 +47,7 @@ def policy(header: str) -> str:
 
 @contextlib.contextmanager
 def api_servers_up(workdir: Path):
-    """The module's server, started one module ahead (tests/prestart.py)."""
+    """The module's server."""
     path = workdir / "policy.yaml"
     path.write_text(policy("x-user"))
     argv = outrate_serve_argv(
@@ -68,12 +67,10 @@ def api_servers_up(workdir: Path):
         proc.stop()
 
 
-PRESTART = api_servers_up
-
-
 @pytest.fixture(scope="module")
-def apis(request):
-    return prestarted(request)
+def apis(tmp_path_factory):
+    with api_servers_up(tmp_path_factory.mktemp("api-servers")) as value:
+        yield value
 
 
 def post(apis: ServerProcess, path: str, body: dict, headers: dict[str, str]) -> tuple[int, bytes]:

@@ -30,7 +30,6 @@ pytest.importorskip("redis")
 from build_tiny_model import build  # noqa: E402
 from e2e_support import REPO, assert_complete, start_together  # noqa: E402
 from loadgen import run_concurrently  # noqa: E402
-from prestart import prestarted  # noqa: E402
 from redis_support import RedisServer  # noqa: E402
 from serverproc import ServerProcess, cpu_server_env, outrate_serve_argv  # noqa: E402
 
@@ -89,7 +88,7 @@ def rank_trace(path: Path, rank: int) -> Path:
 
 @contextlib.contextmanager
 def replicas_up(root: Path):
-    """Redis and the two replicas, started one module ahead (tests/prestart.py)."""
+    """Redis and the two replicas."""
     redis = RedisServer(root / "redis", password=PASSWORD).start()
     policy = root / "policy.yaml"
     policy.write_text(POLICY)
@@ -151,12 +150,10 @@ def replicas_up(root: Path):
         redis.stop()
 
 
-PRESTART = replicas_up
-
-
 @pytest.fixture(scope="module")
-def replicas(request):
-    return prestarted(request)
+def replicas(tmp_path_factory):
+    with replicas_up(tmp_path_factory.mktemp("replicas")) as value:
+        yield value
 
 
 def run_split(replicas: Replicas, plan: list[list[tuple[str, int, int]]]):

@@ -34,7 +34,6 @@ pytest.importorskip("redis")
 from build_tiny_model import build  # noqa: E402
 from e2e_support import REPO, assert_complete, start_together  # noqa: E402
 from loadgen import run_concurrently  # noqa: E402
-from prestart import prestarted  # noqa: E402
 from redis_cluster_support import Cluster  # noqa: E402
 from serverproc import ServerProcess, cpu_server_env, outrate_serve_argv  # noqa: E402
 
@@ -66,8 +65,7 @@ def metric(text: str, name: str) -> float:
 
 @contextlib.contextmanager
 def deployment_up(root: Path):
-    """The Redis Cluster and two engines, started one module ahead
-    (tests/prestart.py)."""
+    """The Redis Cluster and two engines."""
     cluster = Cluster(root / "cluster").start()
     policy = root / "policy.yaml"
     policy.write_text(POLICY)
@@ -105,12 +103,10 @@ def deployment_up(root: Path):
         cluster.stop()
 
 
-PRESTART = deployment_up
-
-
 @pytest.fixture(scope="module")
-def deployment(request):
-    return prestarted(request)
+def deployment(tmp_path_factory):
+    with deployment_up(tmp_path_factory.mktemp("cluster-e2e")) as value:
+        yield value
 
 
 def _carol(server, tokens: int) -> tuple[int, str]:

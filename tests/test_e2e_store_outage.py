@@ -36,7 +36,6 @@ pytest.importorskip("redis")
 from build_tiny_model import build  # noqa: E402
 from e2e_support import REPO, assert_complete, start_together  # noqa: E402
 from loadgen import run_concurrently  # noqa: E402
-from prestart import prestarted  # noqa: E402
 from redis_support import RedisServer  # noqa: E402
 from serverproc import ServerProcess, cpu_server_env, outrate_serve_argv  # noqa: E402
 
@@ -111,8 +110,7 @@ def wait_for(what, timeout_s: float = 20.0) -> float:
 
 @contextlib.contextmanager
 def pair_up(root: Path):
-    """The two engines, without Redis, started one module ahead
-    (tests/prestart.py)."""
+    """The two engines, without Redis."""
     redis = RedisServer(root / "redis")  # not started: both engines start without it
     policy = root / "policy.yaml"
     policy.write_text(POLICY)
@@ -141,12 +139,10 @@ def pair_up(root: Path):
         redis.stop()
 
 
-PRESTART = pair_up
-
-
 @pytest.fixture(scope="module")
-def pair(request):
-    return prestarted(request)
+def pair(tmp_path_factory):
+    with pair_up(tmp_path_factory.mktemp("outage")) as value:
+        yield value
 
 
 def test_engines_started_without_redis_serve_then_join(pair):
