@@ -16,13 +16,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
+from test_ops import rendered  # noqa: E402
 from vllm_harness import MS, Driver, FakeClock, make_request, make_scheduler  # noqa: E402
 
 from outrate.contract.quotas import QuotaView  # noqa: E402
 from outrate.observe import quotas  # noqa: E402
 from outrate.observe.metrics import SNAPSHOT_FILE  # noqa: E402
-from outrate.observe.publish import families  # noqa: E402
 from outrate.policy.pipeline import load_compiled  # noqa: E402
 from vllm_integration.common.settings import EngineSettings  # noqa: E402
 from vllm_integration.enginecore.threads import EngineThreads, start_engine_threads  # noqa: E402
@@ -59,15 +58,8 @@ def _quota_rows(tmp_path: Path) -> dict[str, dict[str, dict[str, int]]]:
 
 
 def _page(tmp_path: Path) -> str:
-    data = json.loads((tmp_path / SNAPSHOT_FILE).read_text())
-    registry = CollectorRegistry()
-
-    class Collector:
-        def collect(self):  # type: ignore[no-untyped-def]
-            return families(data)
-
-    registry.register(Collector())
-    return generate_latest(registry).decode()
+    """The /metrics text of the engine's last snapshot."""
+    return rendered(json.loads((tmp_path / SNAPSHOT_FILE).read_text()))
 
 
 def test_usage_survives_an_engine_restart_and_nobody_gets_a_fresh_window(tmp_path, monkeypatch):

@@ -73,7 +73,8 @@ def refused(e: BaseException) -> bool:
     return isinstance(e, RedisClusterException) and "not enabled" in str(e)
 
 
-def _pack(*args: bytes | str | int) -> bytes:
+def pack(*args: bytes | str | int) -> bytes:
+    """One command in RESP, as the socket sends it."""
     out = [b"*%d\r\n" % len(args)]
     for a in args:
         b = a if isinstance(a, bytes) else str(a).encode()
@@ -81,7 +82,7 @@ def _pack(*args: bytes | str | int) -> bytes:
     return b"".join(out)
 
 
-ASKING = _pack(b"ASKING")
+ASKING = pack(b"ASKING")
 
 
 class Nodes:

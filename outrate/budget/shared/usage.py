@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from outrate.budget.quota import Usage
 from outrate.budget.shared.lease import GROUP_SLOTS, MAX_BATCH, PREFIX, group_of
-from outrate.budget.shared.nodes import Part, sha1
+from outrate.budget.shared.nodes import Part, pack, sha1
 from outrate.budget.shared.scripts import RESET_SCRIPT, USAGE_SCRIPT
 from outrate.budget.shared.topology import open_nodes
 from outrate.budget.shared.url import check_url, redact_url, split_password, split_ssl_password
@@ -111,7 +111,7 @@ class UsageLink:
                 for key, (start, count) in sorted(row.items()):
                     words += [key, str(int(start)), str(int(count))]
                 args.append(" ".join(words))
-            data = _pack("EVALSHA", USAGE_SHA, len(keys), *keys, self.quota_id, USAGE_TTL_MS, *args)
+            data = pack("EVALSHA", USAGE_SHA, len(keys), *keys, self.quota_id, USAGE_TTL_MS, *args)
             parts.append(Part(GROUP_SLOTS[g], data))
         replies = self.nodes.send(parts)
         out: dict[str, Totals] = {}
@@ -138,7 +138,7 @@ class UsageLink:
             self._connected = True
         hkey, rkey = usage_keys(user)
         part = Part(
-            GROUP_SLOTS[group_of(user)], _pack("EVALSHA", RESET_SHA, 2, hkey, rkey, USAGE_TTL_MS)
+            GROUP_SLOTS[group_of(user)], pack("EVALSHA", RESET_SHA, 2, hkey, rkey, USAGE_TTL_MS)
         )
         (r,) = self.nodes.send([part])
         if isinstance(r, Exception):
@@ -151,11 +151,3 @@ class UsageLink:
             self.nodes.close()
         except Exception:
             pass
-
-
-def _pack(*args: bytes | str | int) -> bytes:
-    out = [b"*%d\r\n" % len(args)]
-    for a in args:
-        b = a if isinstance(a, bytes) else str(a).encode()
-        out.append(b"$%d\r\n%s\r\n" % (len(b), b))
-    return b"".join(out)
