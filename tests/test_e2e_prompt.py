@@ -17,7 +17,13 @@ requests one after another (its time to first token).
 - /metrics during mallory's flood, as `outrate top` reads it: her prompt
   tok/s (the engine's counter agrees with its trace over the same window),
   her prompt limit, her requests waiting for prompt budget (the trace's
-  `prompt_waiting` too); bob, without a prompt limit, never waits for one.
+  `prompt_waiting` too); bob, without a prompt limit, never waits for one;
+- work conserved: pete `{rate: 20, prompt: {rate: 500, peak: unlimited}}`
+  flooding alone computes at least 0.9x the prompt tokens per second of the
+  unlimited flooder alone (runs in the order flooder, pete, pete, flooder,
+  so that a machine drifting over the test moves both alike); all but his
+  500 tok/s is borrowed (the trace's `prompt_borrowed`), and the rest keeps
+  the prompt rate's bound.
 """
 
 from __future__ import annotations
@@ -47,7 +53,12 @@ from outrate.observe.scrape import Snapshot, metrics_url, rows, scrape  # noqa: 
 from outrate.observe.trace import engine_rate, max_window_excess  # noqa: E402
 
 PROMPT_RATE = 500
-FLOOD = POLICY + f"  mallory: {{rate: 20, prompt: {PROMPT_RATE}}}\n  flooder: 20\n  bob: 100\n"
+FLOOD = POLICY + (
+    f"  mallory: {{rate: 20, prompt: {PROMPT_RATE}}}\n  flooder: 20\n  bob: 100\n"
+    f"  pete: {{rate: 20, prompt: {{rate: {PROMPT_RATE}, peak: unlimited}}}}\n"
+)
+ALONE_S = 3.0
+"""Each alone flood is judged over this long, once it is in the engine."""
 STREAMS = 8
 
 
@@ -209,3 +220,35 @@ def _check_metrics(pages: dict[str, tuple[Snapshot, Snapshot]], lines: list[dict
     assert max(w or 0 for w in waiting) >= 1 and waited > 0
     assert bob.prompt_waiting == 0
     assert not any("bob" in r.get("prompt_waiting", {}) for r in lines)
+
+
+def test_a_prompt_peak_alone_computes_as_much_as_an_unlimited_user(server):
+    got: dict[str, list[tuple[int, int, int]]] = {"flooder": [], "pete": []}
+    seconds = dict.fromkeys(got, 0.0)
+    for user in ("flooder", "pete", "pete", "flooder"):
+        wait_idle(server)
+        with Flood(server, user) as flood:
+            since = time.monotonic_ns()
+            time.sleep(ALONE_S)
+            until = time.monotonic_ns()
+        assert not flood.errors, flood.errors[:3]
+        seconds[user] += (until - since) / 1e9
+        got[user] += [
+            (r["t"], r["prompt"][user], r.get("prompt_borrowed", {}).get(user, 0))
+            for r in trace_steps(server, since)
+            if r["t"] <= until and user in r.get("prompt", {})
+        ]
+    rate = {u: sum(n for _, n, _ in steps) / seconds[u] for u, steps in got.items()}
+    lent = sum(b for _, _, b in got["pete"])
+    computed = sum(n for _, n, _ in got["pete"])
+    committed = [(t, n - b) for t, n, b in got["pete"]]
+    ratio = rate["pete"] / rate["flooder"]
+    print(
+        f"alone: the unlimited flooder {rate['flooder']:.0f} prompt tok/s, pete (prompt "
+        f"{PROMPT_RATE}, peak unlimited) {rate['pete']:.0f} ({ratio:.2f}x), "
+        f"{lent} of his {computed} prompt tokens borrowed"
+    )
+    assert rate["flooder"] > 2 * PROMPT_RATE  # a flood well past the prompt rate
+    assert rate["pete"] >= 0.9 * rate["flooder"]
+    assert lent >= computed - PROMPT_RATE * (seconds["pete"] + 2 * BURST_NS / 1e9) - 2
+    assert max_window_excess(committed, PROMPT_RATE, BURST_NS) <= 1 + 1e-6

@@ -378,22 +378,37 @@ class Limiter:
         ex = self._excess(b, now)
         return ex is not None and (not ex.scale or b.etat - now * ex.scale <= ex.tolerance)
 
+    def borrowable(self, b: Bucket, now: int) -> int:
+        """Borrowed tokens `b`'s user could take at `now` back to back (its
+        excess bucket's remaining burst; 0 without a peak)."""
+        ex = self._excess(b, now)
+        if ex is None:
+            return 0
+        if not ex.scale:
+            return ALL
+        return gcra(b.etat, now * ex.scale, ex.interval, ex.tolerance, ALL)[0]
+
     def borrow(self, b: Bucket, now: int) -> bool:
         """Take one borrowed token from the excess bucket alone: the committed
         bucket is not touched, so borrowing leaves it no debt."""
+        return self.borrow_upto(b, now, 1) == 1
+
+    def borrow_upto(self, b: Bucket, now: int, n: int) -> int:
+        """Take up to `n` borrowed tokens from the excess bucket alone (as
+        `take_upto` does from the committed one); how many. 0 without a peak."""
         ex = self._excess(b, now)
         if ex is None:
-            return False
+            return 0
         if not ex.scale:
-            return True  # peak: unlimited
-        k, b.etat = gcra(b.etat, now * ex.scale, ex.interval, ex.tolerance, 1)
-        return k == 1
+            return n  # peak: unlimited
+        k, b.etat = gcra(b.etat, now * ex.scale, ex.interval, ex.tolerance, n)
+        return k
 
-    def give_back_borrowed(self, b: Bucket, now: int) -> None:
-        """Undo one `borrow` (the refund point)."""
+    def give_back_borrowed(self, b: Bucket, now: int, n: int = 1) -> None:
+        """Undo `n` borrowed tokens (the refund point)."""
         ex = self._excess(b, now)
         if ex is not None and ex.scale:
-            b.etat -= ex.interval
+            b.etat -= n * ex.interval
 
     # -- keyed verbs (API for tools and tests) -----------------------------
 

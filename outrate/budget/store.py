@@ -62,8 +62,14 @@ class BudgetStore(Protocol):
         """Take one borrowed token from the excess bucket alone (the committed
         bucket is untouched: borrowing leaves it no debt)."""
 
-    def give_back_borrowed(self, b: Bucket, now: int) -> None:
-        """Undo one `borrow` (the refund point)."""
+    def borrow_upto(self, b: Bucket, now: int, n: int) -> int:
+        """Take up to `n` borrowed tokens (`borrow` `n` times back to back)."""
+
+    def borrowable(self, b: Bucket, now: int) -> int:
+        """Borrowed tokens `borrow` would grant back to back at `now`."""
+
+    def give_back_borrowed(self, b: Bucket, now: int, n: int = 1) -> None:
+        """Undo `n` borrowed tokens (the refund point)."""
 
     def limit_of(self, b: Bucket, now: int) -> Limit:
         """The limit in force for the bucket's user."""

@@ -55,6 +55,7 @@ class LabelMetrics:
         "borrowed",
         "prompt",
         "prompt_over",
+        "prompt_borrowed",
         "prompt_waiting",
         "prompt_waits",
     )
@@ -66,6 +67,7 @@ class LabelMetrics:
         self.shadow_over = 0  # tokens a shadow limit would have refused
         self.prompt = 0  # prompt tokens charged (computed), net of refunds
         self.prompt_over = 0  # of those, beyond a shadow prompt limit
+        self.prompt_borrowed = 0  # of those, borrowed: beyond the prompt rate, in spare time
         self.prompt_waiting = 0  # requests waiting for prompt budget now
         self.prompt_waits = 0  # waits for prompt budget started (deferred or skipped)
         self.live = 0  # requests in the engine (running, held or waiting)

@@ -101,6 +101,8 @@ def _row(m: LabelMetrics, lim: Limit | None, now: int) -> dict[str, Any]:
         "prompt_waiting": m.prompt_waiting,
         "prompt_waits": m.prompt_waits,
         "prompt_rate": None if lim is None else _prompt_rate(lim),
+        "prompt_borrowed": m.prompt_borrowed,
+        "prompt_peak": None if lim is None else (-1 if lim.prompt is None else _peak(lim.prompt)),
     }
 
 
@@ -225,6 +227,7 @@ def merge_snapshots(snaps: list[dict[str, Any]]) -> dict[str, Any] | None:
                 "prompt_over",
                 "prompt_waiting",
                 "prompt_waits",
+                "prompt_borrowed",
             ):
                 mine[k] = mine.get(k, 0) + row.get(k, 0)
             for k in ("wait", "interval"):
@@ -300,6 +303,18 @@ def families(data: dict[str, Any] | None) -> Iterator[Any]:
         "The configured prompt rate of the limit (+Inf: prompts unlimited).",
         labels=["limit", "mode"],
     )
+    prompt_peak = GaugeMetricFamily(
+        "outrate_limit_prompt_peak_tokens_per_second",
+        "The prompt peak of the limit: its prompt rate plus what it may borrow in "
+        "spare step time (equal to the prompt rate: no peak; +Inf: unlimited).",
+        labels=["limit", "mode"],
+    )
+    prompt_borrowed = CounterMetricFamily(
+        "outrate_prompt_borrowed_tokens",
+        "Prompt tokens borrowed in spare step time (over the prompt rate, within its "
+        "peak), net of refunds; counted in outrate_prompt_tokens_total too.",
+        labels=["limit"],
+    )
     prompt_over = CounterMetricFamily(
         "outrate_prompt_shadow_over_tokens",
         "Prompt tokens a shadow prompt limit would have held back (counted, not "
@@ -344,13 +359,17 @@ def families(data: dict[str, Any] | None) -> Iterator[Any]:
         if v.get("prompt_rate") is not None:
             r = float("inf") if v["prompt_rate"] < 0 else v["prompt_rate"]
             prompt_rate.add_metric([label, v["mode"]], r)
+        if v.get("prompt_peak") is not None:
+            p = float("inf") if v["prompt_peak"] < 0 else v["prompt_peak"]
+            prompt_peak.add_metric([label, v["mode"]], p)
+        prompt_borrowed.add_metric([label], v.get("prompt_borrowed", 0))
         prompt_over.add_metric([label], v.get("prompt_over", 0))
         prompt_waiting.add_metric([label], v.get("prompt_waiting", 0))
         prompt_waits.add_metric([label], v.get("prompt_waits", 0))
         for fam, (counts, sum_ns) in ((wait, v["wait"]), (interval, v["interval"])):
             fam.add_metric([label], cumulative(counts, BUCKETS_S), sum_ns / NS_PER_S)
     yield from (tokens, borrowed, over, held, live, throttled, rate, peak, prompt, prompt_rate)
-    yield from (prompt_over, prompt_waiting, prompt_waits)
+    yield from (prompt_over, prompt_waiting, prompt_waits, prompt_peak, prompt_borrowed)
     yield from (wait, interval)
     for name, doc in (
         ("displaced", "Held requests preempted so a user with budget could run."),

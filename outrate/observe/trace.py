@@ -18,7 +18,9 @@ charged - refunded), `held` and `released` requests, `over` (tokens a shadow
 limit would have refused), `prompt` (prompt tokens computed and charged to a
 prompt limit, net of refunds), `prompt_over` (of those, the ones over a shadow
 prompt limit), `prompt_waiting` (requests that found no prompt budget for
-their next prompt position). Keys with nothing to say are left out.
+their next prompt position), `prompt_borrowed` (of the prompt tokens, the ones
+past the prompt rate, borrowed under its `peak` in spare step time). Keys with
+nothing to say are left out.
 
 The scheduler only appends a tuple to a bounded deque; a daemon thread formats
 and writes, and stops writing at `max_bytes` (a last line says so). If the
@@ -51,9 +53,9 @@ MAX_PENDING = 200_000
 
 Counts = dict[str, int]
 _C = Counts
-Step = tuple[int, int, int, _C, _C, _C, _C, _C, _C, _C, _C, _C, _C, _C]
+Step = tuple[int, int, int, _C, _C, _C, _C, _C, _C, _C, _C, _C, _C, _C, _C]
 """(t, step, running, charged, refunded, held, released, over, borrowed, first,
-arrived, prompt, prompt_over, prompt_waiting)."""
+arrived, prompt, prompt_over, prompt_waiting, prompt_borrowed)."""
 
 _KEYS = (
     "charged",
@@ -67,6 +69,7 @@ _KEYS = (
     "prompt",
     "prompt_over",
     "prompt_waiting",
+    "prompt_borrowed",
 )
 
 

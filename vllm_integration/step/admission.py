@@ -76,7 +76,7 @@ class Admission:
             pass  # computed and counted, never enforced
         elif limit.max_streams is not None and u.resident >= limit.max_streams:
             return self._defer(rs, "max_streams")  # waits without blocking anyone else
-        elif self.prompts is not None and not self.prompts.can_start(request, rs, now):
+        elif self.prompts is not None and not self.prompts.can_start(request, rs, step, now):
             return self._defer(rs, "prompt")  # no prompt budget for a first chunk
         elif u.refused_step == step or u.n_held or not (u.left or limiter.available(u.bucket, now)):
             # (u.left: tokens it took for this step and has not spent: budget too)

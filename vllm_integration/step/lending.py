@@ -136,6 +136,7 @@ class Lending:
     def plan(
         self,
         now: int,
+        step: int,
         running: list[Request],
         users: Iterable[UserState],
         waiting: Iterable[Request],
@@ -146,7 +147,7 @@ class Lending:
         """Size this step's lending (see the module docstring). `waiting`:
         stock's waiting queue; `active`: `--max-num-active-seqs`; `resident`:
         the resident slots free for new requests (`--max-num-seqs` less
-        running and held); `budget`: the step's token budget. Returns the
+        running and held); `budget`: the step's token budget; `step`: its number. Returns the
         running list the step should use: reclaimed borrowers out of it, and
         every borrower after every committed request, so stock's loop serves
         committed requests first (token budget) and, under FCFS, preempts a
@@ -171,7 +172,7 @@ class Lending:
         if self.cost is not None:
             work = budget - tokens  # committed tokens this step (an upper bound)
             prompt = (work if work < budget else budget) - committed - n_wait  # beyond one each
-            spare_us = self._spare_us(users, queued, committed + n_wait, prompt)
+            spare_us = self._spare_us(users, queued, committed + n_wait, prompt, step)
             if spare_us >= 0:
                 allowance = min(allowance, self.cost.seqs_within(spare_us))
         if allowance < 0:
@@ -195,7 +196,12 @@ class Lending:
         return [r for r in running if r not in borrowing and not _held(r)] + list(borrowing)
 
     def _spare_us(
-        self, users: list[UserState], queued: dict[UserState, int], seqs: int, prompt: int
+        self,
+        users: list[UserState],
+        queued: dict[UserState, int],
+        seqs: int,
+        prompt: int,
+        step: int,
     ) -> float:
         """The step time borrowers may fill beside the committed work (`seqs`
         requests, `prompt` prompt tokens): `HEADROOM` x the longest step in
@@ -204,12 +210,12 @@ class Lending:
         predicted length (0 when that alone is longer). -1: no committed
         user has a finite rate to keep, and borrowing is bounded by slots
         and tokens alone (work conserving). Users borrowing now are past
-        their rate already; rules in shadow promise nothing."""
+        their rate already (`_borrows`); rules in shadow promise nothing."""
         assert self.cost is not None
         longest = 0.0
         for u in users:
             lim = u.bucket.limit
-            if lim.rate is None or lim.shadow or u.n_borrowing:
+            if lim.rate is None or lim.shadow or self._borrows(u, step):
                 continue
             n = u.resident + queued.get(u, 0)
             if n and (not longest or n * lim.token_s < longest):
@@ -218,6 +224,12 @@ class Lending:
             return -1.0
         spare = HEADROOM * longest * 1e6 - self.cost.predict_us(seqs, prompt if prompt > 0 else 0)
         return spare if spare > 0 else 0.0
+
+    def _borrows(self, u: UserState, step: int) -> bool:
+        """Whether `u` borrows now: output tokens (a request running on spare
+        capacity), or prompt tokens under a prompt peak (its prompt budget
+        fell short of what it asked in the step before: prompts.py)."""
+        return bool(u.n_borrowing) or u.pshort_step >= step - 1
 
     def cut(self, n: int) -> int:
         """A running borrower's prefill chunk of `n` tokens, cut to the prompt

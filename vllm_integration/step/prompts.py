@@ -12,10 +12,15 @@ prompt budget (`can_start`), so the hook never returns 0 in stock's waiting
 loop, which would stop admission for everyone; a running request skipped for
 prompt budget gives its active seat to a waiting one.
 
+A prompt `peak` lends as an output peak does (lending.py): positions past the
+prompt rate are borrowed from the excess bucket, only within the step time
+no committed user needs (`Lending.plan`'s `borrow_tokens`, which output
+borrowers' chunks share), or within stock's token budget alone in a step
+with no time target (nobody with a committed rate to keep): work conserving.
+
 Plain Python over the scheduler's records (state.py) and a `Limiter` whose
-policy is `CompiledPolicy.prompts`: no vLLM import. Single engine only: a
-shared store (`--outrate-store`) with prompt limits is refused at start
-(vllm_integration/enginecore/store.py).
+policy is `CompiledPolicy.prompts`: no vLLM import. With a shared store the
+table's budgets are shared (vllm_integration/enginecore/store.py).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sized
 from typing import TYPE_CHECKING, Protocol
 
-from outrate.budget.limiter import Limiter
+from outrate.budget.limiter import Bucket, Limiter
 from outrate.observe.metrics import Metrics
 from vllm_integration.step.recorder import StepRecorder
 from vllm_integration.step.state import (
@@ -107,31 +112,66 @@ class PromptPacer:
         table = self.table
         k = table.take_upto(pb, now, want)
         counted = k
+        borrowed = 0
         if k < want:
-            if table.limit_of(pb, now).shadow:
+            lim = table.limit_of(pb, now)
+            if lim.shadow:
                 counted = want  # computed and counted, never enforced
                 u.m.prompt_over += want - k
             else:
-                self._blocked(u, now)
-                if not self.chunked and k:
-                    table.give_back(pb, now, k)  # the whole prompt or nothing
-                    k = counted = 0
-                if not k:
-                    self._waits(rs)  # none of its next prompt positions this step
-                n = start + k - nc if self.chunked else 0
+                if lim.excess is not None:  # a prompt peak: the rest in spare time
+                    u.pshort_step = step
+                    borrowed = self._borrow(pb, want - k, now)
+                    counted += borrowed
+                if counted < want:
+                    self._blocked(u, now)
+                    if not self.chunked and counted:  # the whole prompt or nothing
+                        self._give_back(pb, k, borrowed, now)
+                        k = counted = borrowed = 0
+                    if not counted:
+                        self._waits(rs)  # none of its next prompt positions this step
+                    n = start + counted - nc if self.chunked else 0
         if counted:
             if rs.prompt_waiting:
                 end_prompt_wait(rs)
             if rs.prompt_step != step:
                 rs.prompt_step = step
                 rs.prompt_prev = rs.prompt_done
-                rs.prompt_taken = rs.prompt_counted = 0
+                rs.prompt_taken = rs.prompt_counted = rs.prompt_borrowed = 0
             rs.prompt_taken += k
             rs.prompt_counted += counted
             rs.prompt_done = start + counted
             u.m.prompt += counted
+            if borrowed:
+                rs.prompt_borrowed += borrowed
+                u.m.prompt_borrowed += borrowed
             self.st.last_charge = request  # a refund candidate (state.py)
         return n
+
+    def _borrow(self, pb: Bucket, n: int, now: int) -> int:
+        """Up to `n` prompt tokens from the excess bucket of `pb` (its peak),
+        within the step time no committed user needs (`Lending.plan`'s
+        `borrow_tokens`, shared with output borrowers' chunks) when the step
+        has a time target; without one, within stock's token budget alone."""
+        st = self.st
+        if st.borrow_timed and st.borrow_tokens < n:
+            n = st.borrow_tokens
+        if n <= 0:
+            return 0
+        k = self.table.borrow_upto(pb, now, n)
+        if st.borrow_timed:
+            st.borrow_tokens -= k
+        return k
+
+    def _give_back(self, pb: Bucket, taken: int, borrowed: int, now: int) -> None:
+        """Return prompt tokens to the budget: `taken` to the committed bucket,
+        `borrowed` to the excess bucket and to this step's spare time."""
+        if taken:
+            self.table.give_back(pb, now, taken)
+        if borrowed:
+            self.table.give_back_borrowed(pb, now, borrowed)
+            if self.st.borrow_timed:
+                self.st.borrow_tokens += borrowed
 
     def trim(self, rs: RequestState, nc: int, m: int, p: int, step: int, now: int) -> None:
         """The output logic cut the chunk to `m` tokens: prompt positions
@@ -149,19 +189,23 @@ class PromptPacer:
         u = rs.user
         pb = u.pbucket
         assert pb is not None
-        over = rs.prompt_counted - rs.prompt_taken
+        over = rs.prompt_counted - rs.prompt_taken - rs.prompt_borrowed
         if over > extra:
             over = extra
-        back = extra - over
+        lent = extra - over  # borrowed positions were counted after the taken ones
+        if lent > rs.prompt_borrowed:
+            lent = rs.prompt_borrowed
+        back = extra - over - lent
         if back > rs.prompt_taken:
             back = rs.prompt_taken
-        if back:
-            self.table.give_back(pb, now, back)
-            rs.prompt_taken -= back
+        self._give_back(pb, back, lent, now)
+        rs.prompt_taken -= back
+        rs.prompt_borrowed -= lent
         rs.prompt_counted -= extra
         rs.prompt_done = floor
         u.m.prompt -= extra
         u.m.prompt_over -= over
+        u.m.prompt_borrowed -= lent
 
     def refund(self, r: Request, step: int, now: int) -> None:
         """`r` was prompt-charged this step and missed it: give it all back."""
@@ -171,18 +215,20 @@ class PromptPacer:
         u = rs.user
         pb = u.pbucket
         assert pb is not None
-        if rs.prompt_taken:
-            self.table.give_back(pb, now, rs.prompt_taken)
+        self._give_back(pb, rs.prompt_taken, rs.prompt_borrowed, now)
         u.m.prompt -= rs.prompt_counted
-        u.m.prompt_over -= rs.prompt_counted - rs.prompt_taken  # shadow: over its limit
+        u.m.prompt_borrowed -= rs.prompt_borrowed
+        # shadow: the ones over its limit
+        u.m.prompt_over -= rs.prompt_counted - rs.prompt_taken - rs.prompt_borrowed
         rs.prompt_done = rs.prompt_prev
         rs.prompt_step = -1
         self.metrics.prompt_refunded += rs.prompt_counted
 
-    def can_start(self, request: Request, rs: RequestState, now: int) -> bool:
+    def can_start(self, request: Request, rs: RequestState, step: int, now: int) -> bool:
         """Whether a waiting request may be admitted now: its user has prompt
         budget for a first chunk (without chunked prefill: for all of its
-        prompt not yet charged), or it has nothing left to charge."""
+        prompt not yet charged), committed or, under a prompt peak, borrowed
+        in this step's spare time; or it has nothing left to charge."""
         left = request.num_prompt_tokens - rs.prompt_done
         if left <= 0:
             return True
@@ -193,9 +239,15 @@ class PromptPacer:
         lim = table.limit_of(pb, now)
         if lim.rate is None or lim.shadow:
             return True
-        avail = table.available(pb, now)
-        if avail >= (1 if self.chunked else left):
+        need = (1 if self.chunked else left) - table.available(pb, now)
+        if need <= 0:
             return True
+        if lim.excess is not None:  # a prompt peak: borrowed, in spare time (`pace`)
+            u.pshort_step = step
+            st = self.st
+            spare = st.borrow_tokens if st.borrow_timed else need
+            if spare >= need and table.borrowable(pb, now) >= need:
+                return True
         self._blocked(u, now)
         self._waits(rs)
         return False

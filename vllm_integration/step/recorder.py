@@ -57,8 +57,9 @@ class StepRecorder:
         already among the charged) and first tokens of a request; held,
         released, and requests that arrived since the step before; prompt
         tokens charged (net: the refund point ran, and refunded requests are
-        not scheduled), of those the ones over a shadow prompt limit, and
-        requests that found no prompt budget. O(requests scheduled). Steps
+        not scheduled), of those the ones over a shadow prompt limit,
+        requests that found no prompt budget, and prompt tokens borrowed
+        (past the prompt rate, under its peak: among the prompt ones). O(requests scheduled). Steps
         where nothing happened write nothing."""
         charged: dict[str, int] = {}
         over: dict[str, int] = {}
@@ -66,6 +67,7 @@ class StepRecorder:
         first: dict[str, int] = {}
         prompt: dict[str, int] = {}
         prompt_over: dict[str, int] = {}
+        prompt_borrowed: dict[str, int] = {}
         for rid in scheduled:
             rs = requests[rid].__dict__.get(ATTR)
             if rs is None:
@@ -73,9 +75,12 @@ class StepRecorder:
             if rs.prompt_step == step and rs.prompt_counted:
                 pkey = rs.user.key
                 prompt[pkey] = prompt.get(pkey, 0) + rs.prompt_counted
-                if rs.prompt_counted != rs.prompt_taken:  # shadow: counted beyond its budget
-                    n_over = rs.prompt_counted - rs.prompt_taken
+                n_over = rs.prompt_counted - rs.prompt_taken - rs.prompt_borrowed
+                if n_over:  # shadow: counted beyond its budget
                     prompt_over[pkey] = prompt_over.get(pkey, 0) + n_over
+                if rs.prompt_borrowed:
+                    n = rs.prompt_borrowed
+                    prompt_borrowed[pkey] = prompt_borrowed.get(pkey, 0) + n
             if rs.charged_step != step:
                 continue
             key = rs.user.key
@@ -108,6 +113,7 @@ class StepRecorder:
                     prompt,
                     prompt_over,
                     pwait,
+                    prompt_borrowed,
                 )
             )
             self.held_by, self.released_by, self.refunded_by = {}, {}, {}

@@ -131,7 +131,6 @@ class OutrateMixin:
         # Borrowing spends only step time no committed user needs: learned while lending runs.
         self.step_cost = self.lending.cost = StepCost(step_model or Prior())
         self.admission.lending = self.ledger.lending = self.lending
-        self._lends = lends(self._policy.all_limits())  # any rule with a peak: lending runs
         # Prompt budgets: a second table over the rules' prompt limits (prompts.py).
         if prompt_table is None:
             prompt_table = Limiter(self._policy.prompts, clock=clock)
@@ -142,6 +141,7 @@ class OutrateMixin:
         )
         self.ledger.prompts = self.prompts
         self._pace_prompts(self._policy)
+        self._lending(self._policy)
         self.roster = Roster(self.limiter, self.metrics, self.prompt_table)
         self._users = self.roster.users  # users with live requests, by id
         self._step = 0
@@ -180,7 +180,7 @@ class OutrateMixin:
         self.limiter.set_policy(policy, now)
         self.prompt_table.set_policy(policy.prompts, now)
         self._pace_prompts(policy)
-        self._lends = lends(policy.all_limits())
+        self._lending(policy)
         if self.quota is not None:
             self.quota.set_policy(policy)
         self._st.borrow_timed = False  # the next plan says again
@@ -191,6 +191,13 @@ class OutrateMixin:
             self.ledger.relabel(u, policy)
         if self.recorder is not None:
             self.recorder.event(now, policy=policy.sha256, source=policy.source)
+
+    def _lending(self, policy: CompiledPolicy) -> None:
+        """Lending runs while some rule has a peak (lending.py). A prompt
+        peak plans every step: any running prefill may borrow (prompts.py)."""
+        prompt = [lim.prompt for lim in policy.all_limits() if lim.prompt is not None]
+        self._plends = lends(prompt)
+        self._lends = self._plends or lends(policy.all_limits())
 
     def _pace_prompts(self, policy: CompiledPolicy) -> None:
         """Prefill is paced only while some rule limits prompts: without one
@@ -339,9 +346,10 @@ class OutrateMixin:
         if holdback.wake:  # borrowers' slots count as free: the plan reclaims them
             room = self._cfg_active - len(self.running) + len(self.lending)
             self._st.touched += holdback.release_ready(now, room, self.running)
-        if self._lends and (holdback or self.lending or len(self.waiting)):
+        if self._lends and (holdback or self.lending or len(self.waiting) or self._plends):
             self.running = self.lending.plan(
                 now,
+                self._step,
                 self.running,
                 self._users.values(),
                 self.waiting,

@@ -53,6 +53,7 @@ class UserState:
         "served",
         "pbucket",
         "n_prompt_waiting",
+        "pshort_step",
     )
 
     def __init__(self, key: str, bucket: Bucket, m: LabelMetrics) -> None:
@@ -78,6 +79,7 @@ class UserState:
         self.served = 0.0
         self.pbucket: Bucket | None = None  # its prompt budget (prompts.py), once pinned
         self.n_prompt_waiting = 0  # its requests waiting for prompt budget (a reload moves them)
+        self.pshort_step = -2  # the last step its prompt budget fell short (lending.py)
 
     def wakes_at(self, ready: int) -> bool:
         """Whether a wake-heap entry for `ready` is this user's live one."""
@@ -103,6 +105,7 @@ class RequestState:
         "prompt_prev",
         "prompt_taken",
         "prompt_counted",
+        "prompt_borrowed",
         "prompt_waiting",
     )
 
@@ -128,6 +131,7 @@ class RequestState:
         self.prompt_prev = 0  # prompt_done before that step
         self.prompt_taken = 0  # tokens taken from the prompt budget that step
         self.prompt_counted = 0  # tokens counted that step (shadow: beyond the taken)
+        self.prompt_borrowed = 0  # of those, borrowed (prompt `peak`: spare step time)
         # Waiting for prompt budget (prompts.py): from a step that found none
         # for its next prompt position until one that charges it some.
         self.prompt_waiting = False
