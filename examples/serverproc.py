@@ -356,8 +356,10 @@ class ServerProcess:
         ``progress`` gets a short status line every 5 s and one when ready.
         Raises RuntimeError with the last 60 log lines if the process exits or
         ``timeout_s`` passes first; the process group is stopped in both cases.
+        Once stopped, a server can be started again: the same command, port
+        and log path (the log starts afresh).
         """
-        if self.proc is not None:
+        if self.proc is not None and self in _live:
             raise RuntimeError(f"{self.name}: already started")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         began = time.monotonic()

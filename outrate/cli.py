@@ -259,11 +259,21 @@ def keys_revoke(
 @app.command()
 def quota(
     file: Annotated[
-        Path,
+        Path | None,
         typer.Option(
             "--file", help="The engine's --outrate-quota-file.", show_default=False, readable=False
         ),
-    ],
+    ] = None,
+    store: Annotated[
+        str | None,
+        typer.Option(
+            "--store",
+            metavar="URL",
+            help="The engines' --outrate-store, where they share quota usage "
+            "(password: the URL's, else OUTRATE_STORE_PASSWORD).",
+            show_default=False,
+        ),
+    ] = None,
     policy: Annotated[
         Path | None,
         typer.Option("--policy", help="Also show each user's quota in force and what is left."),
@@ -275,30 +285,49 @@ def quota(
 ) -> None:
     """Each user's token usage per quota window, or an operator's reset.
 
-    A running engine applies a reset within a second (its saves read
-    FILE.resets), and a stopped one when it starts.
+    From the engine's quota file (--file) or, where engines share usage,
+    their store (--store). A running engine applies a reset within a second
+    (its saves read FILE.resets, or the store's reset mark), and a stopped
+    one when it starts.
     """
-    from outrate.budget.quotafile import request_reset
+    from outrate.budget.quotafile import read_usage, request_reset
+    from outrate.budget.shared.usage import operator_link
     from outrate.contract.quotas import usage_lines
     from outrate.policy.pipeline import load_compiled
 
+    if (file is None) == (store is None):
+        raise typer.BadParameter(
+            "give exactly one (the engine's quota file, or the store its engines share)",
+            param_hint="'--file' / '--store'",
+        )
     bad = None if reset is None else identity_error(reset, "USER")
     if bad is not None:
         raise typer.BadParameter(bad.removeprefix("USER "), param_hint="--reset")
-    if not file.is_file():
+    if file is not None and not file.is_file():
         _err(f"{file}: no such quota file (the engine writes it within a second of starting)")
         raise typer.Exit(1)
     try:
         if reset is not None:
-            had = request_reset(str(file), reset)
-            typer.echo(f"reset {reset!r}" + ("" if had else " (no usage in the file)"))
+            if store is None:
+                had, where = request_reset(str(file), reset), "the file"
+            else:
+                with operator_link(store, "--store") as link:
+                    had, where = bool(link.usage_of([reset])[reset]), "the store"
+                    link.reset(reset)
+            typer.echo(f"reset {reset!r}" + ("" if had else f" (no usage in {where})"))
             return
         compiled = load_compiled(policy) if policy is not None else None
-        for line in usage_lines(str(file), compiled):
-            typer.echo(line)
+        if store is None:
+            users = read_usage(str(file))[0]
+        else:
+            with operator_link(store, "--store") as link:
+                users = link.all_usage()
+        lines = usage_lines(users, compiled)
     except (OutrateError, ValueError, OSError) as e:
         _err(f"outrate quota: {e}")
         raise typer.Exit(1) from e
+    for line in lines:
+        typer.echo(line)
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """Shared by the end-to-end modules: the policy of the one `outrate serve`
-they share (started once per session in conftest.py), how a module gives it
-a policy of its own, and how pacing is checked on the engine's own record."""
+they share (started once per session in conftest.py, restarted in place by
+test_e2e_quota), how a module gives it a policy of its own, and how pacing
+is checked on the engine's own record."""
 
 from __future__ import annotations
 
@@ -88,15 +89,37 @@ def session_server(root: Path):
     )
     env = cpu_server_env({"OUTRATE_MAX_POLICY_BYTES": str(READ_LIMIT)})
     proc = ServerProcess(argv, env=env, log_path=policy_dir / "server.log", name="outrate")
+    proc.policy_path = policy
+    proc.trace_path = trace
+    proc.quota_path = policy_dir / "quota.json"
     try:
-        proc.start(timeout_s=300)
-        proc.policy_path = policy
-        proc.trace_path = trace
-        proc.quota_path = policy_dir / "quota.json"
-        run_concurrently(proc.base_url, [("warmup", 2, 16)])
+        _start_warm(proc)
         yield proc
     finally:
         proc.stop()
+
+
+def _start_warm(proc: ServerProcess) -> None:
+    """Start the server and serve its first requests (the first steps of a
+    new engine are its slowest: no module's timing should pay for them)."""
+    proc.start(timeout_s=300)
+    run_concurrently(proc.base_url, [("warmup", 2, 16)])
+
+
+def restart(server: ServerProcess) -> float:
+    """Stop the session's server and start it again in place: the same
+    command (policy, trace and quota file), port and paths, so the modules
+    after keep using the same object. The engine starts from the files as
+    the stopped one left them, and under the policy the file holds now; its
+    trace and counters start afresh. The log so far is kept beside, as
+    `server.log.1`. Returns when (time.time()) the new server was started:
+    after it, the old one had written its last."""
+    server.stop()
+    log = Path(server.log_path)
+    log.replace(log.with_name(log.name + ".1"))
+    started = time.time()
+    _start_warm(server)
+    return started
 
 
 def use_policy(server, text: str, timeout_s: float = 30) -> None:

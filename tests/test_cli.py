@@ -413,3 +413,6 @@ def test_quota_shows_usage_and_asks_for_a_reset(tmp_path: Path) -> None:
     path.write_text("[]")
     code, _, err = run("quota", "--file", path)
     assert code == 1 and err == f"outrate quota: {path}: not a quota file (a JSON object)\n"
+    for both_or_neither in ((), ("--file", path, "--store", "redis://127.0.0.1:6379/0")):
+        code, _, err = run("quota", *both_or_neither)
+        assert code == 2 and "'--file' / '--store'" in err and "exactly one" in err

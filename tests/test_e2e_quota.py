@@ -4,7 +4,8 @@ Retry-After up to the UTC window's reset, read with the openai client; a
 hot reload of the quota keeps the usage already counted; others are not
 refused; every response says each quota in force, what is left of it as
 counted and when it resets (the header fields, read with the openai
-client's raw responses)."""
+client's raw responses); and a restart of the server hands nobody a fresh
+day (last: it starts the engine and API server afresh, /metrics too)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,13 @@ import pytest
 pytest.importorskip("vllm")
 
 import openai  # noqa: E402
-from e2e_support import POLICY, use_policy, wait_idle  # noqa: E402
+from e2e_support import POLICY, restart, use_policy, wait_idle  # noqa: E402
 from loadgen import client  # noqa: E402
 from test_contract import check_draft_fields  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
 
+from outrate.budget.quotafile import SAVE_INTERVAL_S  # noqa: E402
+from outrate.cli import app  # noqa: E402
 from outrate.contract.quotas import READ_INTERVAL_S  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
@@ -73,6 +77,11 @@ def _until_refused(api, user: str, timeout_s: float = 10) -> tuple[openai.RateLi
 def _used(server, user: str, key: str = "output/day") -> int:
     data = json.loads(server.quota_path.read_text())
     return int(data["users"].get(user, {}).get(key, [0, 0])[1])
+
+
+def _midnight_s(now: float) -> float:
+    """Seconds from `now` to the next midnight UTC (the day window's reset)."""
+    return calendar.timegm(time.gmtime(now)[:3] + (0, 0, 0)) + 86400 - now
 
 
 def _fields(headers) -> dict[bytes, bytes]:
@@ -130,15 +139,14 @@ def test_every_response_says_what_is_left_of_each_quota(server):
     assert f"output-day;r={left};t=".encode() in head[b"ratelimit"]
     prompt_left = int(head[b"x-ratelimit-remaining-input-tokens-hour"])
     assert prompt_left == 5000 - prompt_used < 5000
-    now = time.time()
-    midnight = calendar.timegm(time.gmtime(now)[:3] + (0, 0, 0)) + 86400
+    midnight_s = _midnight_s(time.time())
     reset = re.fullmatch(
         r"(?:(\d+)h)?(?:(\d+)m)?([\d.]+)s", head[b"x-ratelimit-reset-tokens-day"].decode()
     )
     assert reset is not None, head[b"x-ratelimit-reset-tokens-day"]
     h, m, sec = reset.groups()
     reset_s = int(h or 0) * 3600 + int(m or 0) * 60 + float(sec)
-    assert midnight - now - 2 <= reset_s <= midnight - now + 2, reset.group(0)
+    assert midnight_s - 2 <= reset_s <= midnight_s + 2, reset.group(0)
 
 
 def test_a_spent_quota_is_refused_with_retry_after_to_the_reset(server):
@@ -151,10 +159,9 @@ def test_a_spent_quota_is_refused_with_retry_after_to_the_reset(server):
     body = error.response.json()["error"]
     assert body["code"] == "insufficient_quota" and body["type"] == "insufficient_quota"
     assert f"{QUOTA} output tokens per day" in body["message"]
-    now = time.time()
-    midnight = calendar.timegm(time.gmtime(now)[:3] + (0, 0, 0)) + 86400
+    midnight_s = _midnight_s(time.time())
     retry = int(error.response.headers["retry-after"])
-    assert midnight - now - 2 <= retry <= midnight - now + 2
+    assert midnight_s - 2 <= retry <= midnight_s + 2
     fields = _fields(error.response.headers)
     check_draft_fields(fields)
     assert fields[b"x-ratelimit-limit-tokens-day"] == str(QUOTA).encode()
@@ -243,3 +250,55 @@ def test_the_dashboard_shows_this_servers_quota_usage_and_refusals(server, tmp_p
         )
     promtool_expect(found[1], tmp_path, series, cases)
     print(f"\n{len(cases)} panel queries over {len(series)} series of the page")
+
+
+def _quota_lines(server, *users: str) -> list[str]:
+    """`outrate quota --file` on the server's quota file: its output/day lines of `users`."""
+    result = CliRunner().invoke(app, ["quota", "--file", str(server.quota_path)])
+    assert result.exit_code == 0, result.stderr
+    mine = tuple(f"{u}  output/day  " for u in users)
+    return [line for line in result.stdout.splitlines() if line.startswith(mine)]
+
+
+def test_a_restart_hands_nobody_a_fresh_day(server):
+    """Issue 41: the session's `outrate serve` stopped and started again in
+    place (same argv, same --outrate-quota-file). quota-user, spent before,
+    is refused at its first request after (429 `insufficient_quota`,
+    Retry-After to midnight UTC, 0 left); quota-reader, partly used, has
+    what was counted before the stop: `outrate quota --file` prints the same
+    lines from the new engine's first saves, the first response after says
+    `READER - used` left, and the engine counts on from `used`."""
+    api = client(server.base_url).with_options(max_retries=0)
+    _until_refused(api, "quota-user")  # spent (by the tests above, or now)
+    assert _complete(api, "quota-reader", 7).usage.completion_tokens == 7
+    wait_idle(server)
+    time.sleep(2 * SAVE_INTERVAL_S)  # every request above counted and saved
+    used = _used(server, "quota-reader")
+    lines = _quota_lines(server, "quota-user", "quota-reader")
+    assert len(lines) == 2 and 7 <= used < READER
+
+    began = time.monotonic()
+    started = restart(server)
+    print(f"\nrestarted in {time.monotonic() - began:.1f} s; quota-reader {used} used")
+    deadline = time.monotonic() + 10
+    while json.loads(server.quota_path.read_text())["saved"] < started:
+        assert time.monotonic() < deadline, "the new engine saved nothing"
+        time.sleep(0.1)  # its first save is a second after its start
+    assert _quota_lines(server, "quota-user", "quota-reader") == lines
+    assert _used(server, "quota-reader") == used
+
+    with pytest.raises(openai.RateLimitError) as refused:
+        _complete(api, "quota-user", 1)  # its first request since the start
+    error = refused.value.response
+    assert error.json()["error"]["code"] == "insufficient_quota"
+    midnight_s = _midnight_s(time.time())
+    assert midnight_s - 2 <= int(error.headers["retry-after"]) <= midnight_s + 2
+    assert error.headers["x-ratelimit-remaining-tokens-day"] == "0"
+
+    reader = {"vllm_xargs": {"output_rate_user": "quota-reader"}, "ignore_eos": True}
+    first = api.completions.with_raw_response.create(
+        model=MODEL, prompt="hello", max_tokens=5, extra_body=reader
+    )
+    assert first.parse().usage.completion_tokens == 5
+    assert int(first.headers["x-ratelimit-remaining-tokens-day"]) == READER - used
+    assert _until_saved(server, "quota-reader", used + 5) == used + 5

@@ -128,7 +128,7 @@ def test_usage_lines_show_the_current_windows_and_with_a_policy_the_quota(
     book.add("alice", "output", 900, ["day", "hour"])
     book.users["bob"] = {"output/day": [utc(2026, 12, 3), 10**6]}  # yesterday's: gone
     QuotaSaver(path, book).save()
-    assert usage_lines(path, now_s=now) == [
+    assert usage_lines(read_usage(path)[0], now_s=now) == [
         "alice  output/day  900 used  resets 2026-12-05T00:00:00Z",
         "alice  output/hour  900 used  resets 2026-12-04T13:00:00Z",
     ]
@@ -136,7 +136,7 @@ def test_usage_lines_show_the_current_windows_and_with_a_policy_the_quota(
     policy.write_text(
         "version: 1\ndefault: 20\nusers:\n  alice: {rate: 5, quota: {output: 1000/day}}\n"
     )
-    assert usage_lines(path, load_compiled(policy), now_s=now) == [
+    assert usage_lines(read_usage(path)[0], load_compiled(policy), now_s=now) == [
         "alice  output/day  900 used of 1000 (100 left, users.alice)  resets 2026-12-05T00:00:00Z",
         "alice  output/hour  900 used  resets 2026-12-04T13:00:00Z",
     ]

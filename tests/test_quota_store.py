@@ -1,7 +1,8 @@
 """Quota usage shared through the store (outrate/budget/shared/usage.py,
 outrate/budget/quotafile.py with a store), on a real redis-server: two
 engines' books counting one user's quota, what each engine's quota file (the
-API server's view) says, restarts, an outage and a reset. The scheduler's
+API server's view) says, restarts, an outage and a reset, and what the
+operator's `outrate quota --store` reads and resets there. The scheduler's
 side (what is counted) is tests/test_e2e_quota.py's and test_quota.py's;
 here each engine is its `QuotaBook` and `QuotaSaver`, stepped by hand."""
 
@@ -9,17 +10,22 @@ from __future__ import annotations
 
 import calendar
 import json
+import time
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("redis")
 
-from redis_support import RedisServer  # noqa: E402
+from redis_support import PLAIN_PASSWORD, SECRET, RedisServer  # noqa: E402
+from serverproc import free_port  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
 
-from outrate.budget.quota import Quota, QuotaBook, spent  # noqa: E402
+from outrate.budget.quota import Quota, QuotaBook, spent, window_bounds  # noqa: E402
 from outrate.budget.quotafile import FULL_SYNC_S, QuotaSaver, request_reset  # noqa: E402
-from outrate.budget.shared.usage import UsageLink, usage_keys  # noqa: E402
+from outrate.budget.shared.usage import SCAN_COUNT, UsageLink, usage_keys, user_of  # noqa: E402
+from outrate.cli import app  # noqa: E402
+from outrate.env import STORE_PASSWORD  # noqa: E402
 
 NOW = calendar.timegm((2026, 12, 4, 12, 0, 0))
 DAY = "output/day"
@@ -30,12 +36,12 @@ class Engine:
     """One engine's quota side: its book (the scheduler adds to it), its
     quota file and the saver that syncs it with the store."""
 
-    def __init__(self, path: Path, url: str) -> None:
+    def __init__(self, path: Path, url: str, now: float = NOW) -> None:
         self.path = path
         self.url = url
         self.mono = 0.0
         self.told: list[str] = []
-        self.book = QuotaBook(clock=lambda: NOW)
+        self.book = QuotaBook(clock=lambda: now)
         self.saver = QuotaSaver(
             str(path),
             self.book,
@@ -67,6 +73,14 @@ class Engine:
 @pytest.fixture
 def server(tmp_path):
     s = RedisServer(tmp_path / "redis").start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def locked(tmp_path):
+    """A redis-server that wants a password (PLAIN_PASSWORD)."""
+    s = RedisServer(tmp_path / "locked", password=PLAIN_PASSWORD).start()
     yield s
     s.stop()
 
@@ -188,3 +202,123 @@ def test_an_operators_reset_reaches_every_engine(tmp_path, server):
     assert a.view() == 10
     a.saver.stop()
     b.saver.stop()
+
+
+def quota(*args: object) -> tuple[int, str, str]:
+    """`outrate quota ARGS`: (exit code, stdout, stderr)."""
+    result = CliRunner().invoke(app, ["quota", *map(str, args)])
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_outrate_quota_lists_and_resets_the_stores_usage(tmp_path, monkeypatch, locked):
+    """`outrate quota --store URL` on what two engines synced (their savers'
+    real `UsageLink.sync`), the password from OUTRATE_STORE_PASSWORD as the
+    engines read it: each user's count over both engines per window, in
+    the lines `--file` prints (an engine's file that learnt both counts
+    prints the same), with `--policy` the quota in force and what is left;
+    users found by SCAN, page after page, never KEYS. `--reset alice`
+    empties her in the store: listed no more, and each engine forgets its
+    own count at its next full sync and writes none of it back."""
+    monkeypatch.setenv(STORE_PASSWORD, PLAIN_PASSWORD)
+    url = locked.bare_url
+    now = time.time()
+    a, b = Engine(tmp_path / "a.json", url, now), Engine(tmp_path / "b.json", url, now)
+    a.add(600)
+    b.add(300)
+    a.add(7, user="bob")
+    many = [f"u{i:04}" for i in range(SCAN_COUNT * 2)]  # more than one SCAN page
+    for user in many:
+        b.add(1, user=user)
+    a.save()
+    b.save()
+    a.save(FULL_SYNC_S)  # a's file learns b's 300 of alice's (the others are idle on a)
+    resets = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(window_bounds("day", now)[1]))
+    code, out, err = quota("--store", url)
+    lines = out.splitlines()
+    assert (code, err, len(lines)) == (0, "", 2 + len(many))
+    assert lines[:2] == [
+        f"alice  {DAY}  900 used  resets {resets}",
+        f"bob  {DAY}  7 used  resets {resets}",
+    ]
+    assert lines[2:] == [f"{u}  {DAY}  1 used  resets {resets}" for u in many]
+    assert quota("--file", a.path) == (0, "\n".join(lines[:2]) + "\n", "")
+    policy = tmp_path / "p.yaml"
+    policy.write_text(
+        "version: 1\ndefault: 20\nusers:\n  alice: {rate: 5, quota: {output: 1000/day}}\n"
+    )
+    code, out, _ = quota("--store", url, "--policy", policy)
+    assert code == 0
+    assert out.splitlines()[0] == (
+        f"alice  {DAY}  900 used of 1000 (100 left, users.alice)  resets {resets}"
+    )
+    assert quota("--file", a.path, "--policy", policy)[1].splitlines() == out.splitlines()[:2]
+    stats = locked.client().info("commandstats")
+    assert stats["cmdstat_scan"]["calls"] >= 2 and "cmdstat_keys" not in stats
+
+    assert quota("--store", url, "--reset", "alice") == (0, "reset 'alice'\n", "")
+    assert quota("--store", url, "--reset", "carol") == (
+        0, "reset 'carol' (no usage in the store)\n", ""
+    )  # fmt: skip
+    assert quota("--store", url)[1].splitlines()[0] == f"bob  {DAY}  7 used  resets {resets}"
+    a.save(FULL_SYNC_S)  # alice idle on both: each learns of the reset at its next full sync
+    b.save(FULL_SYNC_S)
+    assert (a.own(), b.own(), a.view(), b.view()) == (0, 0, 0, 0)
+    assert not quota("--store", url)[1].startswith("alice")  # nothing written back
+    a.saver.stop()
+    b.saver.stop()
+
+
+def test_outrate_quota_says_in_one_line_why_the_store_is_out_of_reach(monkeypatch, locked):
+    """Exit 1 and one line naming the store (its password never shown), no
+    traceback: a URL that is none of the store's forms, one redis-py cannot
+    read, a store that is not there, a store that wants a password. And a
+    user id under `}:q:` of the pattern is still found for its own key."""
+    monkeypatch.delenv(STORE_PASSWORD, raising=False)
+    port = free_port()
+    cases = {
+        "http://127.0.0.1:6379": "outrate quota: --store must be a redis://HOST:PORT/DB URL",
+        f"redis://:{PLAIN_PASSWORD}@127.0.0.1:port/0": (
+            "outrate quota: --store 'redis://***@127.0.0.1:port/0': Port could not be cast"
+        ),
+        "redis+cluster://127.0.0.1/": "outrate quota: --store 'redis+cluster://127.0.0.1/': "
+        "'127.0.0.1' is not HOST:PORT",
+        f"redis://:{PLAIN_PASSWORD}@127.0.0.1:{port}/0": (
+            f"outrate quota: budget store redis://***@127.0.0.1:{port}/0: Error 111 connecting"
+        ),
+    }
+    for url, begins in cases.items():
+        for extra in ((), ("--reset", "alice")):
+            code, out, err = quota("--store", url, *extra)
+            assert (code, out) == (1, ""), (url, err)
+            assert err.startswith(begins) and err.count("\n") == 1, err
+            assert SECRET not in err and "Traceback" not in err
+    code, _, err = quota("--store", locked.bare_url)
+    assert code == 1 and err.startswith(f"outrate quota: budget store {locked.bare_url}: ")
+    assert err.count("\n") == 1 and "auth" in err.lower(), err  # (words: the server's)
+    odd = "a}:q:b"
+    assert user_of(usage_keys(odd)[0]) == odd and user_of(usage_keys(odd)[1]) is None
+
+
+def test_outrate_quota_reads_every_shard_of_a_cluster(tmp_path):
+    """On a Redis Cluster the users are spread over the shards' primaries:
+    `--store redis+cluster://` SCANs each, lists every user once, and
+    resets one on the shard that holds it."""
+    from redis_cluster_support import Cluster
+
+    cluster = Cluster(tmp_path / "cluster", primaries=3, replicas=0).start()
+    try:
+        engine = Engine(tmp_path / "a.json", cluster.url, time.time())
+        users = [f"u{i:03}" for i in range(300)]
+        for n, user in enumerate(users, 1):
+            engine.add(n, user=user)
+        engine.save()
+        assert len(engine.saver.share.nodes.primaries()) == 3  # the groups on every shard
+        lines = quota("--store", cluster.url)[1].splitlines()
+        assert [line.split("  ")[:3] for line in lines] == [
+            [u, DAY, f"{n} used"] for n, u in enumerate(users, 1)
+        ]
+        assert quota("--store", cluster.url, "--reset", "u007") == (0, "reset 'u007'\n", "")
+        assert len(quota("--store", cluster.url)[1].splitlines()) == len(users) - 1
+        engine.saver.stop()
+    finally:
+        cluster.stop()

@@ -101,15 +101,14 @@ def _utc(t: float) -> str:
 
 
 def usage_lines(
-    path: str, policy: CompiledPolicy | None = None, now_s: float | None = None
+    users: dict[str, Usage], policy: CompiledPolicy | None = None, now_s: float | None = None
 ) -> list[str]:
-    """`outrate quota --file PATH`: one line per user and quota window in the
-    file, `alice  output/day  120000 used  resets 2026-12-05T00:00:00Z`; with
+    """`outrate quota`: one line per user and quota window of `users` (a
+    quota file's, `read_usage`, or the store's, `UsageLink.all_usage`),
+    `alice  output/day  120000 used  resets 2026-12-05T00:00:00Z`; with
     `policy`, each user's quota in force and what remains of it (a quota with
-    no usage yet shows `0 used`). Windows that have passed are left out.
-    Raises FileReadError or ValueError for a file that is not a quota file."""
+    no usage yet shows `0 used`). Windows that have passed are left out."""
     now = time.time() if now_s is None else now_s
-    users, _ = read_usage(path)
     lines = []
     for user in sorted(users):
         usage = users[user]

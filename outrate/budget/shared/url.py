@@ -123,7 +123,7 @@ class StoreUrl(NamedTuple):
     password: str | None
 
 
-def _hosts(netloc: str, url: str) -> tuple[tuple[str, int], ...]:
+def _hosts(netloc: str, url: str, flag: str) -> tuple[tuple[str, int], ...]:
     out = []
     for piece in netloc.split(","):
         if piece.startswith("["):  # [IPv6]:PORT
@@ -133,16 +133,17 @@ def _hosts(netloc: str, url: str) -> tuple[tuple[str, int], ...]:
             host, _, port = piece.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(
-                f"--outrate-store {redact_url(url)!r}: {piece!r} is not HOST:PORT (each node "
+                f"{flag} {redact_url(url)!r}: {piece!r} is not HOST:PORT (each node "
                 "of a cluster or Sentinel URL names its port)"
             )
         out.append((host, int(port)))
     return tuple(out)
 
 
-def parse_nodes(url: str) -> StoreUrl | None:
+def parse_nodes(url: str, flag: str = "--outrate-store") -> StoreUrl | None:
     """The nodes of a `redis+cluster://` or `redis+sentinel://` URL (None for
-    any other). Raises ValueError naming what is wrong, the URL redacted."""
+    any other). Raises ValueError naming what is wrong, the URL redacted,
+    after `flag` (the option it was given with)."""
     parts = urlsplit(url)
     scheme = parts.scheme
     if scheme not in CLUSTER_SCHEMES + SENTINEL_SCHEMES:
@@ -153,22 +154,20 @@ def parse_nodes(url: str) -> StoreUrl | None:
     unknown = sorted(set(params) - {"password", "username"})
     if unknown:
         raise ValueError(
-            f"--outrate-store {redact_url(url)!r}: unknown parameter {unknown[0]!r} "
+            f"{flag} {redact_url(url)!r}: unknown parameter {unknown[0]!r} "
             "(a cluster or Sentinel URL takes only username and password)"
         )
     username = unquote(user) or params.get("username") or None
     password = unquote(pw) if pw else params.get("password") or None
-    nodes = _hosts(netloc, url)
+    nodes = _hosts(netloc, url, flag)
     path = [p for p in parts.path.split("/") if p]
     if scheme in CLUSTER_SCHEMES:
         if path and path != ["0"]:
-            raise ValueError(
-                f"--outrate-store {redact_url(url)!r}: a Redis Cluster has database 0 only"
-            )
+            raise ValueError(f"{flag} {redact_url(url)!r}: a Redis Cluster has database 0 only")
         return StoreUrl("cluster", scheme.startswith("rediss"), nodes, None, 0, username, password)
     if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
         raise ValueError(
-            f"--outrate-store {redact_url(url)!r}: a Sentinel URL names the primary "
+            f"{flag} {redact_url(url)!r}: a Sentinel URL names the primary "
             "it watches: redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER_NAME[/DB]"
         )
     db = int(path[1]) if len(path) == 2 else 0
@@ -177,14 +176,16 @@ def parse_nodes(url: str) -> StoreUrl | None:
     )
 
 
-def check_url(url: str) -> str:
-    """Raise ValueError unless `url` is one of the store's URL forms (`FORMS`)."""
+def check_url(url: str, flag: str = "--outrate-store") -> str:
+    """Raise ValueError unless `url` is one of the store's URL forms (`FORMS`);
+    the message begins with `flag` (`outrate quota --store` reads the engine's
+    URLs too)."""
     parts = urlsplit(url)
     if parts.scheme in CLUSTER_SCHEMES + SENTINEL_SCHEMES:
-        parse_nodes(url)
+        parse_nodes(url, flag)
         return url
     if parts.scheme not in SCHEMES:
-        raise ValueError(f"--outrate-store must be {FORMS}, got {redact_url(url)!r}")
+        raise ValueError(f"{flag} must be {FORMS}, got {redact_url(url)!r}")
     if parts.scheme != "unix" and not parts.hostname:
-        raise ValueError(f"--outrate-store {redact_url(url)!r} names no host")
+        raise ValueError(f"{flag} {redact_url(url)!r} names no host")
     return url
