@@ -378,3 +378,35 @@ def test_a_refund_takes_back_the_shadow_prompt_over_count(kind, tmp_path):
     trace.stop()
     over = _per_step(read_trace(tmp_path / "t.jsonl"), "prompt_over", "a")
     assert len(over) == 1 and m.prompt == 100 and m.prompt_over == over[0][1] > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("limited", [True, False], ids=["prompt-limits", "none"])
+def test_decodes_never_wait_behind_a_prefill_whatever_the_running_order(kind, limited):
+    """A 64-token step budget; bob's 8 requests decoding, and a's 1,000-token
+    prompt put first in `running` (stock serves `running` in order, so its
+    chunk would take the whole budget). Under prompt limits the chunk leaves
+    every other running request a token: all 8 decode in every step, and
+    the prompt still advances. Without any prompt limit outrate leaves
+    stock's order alone, and the decodes wait (what the reserve is for)."""
+    a = "{rate: 100, prompt: 100000}" if limited else "100"
+    clock = FakeClock()
+    s = make_scheduler(kind, policy(f"  a: {a}\n  b: 1000\n"), clock, max_num_batched_tokens=64)
+    d = Driver(s, clock, step_ns=10 * MS)
+    bobs = [d.add(make_request("b", prompt_len=4, max_tokens=200)) for _ in range(8)]
+    for _ in range(3):
+        d.step()
+    big = d.add(make_request("a", prompt_len=1000, max_tokens=1))
+    d.step()  # admitted: last in `running`
+    s.running.remove(big)
+    s.running.insert(0, big)
+    decoded, chunks = [], []
+    while big.num_computed_tokens < 1000 and len(chunks) < 100:
+        out = d.step()
+        decoded.append(sum(1 for r in bobs if r.request_id in out.num_scheduled_tokens))
+        chunks.append(out.num_scheduled_tokens.get(big.request_id, 0))
+    if limited:
+        assert decoded == [8] * len(decoded)
+        assert chunks[:-1] == [64 - 8] * (len(chunks) - 1)  # the rest of the budget, each step
+    else:
+        assert min(decoded) == 0 and max(chunks) == 64

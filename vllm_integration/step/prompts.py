@@ -49,6 +49,8 @@ class Host(Protocol):
 
     max_num_active_reqs: int
     max_num_running_reqs: int
+    max_num_scheduled_tokens: int
+    running: list[Request]
 
     @property
     def holdback(self) -> Sized: ...
@@ -76,16 +78,26 @@ class PromptPacer:
 
     def dispatch(self, request: Request, nc: int, n: int, step: int, now: int) -> int:
         """A chunk `[nc, nc + n)` with prompt positions, under prompt limits:
-        cut to the prompt budget, then charged for output as any chunk; what
-        the output logic cuts off goes back. A running request with no prompt
-        budget is skipped (0) and takes no active seat this step: stock's
-        waiting loop may admit one more (never above `max_num_seqs` less the
-        held, stock's own assert); `schedule()` restores the cap after the step."""
+        a running request's cut to leave every other running request a token
+        of the step's budget (the decode reserve: decodes never wait behind a
+        prefill, whatever the order of `running`), then to the prompt budget,
+        then charged for output as any chunk; what the output logic cuts off
+        goes back. A running request with no prompt budget (or no room) is
+        skipped (0) and takes no active seat this step: stock's waiting loop
+        may admit one more (never above `max_num_seqs` less the held, stock's
+        own assert); `schedule()` restores the cap after the step."""
         rs: RequestState = request.__dict__[ATTR]
         host = self.host
-        n = self.pace(request, rs, nc, n, step, now)
+        in_running = request.status == self.running  # the running loop (not admission)
+        if in_running:
+            st = self.st
+            room = host.max_num_scheduled_tokens - (len(host.running) - 1) - st.prefill_granted
+            if n > room:
+                n = room if room > 0 else 0
+        if n:
+            n = self.pace(request, rs, nc, n, step, now)
         if not n:
-            if request.status == self.running:
+            if in_running:
                 self.metrics.prompt_skips += 1
                 if host.max_num_active_reqs < host.max_num_running_reqs - len(host.holdback):
                     host.max_num_active_reqs += 1
@@ -93,6 +105,8 @@ class PromptPacer:
         m = host._charge(request, nc, n)
         if m != n:
             self.trim(rs, nc, m, request.num_prompt_tokens, step, now)
+        if in_running:
+            self.st.prefill_granted += m
         return m
 
     def pace(self, request: Request, rs: RequestState, nc: int, n: int, step: int, now: int) -> int:

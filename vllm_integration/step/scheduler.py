@@ -342,6 +342,7 @@ class OutrateMixin:
         if policy is not self._policy:
             self.swap_policy(policy, now)  # a reload, at a step's start
         self._st.blocked_ready = 0
+        self._st.prefill_granted = 0
         holdback = self.holdback
         if holdback.wake:  # borrowers' slots count as free: the plan reclaims them
             room = self._cfg_active - len(self.running) + len(self.lending)

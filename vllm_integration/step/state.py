@@ -172,6 +172,7 @@ class StepScratch:
         "borrow_tokens",
         "borrow_quota",
         "borrow_timed",
+        "prefill_granted",
     )
 
     def __init__(self) -> None:
@@ -194,3 +195,4 @@ class StepScratch:
         self.borrow_tokens = 0
         self.borrow_quota: dict[UserState, int] = {}  # per user: its share left for new prompts
         self.borrow_timed = False  # borrow_tokens is bounded by step time too (running prefills)
+        self.prefill_granted = 0  # tokens of running prefill chunks this step (prompts.py)
