@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import statistics
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,13 +29,14 @@ import pytest
 pytest.importorskip("vllm")
 
 import sim_servers  # noqa: E402
+from e2e_support import use_policy, wait_idle  # noqa: E402
 from sim_drift import at_measured_length  # noqa: E402
 from sim_drift import play as play_file  # noqa: E402
 from sim_servers import SimServer  # noqa: E402
-from workload_player import Played  # noqa: E402
+from workload_player import Played, Player  # noqa: E402
 
 from outrate.errors import OutrateError  # noqa: E402
-from outrate.observe.trace import engine_rate, user_tokens  # noqa: E402
+from outrate.observe.trace import engine_rate, read_trace, user_tokens  # noqa: E402
 from outrate.simulate.counters import Reading, scrape_engine  # noqa: E402
 from outrate.simulate.engine import engine_from_flags  # noqa: E402
 from outrate.simulate.metricsfit import calibrate_metrics  # noqa: E402
@@ -297,4 +299,71 @@ def test_a_borrowing_user_as_the_engine_shows_it(sim_server):
     report.append(f"the engine's trace: {borrowed} of the lender's tokens borrowed")
     print("\n".join(report))
     assert borrowed > 0.5 * sum(r.get("charged", {}).get("lender", 0) for r in steps)
+    assert not failures, "\n".join([*failures, *report])
+
+
+FLOOD_S = 10
+"""The part of examples/workloads/prompt-flood.yaml played (of its 30 s)."""
+FLOOD_STREAMS = 2
+"""mallory's streams in the played flood (8 in the file): a prompt waiting
+for her budget has no response to cut at the end of the play, so the play
+lasts until every one in flight got its first token, ~1,900 x streams / 500
+s past the end (30 s more with 8)."""
+
+
+def test_a_prompt_flood_as_the_engine_shows_it(sim_server):
+    """Issue 40's prompt flood (examples/workloads/prompt-flood.yaml, its
+    first FLOOD_S with FLOOD_STREAMS of mallory's) under
+    examples/workloads/prompt-flood-policy.yaml (mallory `{rate: 20, prompt:
+    500}`, bob 100), given to the server by hot reload: mallory's computed
+    prompt tokens per second (the trace's `prompt`) over the workload's
+    seconds and bob's tok/s, engine and simulated, within the agreement
+    test's bound; simulated with the calibrated model scaled to the step
+    length the run measured, as the lending case (the model's error on a
+    workload it was not fitted on is test_simulate_oos's to judge); bob's
+    time to first token p50 too (measured 2026-12-04: mallory 500.9 and
+    505.0 prompt tok/s, bob 101.1 and 101.1 tok/s, 3.0 and 3.8 ms)."""
+    model = getattr(sim_server, "step_model", None)
+    if model is None:  # run alone: calibrate on the agreement workload first
+        workload, _, steps = play(sim_server, "e2e-agree.yaml")
+        model = calibrate(steps, workload).model
+    policy = WORKLOADS / "prompt-flood-policy.yaml"
+    flood = load_workload(WORKLOADS / "prompt-flood.yaml").workload
+    users = dict(flood.users)
+    users["mallory"] = users["mallory"].model_copy(update={"streams": FLOOD_STREAMS})
+    flood = flood.model_copy(update={"users": users, "duration": FLOOD_S * 1_000_000_000})
+    before = sim_server.policy_path.read_text()
+    use_policy(sim_server, policy.read_text())
+    try:
+        wait_idle(sim_server)
+        since = time.monotonic_ns()
+        played = Player(sim_server.base_url, flood).play()
+        time.sleep(0.5)  # the trace is written every 100 ms
+        steps = [r for r in read_trace(sim_server.trace_path) if "step" in r and r["t"] >= since]
+    finally:
+        use_policy(sim_server, before)
+    assert all(p.error is None for p in played), [p.error for p in played if p.error][:3]
+    drift = time_error(model, steps, flood)
+    result = sim(flood, at_measured_length(model, drift), policy)
+    end = since + FLOOD_S * 1_000_000_000
+    mallory = sum(r.get("prompt", {}).get("mallory", 0) for r in steps if r["t"] < end) / FLOOD_S
+    bob = engine_rate(user_tokens(steps, "bob", until_ns=end))
+    got = {"mallory": (mallory, result.users["mallory"].prompt_rate)}
+    got["bob"] = (bob, result.users["bob"].rate)
+    ttft = (engine_ttft_p50(played, "bob"), (result.users["bob"].ttft_p50 or 0) / 1e9)
+    report = [f"step length off the model by {drift:+.1%} on the run (scaled to it)"]
+    units = ("prompt tok/s", "tok/s")
+    report += [
+        f"{user}: engine {real:.1f} {unit}, simulated {simulated:.1f} "
+        f"({(simulated - real) / real:+.1%})"
+        for (user, (real, simulated)), unit in zip(got.items(), units, strict=True)
+    ]
+    report.append(
+        f"bob's TTFT p50: engine {ttft[0] * 1000:.1f} ms, simulated {ttft[1] * 1000:.1f} ms"
+    )
+    print("\n".join(report))
+    assert mallory > 400  # she flooded, at her prompt rate
+    failures = [u for u, (real, s) in got.items() if abs(s - real) > RATE_BOUND * real]
+    if not ttft_agrees(*ttft):
+        failures.append("bob: TTFT")
     assert not failures, "\n".join([*failures, *report])
