@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import random
 import re
 import signal
 import socket
@@ -171,10 +172,33 @@ def outrate_serve_argv(
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
+    """A TCP port on 127.0.0.1 that was free a moment ago, below the
+    kernel's ephemeral range: a port from that range (`bind(0)`'s) may be
+    handed to any outgoing connection before the server that was to bind
+    it starts, and on a busy machine one was (a redis-server started a
+    minute after its engines: "Address already in use")."""
+    low = _ephemeral_low()
+    if low <= 11_000:  # an unusual range: the kernel's own choice, as before
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((HOST, 0))
+            return int(sock.getsockname()[1])
+    for _ in range(200):
+        port = random.randrange(10_000, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((HOST, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in 10000-{low - 1}")
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 # Loopback only: never route readiness probes through an *_proxy from the env.
