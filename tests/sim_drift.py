@@ -41,7 +41,7 @@ from e2e_support import wait_idle
 from workload_player import Played, Player
 
 from outrate.observe.trace import read_trace
-from outrate.simulate.stepmodel import StepModel
+from outrate.simulate.stepmodel import StepModel, calibrate, time_error
 from outrate.simulate.workload import load_workload
 
 PROBE_S = 5
@@ -107,6 +107,21 @@ def at_measured_length(model: StepModel, error: float) -> StepModel:
         per_decode_us=model.per_decode_us * k,
         per_prefill_us=model.per_prefill_us * k,
     )
+
+
+def at_measured(model: StepModel, steps: list[dict], workload) -> tuple[StepModel, float]:
+    """`model` at the step length a run measured (`at_measured_length`) and
+    with the run's own client turnaround (`calibrate` on the run, where it
+    can tell: else the model's), and the model's time error on the run. A
+    closed-loop user's tok/s follows the time its client takes between
+    requests, the API server's share of two cores: beside other load
+    (measured beside a one-core busy loop: dave 38.7 tok/s on the engine
+    against 43.3 simulated with the calibration's turnaround) it moves as
+    the step length does, and is no more the scheduler's doing."""
+    error = time_error(model, steps, workload)
+    scaled = at_measured_length(model, error)
+    turnaround = calibrate(steps, workload, base=scaled).model.turnaround_us
+    return replace(scaled, turnaround_us=turnaround), error
 
 
 def play(server, path: Path, seconds: int = 0) -> tuple[object, list[Played], list[dict]]:

@@ -30,7 +30,7 @@ pytest.importorskip("vllm")
 
 import sim_servers  # noqa: E402
 from e2e_support import use_policy, wait_idle  # noqa: E402
-from sim_drift import at_measured_length  # noqa: E402
+from sim_drift import at_measured  # noqa: E402
 from sim_drift import play as play_file  # noqa: E402
 from sim_servers import SimServer  # noqa: E402
 from workload_player import Played, Player  # noqa: E402
@@ -269,11 +269,12 @@ def test_a_borrowing_user_as_the_engine_shows_it(sim_server):
     # one. The lending is judged with the model scaled to the step length
     # this run measured, which takes out the step model's error on a
     # workload it was not fitted on (test_simulate_oos's to judge) and any
-    # move of the machine since the calibration.
+    # move of the machine since the calibration, and with the run's own
+    # client turnaround, which dave's tok/s follows (sim_drift.at_measured).
     workload, played, steps = play(sim_server, "e2e-lend.yaml")
-    drift = time_error(model, steps, workload)
+    measured, drift = at_measured(model, steps, workload)
     raw = sim(workload, model, sim_server.policy_path)
-    result = sim(workload, at_measured_length(model, drift), sim_server.policy_path)
+    result = sim(workload, measured, sim_server.policy_path)
     borrowed = sum(r.get("borrowed", {}).get("lender", 0) for r in steps)
     report = [f"step length off the model by {drift:+.1%} on the run (scaled to it)"]
     failures = []
@@ -318,9 +319,10 @@ def test_a_prompt_flood_as_the_engine_shows_it(sim_server):
     500}`, bob 100), given to the server by hot reload: mallory's computed
     prompt tokens per second (the trace's `prompt`) over the workload's
     seconds and bob's tok/s, engine and simulated, within the agreement
-    test's bound; simulated with the calibrated model scaled to the step
-    length the run measured, as the lending case (the model's error on a
-    workload it was not fitted on is test_simulate_oos's to judge); bob's
+    test's bound; simulated with the calibrated model at the step length
+    and client turnaround the run measured, as the lending case (the
+    model's error on a workload it was not fitted on is test_simulate_oos's
+    to judge); bob's
     time to first token p50 too (measured 2026-12-04: mallory 500.9 and
     505.0 prompt tok/s, bob 101.1 and 101.1 tok/s, 3.0 and 3.8 ms)."""
     model = getattr(sim_server, "step_model", None)
@@ -343,8 +345,8 @@ def test_a_prompt_flood_as_the_engine_shows_it(sim_server):
     finally:
         use_policy(sim_server, before)
     assert all(p.error is None for p in played), [p.error for p in played if p.error][:3]
-    drift = time_error(model, steps, flood)
-    result = sim(flood, at_measured_length(model, drift), policy)
+    measured, drift = at_measured(model, steps, flood)
+    result = sim(flood, measured, policy)
     end = since + FLOOD_S * 1_000_000_000
     mallory = sum(r.get("prompt", {}).get("mallory", 0) for r in steps if r["t"] < end) / FLOOD_S
     bob = engine_rate(user_tokens(steps, "bob", until_ns=end))
