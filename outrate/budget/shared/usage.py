@@ -237,10 +237,10 @@ class UsageLink:
 def operator_link(url: str, flag: str, timeout_s: float = 5.0) -> Iterator[UsageLink]:
     """A link for an operator's command (`outrate quota --store`), closed
     after, with the password as the engine reads it (the URL's, else
-    `OUTRATE_STORE_PASSWORD`). Every way of not reaching the store is a
-    ValueError of one line: a URL that is not one of its forms names `flag`;
-    a store that does not answer (or refuses) is an OutrateError naming it,
-    redacted."""
+    `OUTRATE_STORE_PASSWORD`). Every way of not reaching the store is an
+    error of one line: a URL that is not one of its forms, a ValueError
+    naming `flag`; a store that does not answer (or refuses), an
+    OutrateError naming it, redacted."""
     check_url(url, flag)
     try:
         from redis.exceptions import RedisClusterException, RedisError
