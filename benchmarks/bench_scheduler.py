@@ -48,7 +48,11 @@ Why the ratios are what they are:
   each) and R - N decodes. Stock gets the same requests and computes those
   prompts PACED_CHUNK tokens a step (`long_prefill_token_threshold`): the
   same work, so the ratio is over stock with all R running, as at 0%, and
-  is what pacing adds. `p0`: the limits alone, everyone decoding. No target.
+  is what pacing adds. `p0`: the limits alone, everyone decoding. `pb<N>`:
+  the same prompts with a prompt peak (committed at PROMPT_HALF, peak
+  PROMPT_PACE: the same chunks, half of each borrowed, checked), so the
+  lending plan runs every step and every chunk takes the borrow path: what
+  a prompt peak adds. No target.
 - Lending by step time (`t<borrow%>`, first table): borrower cells on a
   clock whose steps cost what they hold (TIMED_STEP: a fixed part and a part
   per request, the scheduler's fit given it as its prior), committed users
@@ -145,6 +149,7 @@ SLOW_RATE = "0.001"  # tok/s: one token, then held for ~1000 s of fake time
 TARGET_UNTHROTTLED = 1.08
 TARGET_WORST = 1.3
 PROMPT_PACE = "400"  # tok/s: ~4 prompt tokens a 10 ms step
+PROMPT_HALF = "200"  # tok/s: a `pb` cell's committed prompt rate, its peak PROMPT_PACE
 PACED_CHUNK = 4  # stock's chunk of those prompts (long_prefill_token_threshold): the same work
 LONG_PROMPT = 1900  # ~475 steps to compute at 4 a step: more than a full run
 TIMED_STEP = Prior(fixed_us=5000, per_decode_us=100, per_prefill_us=0)
@@ -170,15 +175,17 @@ class Cell:
     peak: str = "unlimited"  # the borrowing users' peak (policy syntax)
     prompting: int | None = None  # prompt limits on: requests prefilling a paced prompt
     timed: bool = False  # borrowers lend by step time on a clock that costs the batch
+    prompt_peak: bool = False  # the paced prompts half committed, half borrowed (pb<N>)
 
     @property
     def name(self) -> str:
         """How `--only` names the cell: mode:R:U:thr% or, with borrowers,
         mode:R:U:b<borrow%>, with @<peak> where the peak is finite; with
-        prompt limits mode:R:U:p<prefilling>; lending by time mode:R:U:t<borrow%>."""
+        prompt limits mode:R:U:p<prefilling>, pb<prefilling> with a prompt
+        peak; lending by time mode:R:U:t<borrow%>."""
         head = f"{self.mode}:{self.running}:{self.users}"
         if self.prompting is not None:
-            return f"{head}:p{self.prompting}"
+            return f"{head}:{_kind(self)}"
         if self.timed:
             return f"{head}:t{self.borrowing * 100:.0f}"
         if not self.borrowing:
@@ -319,19 +326,25 @@ def prompt_lengths(w: Workload) -> list[int]:
 
 
 def policy_for(
-    w: Workload, peak: str = "unlimited", prompts: bool = False, committed: str = FREE_RATE
+    w: Workload,
+    peak: str = "unlimited",
+    prompts: bool = False,
+    committed: str = FREE_RATE,
+    prompt_peak: bool = False,
 ) -> CompiledPolicy:
     """Throttled users at SLOW_RATE; borrowing users committed to SLOW_RATE
     with `peak` above it (one committed token, then every token borrowed);
     the others at `committed` (FREE_RATE: never reached). `prompts`: every
     rule limits prompts too, at FREE_RATE, and the prompting users' at
-    PROMPT_PACE."""
+    PROMPT_PACE; with `prompt_peak`, at PROMPT_HALF with a peak of
+    PROMPT_PACE: the same chunks, half of each borrowed."""
     mine = f", prompt: {FREE_RATE}" if prompts else ""
     lines = ["version: 1", f"default: {{rate: {FREE_RATE}{mine}}}", "burst: 100ms", "users:"]
     lines += [f"  {u}: {SLOW_RATE}" for u in w.throttled_users]
     lines += [f"  {u}: {{rate: {SLOW_RATE}, peak: {peak}}}" for u in w.borrowing_users]
     lines += [f"  {u}: {{rate: {committed}{mine}}}" for u in w.free_users]
-    lines += [f"  {u}: {{rate: {FREE_RATE}, prompt: {PROMPT_PACE}}}" for u in w.prompting_users]
+    paced = f"{{rate: {PROMPT_HALF}, peak: {PROMPT_PACE}}}" if prompt_peak else PROMPT_PACE
+    lines += [f"  {u}: {{rate: {FREE_RATE}, prompt: {paced}}}" for u in w.prompting_users]
     text = "\n".join(lines) + "\n"
     return compile_policy(parse_policy(text, "bench.yaml"), "bench.yaml")
 
@@ -515,6 +528,11 @@ def copies_ratio(a: Sequence[Bench], b: Sequence[Bench]) -> float:
     )
 
 
+def prompt_borrowed(b: Bench) -> int:
+    """Prompt tokens the bench's scheduler lent so far (a `pb` cell's check)."""
+    return sum(m.prompt_borrowed for m in b.sched.metrics.labels.values())
+
+
 def copies_us(copies: Sequence[Bench]) -> float:
     return statistics.median(c.median_us() for c in copies)
 
@@ -536,7 +554,7 @@ def measure(cell: Cell, sizes: Sizes, copies: int = COPIES) -> Result:
     lengths = prompt_lengths(w)
     cost = TIMED_STEP if cell.timed else None
     committed = committed_rate(cell.running) if cell.timed else FREE_RATE
-    pol = policy_for(w, cell.peak, prompts, committed)
+    pol = policy_for(w, cell.peak, prompts, committed, cell.prompt_peak)
 
     def probed() -> Bench:
         b = build(cell.mode, w.users, sizes, pol, lengths, cost)
@@ -546,6 +564,8 @@ def measure(cell: Cell, sizes: Sizes, copies: int = COPIES) -> Result:
             raise RuntimeError(f"{cell.name}: {lent} of {w.n_borrowing} requests borrowing")
         if not cell.timed and lent != w.n_borrowing:
             raise RuntimeError(f"{cell.name}: {lent} requests borrowing, not {w.n_borrowing}")
+        if cell.prompt_peak and not prompt_borrowed(b):  # the borrow path runs every step
+            raise RuntimeError(f"{cell.name}: no prompt token borrowed")
         return b
 
     outs = [probed()]
@@ -620,21 +640,29 @@ def grid(quick: bool) -> list[Cell]:
     return limited + lending
 
 
-COST_CELLS = ((None, False, 0.0), (0, False, 0.0), (8, False, 0.0), (None, True, 0.5))
-"""Issue 40's cells (prompting, timed, borrowing), 16 users, R = 64 and 256:
-the 0% cell beside them (the same run's price of the hooks), prompt limits
-with everyone decoding (p0) and with 8 paced prompts (p8), and lending by
-step time with half the requests borrowing (t50)."""
+COST_CELLS = (
+    (None, False, 0.0, False),
+    (0, False, 0.0, False),
+    (8, False, 0.0, False),
+    (8, False, 0.0, True),
+    (None, True, 0.5, False),
+)
+"""Issue 40's cells (prompting, timed, borrowing, prompt peak), 16 users, R =
+64 and 256: the 0% cell beside them (the same run's price of the hooks),
+prompt limits with everyone decoding (p0), with 8 paced prompts (p8), and
+with those prompts half borrowed under a prompt peak (pb8: the lending plan
+runs every step, each chunk takes the borrow path), and lending by step
+time with half the requests borrowing (t50)."""
 
 
 def cost_grid() -> list[Cell]:
     """Prompt limits and lending by time (issue 40): `--cost` runs them, and
     `--only` may name them."""
     return [
-        Cell(mode, r, 16, 0.0, part, prompting=p, timed=t)
+        Cell(mode, r, 16, 0.0, part, prompting=p, timed=t, prompt_peak=pp)
         for mode in ("sync", "async")
         for r in (64, 256)
-        for p, t, part in COST_CELLS
+        for p, t, part, pp in COST_CELLS
     ]
 
 
@@ -646,7 +674,8 @@ throttled (price of the hooks), outrate / stock_sched otherwise (price of the he
 a/a: a second set of stock_sched copies over the first, measured alike (the noise
 floor).  users: count, or throttled+free users when some are throttled.
 thr% p<N>: prompt limits on every rule, N users each prefilling one paced prompt
-(prompting+decoding users; ratio over stock with the same requests, all R).
+(prompting+decoding users; ratio over stock with the same requests, all R);
+pb<N>: the same prompts under a prompt peak, half of each chunk borrowed.
 thr% t<B>: B% of the requests borrowing, lent by step time on a costed clock
 (borrowing+committed users; ratio over stock with the n scheduled)."""
 
@@ -705,7 +734,7 @@ def format_table(results: Iterable[Result]) -> str:
 def _kind(c: Cell) -> str:
     """The first table's thr% column: throttled %, p<prompting> or t<borrow%>."""
     if c.prompting is not None:
-        return f"p{c.prompting}"
+        return f"{'pb' if c.prompt_peak else 'p'}{c.prompting}"
     if c.timed:
         return f"t{c.borrowing * 100:.0f}"
     return f"{c.throttled * 100:.0f}"

@@ -22,8 +22,15 @@ TINY = bench.Sizes(warmup=12, rounds=3, steps=3)
 
 def test_the_cells_are_named_and_listed() -> None:
     cells = {c.name: c for c in bench.cost_grid()}
-    assert {"sync:64:16:0", "sync:64:16:p0", "async:256:16:p8", "sync:64:16:t50"} <= set(cells)
-    assert len(cells) == len(bench.cost_grid()) == 16
+    assert {
+        "sync:64:16:0",
+        "sync:64:16:p0",
+        "async:256:16:p8",
+        "async:256:16:pb8",
+        "sync:64:16:t50",
+    } <= set(cells)
+    assert len(cells) == len(bench.cost_grid()) == 20
+    assert cells["sync:64:16:pb8"].prompt_peak and not cells["sync:64:16:p8"].prompt_peak
     assert not {c.name for c in bench.grid(quick=True)} & {
         n for n, c in cells.items() if c.prompting is not None or c.timed
     }
@@ -63,9 +70,33 @@ def test_paced_prompts_prefill_a_few_tokens_every_step() -> None:
     assert all(q.num_computed_tokens - before[q.request_id] == 5 * 4 for q in long)
 
 
+def test_a_prompt_peak_cell_does_the_same_work_half_of_it_borrowed() -> None:
+    """pb cells: the paced prompts of a p cell, committed at half the pace
+    with a peak at the pace: the same chunks every step (so the same stock
+    base), about half of their tokens borrowed."""
+    w = bench.prompt_workload(16, 4, 2)
+    pol = bench.policy_for(w, prompts=True, prompt_peak=True)
+    assert all(pol.prompts.limit_for(u).excess is not None for u in w.prompting_users)
+    b = bench.build("sync", w.users, TINY, pol, bench.prompt_lengths(w))
+    b.run(5)  # warm-up: the 100 ms bursts spent, steady state from here
+    long = [q for q in b.sched.running if q.num_prompt_tokens == bench.LONG_PROMPT]
+    before = {q.request_id: q.num_computed_tokens for q in long}
+    lent = bench.prompt_borrowed(b)
+    counted = sum(m.prompt for m in b.sched.metrics.labels.values())
+    b.run(20)
+    assert b.median_scheduled() == 16
+    assert len(long) == 2 and all(q.is_prefill_chunk for q in long)
+    done = sum(q.num_computed_tokens - before[q.request_id] for q in long)
+    assert 2 * 20 * 4 - 4 <= done <= 2 * 20 * 4 + 4  # 400 tok/s in all, as in p cells
+    lent = bench.prompt_borrowed(b) - lent
+    assert sum(m.prompt for m in b.sched.metrics.labels.values()) - counted == done
+    assert 0.4 * done <= lent <= 0.6 * done, (lent, done)
+
+
 def test_measure_tiny_prompt_and_timed_cells() -> None:
     for cell, scheduled in (
         (bench.Cell("sync", 16, 4, 0.0, prompting=2), 16),
+        (bench.Cell("async", 16, 4, 0.0, prompting=2, prompt_peak=True), 16),
         (bench.Cell("async", 64, 16, 0.0, 0.5, timed=True), None),
     ):
         res = bench.measure(cell, TINY, copies=1)
