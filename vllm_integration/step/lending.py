@@ -34,7 +34,10 @@ spare capacity goes to the smallest counter, so over time users borrow in
 proportion to their committed rates. A user that starts borrowing is lifted
 to the smallest counter of those borrowing, and no counter stays more than
 `FAIR_WINDOW_S` above it: service is compared over a recent window, not
-forever.
+forever. Prompt borrowers (a prompt `peak`, prompts.py) share the step's
+spare prompt time the same way, by their own counter (`pserved`, seconds of
+the prompt rate): their running prefills reach it least served first
+(`prompt_order`).
 
 Plain Python over the scheduler's records (state.py): no vLLM import.
 """
@@ -127,6 +130,7 @@ class Lending:
         # What a step costs (steptime.py): borrowing spends only the step time
         # no committed user needs. None: slots and tokens alone bound it.
         self.cost: StepCost | None = None
+        self.prompts = False  # some rule has a prompt peak: prompt borrowers are ordered
 
     def __len__(self) -> int:
         return len(self.running)
@@ -192,8 +196,50 @@ class Lending:
             if timed < st.borrow_tokens:
                 st.borrow_tokens = timed
         if not borrowing:
-            return [r for r in running if not _held(r)] if committed < len(running) else running
-        return [r for r in running if r not in borrowing and not _held(r)] + list(borrowing)
+            out = [r for r in running if not _held(r)] if committed < len(running) else running
+        else:
+            out = [r for r in running if r not in borrowing and not _held(r)] + list(borrowing)
+        return self.prompt_order(out, users, step) if self.prompts else out
+
+    def prompt_order(
+        self, running: list[Request], users: list[UserState], step: int
+    ) -> list[Request]:
+        """`running` with the prefills of prompt borrowers (users whose prompt
+        budget fell short in the step before, prompts.py) after every other
+        committed request and before output borrowers, the user with the
+        least borrowed prompt service (`UserState.pserved`) first: stock's
+        running loop gives the step's spare prompt time
+        (`StepScratch.borrow_tokens`, or stock's token budget) in that order,
+        so over time prompt borrowers share it in proportion to their prompt
+        rates, not by whose request came first or whose prompt is longest;
+        under FCFS, KV preemption reaches them before any committed request.
+        No counter stays more than `FAIR_WINDOW_S` above the least, so a user
+        back after a pause is ahead by at most that. No lift (`_share`
+        lifts a user that starts borrowing): a prompt borrower whose chunks
+        the step served whole is still in the race, and lifting it would
+        forgive it the deficit it is catching up. Unchanged without a
+        prompt borrower."""
+        members = {u: None for u in users if u.pshort_step >= step - 1}
+        if not members:
+            return running
+        floor = min(u.pserved for u in members)
+        for u in members:
+            if u.pserved > floor + FAIR_WINDOW_S:
+                u.pserved = floor + FAIR_WINDOW_S
+        mine: list[Request] = []
+        rest: list[Request] = []
+        for r in running:
+            rs = r.__dict__.get(ATTR)
+            prefill = rs is not None and not rs.borrowing and rs.user in members
+            if prefill and r.num_computed_tokens < r.num_prompt_tokens:
+                mine.append(r)
+            else:
+                rest.append(r)
+        if not mine:
+            return running
+        mine.sort(key=lambda r: r.__dict__[ATTR].user.pserved)  # stable: oldest first within
+        tail = len(rest) - len(self.running)  # output borrowers: the list's end (`plan`)
+        return rest[:tail] + mine + rest[tail:]
 
     def _spare_us(
         self,

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sized
 from typing import TYPE_CHECKING, Protocol
 
-from outrate.budget.limiter import Bucket, Limiter
+from outrate.budget.limiter import Limiter
 from outrate.observe.metrics import Metrics
 from vllm_integration.step.recorder import StepRecorder
 from vllm_integration.step.state import (
@@ -135,12 +135,12 @@ class PromptPacer:
             else:
                 if lim.excess is not None:  # a prompt peak: the rest in spare time
                     u.pshort_step = step
-                    borrowed = self._borrow(pb, want - k, now)
+                    borrowed = self._borrow(u, want - k, now)
                     counted += borrowed
                 if counted < want:
                     self._blocked(u, now)
                     if not self.chunked and counted:  # the whole prompt or nothing
-                        self._give_back(pb, k, borrowed, now)
+                        self._give_back(u, k, borrowed, now)
                         k = counted = borrowed = 0
                     if not counted:
                         self._waits(rs)  # none of its next prompt positions this step
@@ -162,28 +162,38 @@ class PromptPacer:
             self.st.last_charge = request  # a refund candidate (state.py)
         return n
 
-    def _borrow(self, pb: Bucket, n: int, now: int) -> int:
-        """Up to `n` prompt tokens from the excess bucket of `pb` (its peak),
-        within the step time no committed user needs (`Lending.plan`'s
-        `borrow_tokens`, shared with output borrowers' chunks) when the step
-        has a time target; without one, within stock's token budget alone."""
+    def _borrow(self, u: UserState, n: int, now: int) -> int:
+        """Up to `n` prompt tokens from the excess bucket of `u`'s prompt
+        budget (its peak), within the step time no committed user needs
+        (`Lending.plan`'s `borrow_tokens`, shared with output borrowers'
+        chunks) when the step has a time target; without one, within stock's
+        token budget alone. Counted in `u.pserved` (seconds of its prompt
+        rate), the order prompt borrowers reach the spare time in
+        (`Lending.prompt_order`)."""
         st = self.st
         if st.borrow_timed and st.borrow_tokens < n:
             n = st.borrow_tokens
         if n <= 0:
             return 0
+        pb = u.pbucket
+        assert pb is not None
         k = self.table.borrow_upto(pb, now, n)
         if st.borrow_timed:
             st.borrow_tokens -= k
+        u.pserved += k * pb.limit.token_s
         return k
 
-    def _give_back(self, pb: Bucket, taken: int, borrowed: int, now: int) -> None:
-        """Return prompt tokens to the budget: `taken` to the committed bucket,
-        `borrowed` to the excess bucket and to this step's spare time."""
+    def _give_back(self, u: UserState, taken: int, borrowed: int, now: int) -> None:
+        """Return prompt tokens to `u`'s budget: `taken` to the committed
+        bucket, `borrowed` to the excess bucket, to this step's spare time
+        and off its borrowed service."""
+        pb = u.pbucket
+        assert pb is not None
         if taken:
             self.table.give_back(pb, now, taken)
         if borrowed:
             self.table.give_back_borrowed(pb, now, borrowed)
+            u.pserved -= borrowed * pb.limit.token_s
             if self.st.borrow_timed:
                 self.st.borrow_tokens += borrowed
 
@@ -201,8 +211,6 @@ class PromptPacer:
         if extra <= 0:
             return
         u = rs.user
-        pb = u.pbucket
-        assert pb is not None
         over = rs.prompt_counted - rs.prompt_taken - rs.prompt_borrowed
         if over > extra:
             over = extra
@@ -212,7 +220,7 @@ class PromptPacer:
         back = extra - over - lent
         if back > rs.prompt_taken:
             back = rs.prompt_taken
-        self._give_back(pb, back, lent, now)
+        self._give_back(u, back, lent, now)
         rs.prompt_taken -= back
         rs.prompt_borrowed -= lent
         rs.prompt_counted -= extra
@@ -227,9 +235,7 @@ class PromptPacer:
         if rs is None or rs.prompt_step != step:
             return
         u = rs.user
-        pb = u.pbucket
-        assert pb is not None
-        self._give_back(pb, rs.prompt_taken, rs.prompt_borrowed, now)
+        self._give_back(u, rs.prompt_taken, rs.prompt_borrowed, now)
         u.m.prompt -= rs.prompt_counted
         u.m.prompt_borrowed -= rs.prompt_borrowed
         # shadow: the ones over its limit

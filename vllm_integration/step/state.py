@@ -54,6 +54,7 @@ class UserState:
         "pbucket",
         "n_prompt_waiting",
         "pshort_step",
+        "pserved",
     )
 
     def __init__(self, key: str, bucket: Bucket, m: LabelMetrics) -> None:
@@ -80,6 +81,7 @@ class UserState:
         self.pbucket: Bucket | None = None  # its prompt budget (prompts.py), once pinned
         self.n_prompt_waiting = 0  # its requests waiting for prompt budget (a reload moves them)
         self.pshort_step = -2  # the last step its prompt budget fell short (lending.py)
+        self.pserved = 0.0  # borrowed prompt service, seconds of its prompt rate (prompts.py)
 
     def wakes_at(self, ready: int) -> bool:
         """Whether a wake-heap entry for `ready` is this user's live one."""
