@@ -1,5 +1,6 @@
 """`make test`'s runner: `make lint` and the suite in three lanes started at
-once, the last of which waits for the other two before its tests run.
+once, the last of which waits for the other two before its tests run; the
+first two share the tail of the paced tests.
 
 - **paced** (`-m "e2e and not beside and not quiet"`): the end-to-end tests
   that judge pacing on what an engine recorded. They start real servers one
@@ -11,6 +12,13 @@ once, the last of which waits for the other two before its tests run.
   whose judgments hold beside another engine's load (a server that starts,
   answers or refuses). The paced lane is the longer one, so lint here costs
   the run no wall time (before, it ran first, alone: ~50 s on a fresh clone).
+- **shared** (`SHARED`): the paced lane's modules that start servers of
+  their own (no session server, no order among them) are not in either
+  lane's first run: whichever lane is free first runs the next of them,
+  the longest first, each in its own pytest run with the paced selection
+  (work stealing: the two lanes end within a module of each other, however
+  the machine's speed and lint's cache split the rest). Not when the
+  arguments name test files or ids: those run as given.
 - **quiet** (`-m quiet`): the simulator against a real engine, judged
   against a step model fitted on this machine moments before: another lane
   beside them moves every step's length (tests/sim_drift.py). Its servers
@@ -38,6 +46,7 @@ import tempfile
 import threading
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -48,6 +57,17 @@ LANES: dict[str, list[str]] = {
 }
 BEFORE = {"beside": [os.environ.get("MAKE", "make"), "--no-print-directory", "lint"]}
 """Run in a lane before its tests: the lane's status is the first that failed."""
+SHARED = (
+    "tests/test_bench_gpu_check.py",
+    "tests/test_e2e_store.py",
+    "tests/test_e2e_store_outage.py",
+    "tests/test_e2e_store_cluster.py",
+    "tests/test_e2e_api_servers.py",
+)
+"""Paced modules either of the first two lanes runs, once its own tests are
+done: the longest first (seconds measured, docs/development.md)."""
+STEALS = ("paced", "beside")
+"""The lanes that take SHARED modules (the paced lane's selection leaves them out)."""
 GATED = "quiet"
 """The lane whose tests wait for every other lane to end (sim_servers.GATE_ENV)."""
 SHOWN_LIVE = ("paced",)
@@ -89,7 +109,7 @@ def busy_seconds() -> tuple[float, float]:
     return (sum(fields) - idle) / hz, sum(fields) / hz
 
 
-def run_lane(cmds: list[list[str]], log: Path | None, env: dict[str, str] | None = None) -> int:
+def run_lane(cmds: Iterable[list[str]], log: Path | None, env: dict[str, str] | None = None) -> int:
     """The lane's commands one after the other, whatever each returns; the
     first non-zero status, else 0 (pytest's NO_TESTS included)."""
     status = 0
@@ -104,6 +124,31 @@ def run_lane(cmds: list[list[str]], log: Path | None, env: dict[str, str] | None
     return status
 
 
+def shared_modules(args: list[str]) -> tuple[str, ...]:
+    """SHARED, unless the pytest arguments name test files or ids: then those
+    run as given, in the lanes' own runs (a module named would otherwise
+    run once more in a shared run)."""
+    named = any((REPO / a.split("::", 1)[0]).exists() for a in args if not a.startswith("-"))
+    return () if named else SHARED
+
+
+class Shared:
+    """The SHARED modules not yet taken: `take` hands the next to one lane."""
+
+    def __init__(self, modules: Iterable[str]) -> None:
+        self.left = list(modules)
+        self.lock = threading.Lock()
+        self.taken: dict[str, str] = {}  # module -> the lane that ran it
+
+    def take(self, lane: str) -> str | None:
+        with self.lock:
+            if not self.left:
+                return None
+            module = self.left.pop(0)
+            self.taken[module] = lane
+            return module
+
+
 def main(args: list[str]) -> int:
     out = Path(tempfile.mkdtemp(prefix="outrate-lanes-"))
     gate = out / "quiet-gate"
@@ -112,15 +157,27 @@ def main(args: list[str]) -> int:
     ended: dict[str, tuple[int, float]] = {}
     logs = {name: out / f"{name}.log" for name in LANES if name not in SHOWN_LIVE}
 
+    shared = Shared(shared_modules(args))
+    skip = [f"--ignore={m}" for m in shared.left]
+
     def lane(name: str) -> None:
-        pytest = [sys.executable, "-m", "pytest", "-q", *LANES[name]]
-        cmds = [[*pytest, f"--junitxml={out / name}.xml", *args]]
+        pytest = [sys.executable, "-m", "pytest", "-q"]
+        mine = skip if name == "paced" else []
+        cmds: list[list[str]] = [[*pytest, *LANES[name], *mine, f"--junitxml={out / name}.xml"]]
+        cmds[0] += args
         if name in BEFORE:
             cmds.insert(0, BEFORE[name])
         env = {**os.environ, **LANE_ENV.get(name, {})}
         if name == GATED:
             env["OUTRATE_QUIET_GATE"] = str(gate)
-        ended[name] = (run_lane(cmds, logs.get(name), env), time.monotonic() - started)
+
+        def steals() -> Iterator[list[str]]:
+            yield from cmds
+            while name in STEALS and (module := shared.take(name)) is not None:
+                xml = out / f"{name}-{Path(module).stem}.xml"
+                yield [*pytest, *LANES["paced"], module, f"--junitxml={xml}", *args]
+
+        ended[name] = (run_lane(steals(), logs.get(name), env), time.monotonic() - started)
 
     threads = {name: threading.Thread(target=lane, args=(name,)) for name in LANES}
     for t in threads.values():
@@ -137,9 +194,15 @@ def main(args: list[str]) -> int:
     passed = failed = skipped = 0
     for name, (code, seconds) in ended.items():
         p, f, s = counts(out / f"{name}.xml")
+        for module, by in shared.taken.items():
+            if by == name:
+                q, g, k = counts(out / f"{name}-{Path(module).stem}.xml")
+                p, f, s = p + q, f + g, s + k
         passed, failed, skipped = passed + p, failed + f, skipped + s
         alone = f" ({seconds - opened:.0f} s alone, after the others)" if name == GATED else ""
-        print(f"lane {name}: exit {code}, {seconds:.0f} s{alone}, {p} passed, {f} failed")
+        took = [Path(m).stem for m, by in shared.taken.items() if by == name]
+        also = f" (with {', '.join(took)})" if took else ""
+        print(f"lane {name}: exit {code}, {seconds:.0f} s{alone}, {p} passed, {f} failed{also}")
     busy1, all1 = busy_seconds()
     print(
         f"all lanes: {time.monotonic() - started:.0f} s; the machine's {os.cpu_count()} "

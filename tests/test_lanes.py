@@ -1,0 +1,57 @@
+"""tests/lanes.py, `make test`'s runner: the shared tail of the paced tests
+goes to one lane each, the longest first, and every lane's results count."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import lanes  # noqa: E402
+
+
+def test_each_shared_module_goes_to_exactly_one_lane_in_order() -> None:
+    shared = lanes.Shared(lanes.SHARED)
+    got: dict[str, list[str]] = {"paced": [], "beside": []}
+    barrier = threading.Barrier(2)
+
+    def lane(name: str) -> None:
+        barrier.wait()
+        while (m := shared.take(name)) is not None:
+            got[name].append(m)
+
+    threads = [threading.Thread(target=lane, args=(n,)) for n in got]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(got["paced"] + got["beside"]) == sorted(lanes.SHARED)
+    for name, mods in got.items():  # each lane took them in the list's order
+        assert mods == [m for m in lanes.SHARED if m in mods]
+        assert all(shared.taken[m] == name for m in mods)
+    assert shared.take("paced") is None
+
+
+def test_the_shared_modules_are_paced_end_to_end_tests_that_exist() -> None:
+    root = Path(lanes.REPO)
+    for m in lanes.SHARED:
+        text = (root / m).read_text()
+        assert "e2e" in text and "pytest.mark.beside" not in text and "mark.quiet" not in text, m
+
+
+def test_arguments_naming_tests_run_as_given() -> None:
+    assert lanes.shared_modules([]) == lanes.SHARED
+    assert lanes.shared_modules(["-x", "-k", "store"]) == lanes.SHARED
+    assert lanes.shared_modules(["tests/test_e2e_store.py"]) == ()
+    assert lanes.shared_modules(["tests/test_e2e.py::test_x", "-x"]) == ()
+
+
+def test_counts_read_a_lanes_junit_file(tmp_path: Path) -> None:
+    xml = tmp_path / "a.xml"
+    xml.write_text(
+        '<testsuites><testsuite tests="5" failures="1" errors="1" skipped="1"/></testsuites>'
+    )
+    assert lanes.counts(xml) == (2, 2, 1)
+    assert lanes.counts(tmp_path / "missing.xml") == (0, 0, 0)
