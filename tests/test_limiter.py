@@ -912,6 +912,25 @@ def test_borrowed_tokens_come_from_the_excess_bucket_alone():
     assert not flat.can_borrow(flat.pin("u"), now) and not flat.borrow(flat.pin("u"), now)
 
 
+def test_borrow_ready_at_is_when_the_excess_bucket_lends_again():
+    """`borrow_ready_at` is `ready_at` for the excess bucket: `now` while it
+    lends, else the first instant `can_borrow` says yes; None without a peak."""
+    t = limiter_for(Limit(20, 100_000_000, peak=100))  # excess: 80 tok/s
+    b = t.pin("u")
+    now = 10 * NS_PER_S
+    assert t.borrow_ready_at(b, now) == now
+    while t.borrow(b, now):
+        pass
+    ready = t.borrow_ready_at(b, now)
+    assert ready is not None and now < ready <= now + NS_PER_S // 80
+    assert not t.can_borrow(b, ready - 1) and t.can_borrow(b, ready)
+    assert t.ready_at(b, now) == now  # the committed bucket: untouched, its own time
+    flat = limiter_for(Limit(20, 100_000_000))
+    assert flat.borrow_ready_at(flat.pin("u"), now) is None
+    free = limiter_for(Limit(20, 100_000_000, peak="unlimited"))
+    assert free.borrow_ready_at(free.pin("u"), now) == now
+
+
 def test_an_unlimited_peak_borrows_without_a_cap():
     t = limiter_for(Limit(20, 100_000_000, peak="unlimited"))
     b = t.pin("u")

@@ -218,3 +218,31 @@ def test_prompt_borrowers_share_the_spare_time_by_service_not_by_prompt_length(k
           f"trudy {t.prompt} ({t.prompt_borrowed} borrowed)")  # fmt: skip
     assert m.prompt_borrowed > 0 and t.prompt_borrowed > 0
     assert 0.7 <= m.prompt / t.prompt <= 1.4
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_idle_wait_ends_when_the_peak_lends_again(kind):
+    """A prompt longer than both buckets hold: committed 10 tok/s (ready
+    again in ~100 ms, so the wait would be capped at 50 ms) under a peak of
+    1,010 (the excess bucket refills a token a millisecond). Once both are
+    spent the engine idles only until the excess bucket lends again, and
+    the prompt goes on then."""
+    text = "version: 1\ndefault: unlimited\nusers:\n"
+    text += "  a: {rate: 100, prompt: {rate: 10, burst: 1s, peak: 1010}}\n"
+    clock = FakeClock()
+    s = make_scheduler(kind, compile_policy(parse_policy(text, "t.yaml"), "t.yaml"), clock)
+    d = Driver(s, clock, step_ns=0)
+    r = d.add(make_request("a", prompt_len=4000, max_tokens=1))
+    for _ in range(6):  # both bursts spent, at one instant
+        if not d.step().num_scheduled_tokens:
+            break
+    else:
+        raise AssertionError("the prompt was never paced")
+    assert 0 < r.num_computed_tokens < 4000
+    pb = s.prompt_table.pin("a")
+    committed = s.prompt_table.ready_at(pb, clock.now) - clock.now
+    wait = s.outrate_idle_wait_ns()
+    assert committed >= 50 * MS  # the committed bucket alone: the 50 ms cap
+    assert 0 < wait == s.prompt_table.borrow_ready_at(pb, clock.now) - clock.now <= 2 * MS
+    clock.advance(wait)
+    assert d.step().num_scheduled_tokens.get(r.request_id)  # lent again: the prompt goes on

@@ -388,6 +388,19 @@ class Limiter:
             return ALL
         return gcra(b.etat, now * ex.scale, ex.interval, ex.tolerance, ALL)[0]
 
+    def borrow_ready_at(self, b: Bucket, now: int) -> int | None:
+        """Earliest time (ns) at which a borrow from `b`'s excess bucket
+        succeeds; `now` if one does now; None without a peak. (`ready_at`
+        for the excess bucket: whether there is spare capacity to borrow is
+        the scheduler's question.)"""
+        ex = self._excess(b, now)
+        if ex is None:
+            return None
+        if not ex.scale:
+            return now
+        t = _ceil_div(b.etat - ex.tolerance, ex.scale)
+        return t if t > now else now
+
     def borrow(self, b: Bucket, now: int) -> bool:
         """Take one borrowed token from the excess bucket alone: the committed
         bucket is not touched, so borrowing leaves it no debt."""

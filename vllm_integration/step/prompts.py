@@ -297,9 +297,15 @@ class PromptPacer:
                 end_prompt_wait(rs)
 
     def _blocked(self, u: UserState, now: int) -> None:
-        """The engine's idle wait ends by the time `u` has prompt budget again."""
+        """The engine's idle wait ends by the time `u` has prompt budget
+        again: committed, or under a prompt peak borrowed, whichever comes
+        first (the excess bucket refills at `peak - rate`, often sooner)."""
         st = self.st
-        assert u.pbucket is not None
-        ready = self.table.ready_at(u.pbucket, now)
+        pb = u.pbucket
+        assert pb is not None
+        ready = self.table.ready_at(pb, now)
+        lent = self.table.borrow_ready_at(pb, now)
+        if lent is not None and lent < ready:
+            ready = lent
         if st.blocked_ready == 0 or ready < st.blocked_ready:
             st.blocked_ready = ready
