@@ -1,0 +1,27 @@
+"""tests/e2e_support.py's judge of pacing: `gcra_allowed`, what an exact GCRA
+limiter grants at the step times an engine recorded (no server here)."""
+
+from __future__ import annotations
+
+from e2e_support import gcra_allowed
+
+MS = 1_000_000
+
+
+def test_even_steps_give_the_limit_and_the_burst() -> None:
+    times = [i * MS for i in range(1001)]  # 1 s of 1 ms steps
+    assert gcra_allowed(times, 100, 100 * MS, 1) == 100 + 11  # 1 s at 100 tok/s, then the burst
+
+
+def test_a_stall_past_the_burst_loses_the_tokens_past_it() -> None:
+    even = [i * MS for i in range(1001)]
+    stalled = [t for t in even if not 400 * MS < t < 700 * MS]  # 300 ms without a step
+    lost = gcra_allowed(even, 100, 100 * MS, 1) - gcra_allowed(stalled, 100, 100 * MS, 1)
+    assert lost == 30 - 11  # 300 ms of 100 tok/s, less the burst (11) it refilled
+
+
+def test_a_token_a_stream_a_step() -> None:
+    times = [i * 10 * MS for i in range(101)]  # 100 steps/s for 1 s
+    assert gcra_allowed(times, 1000, 100 * MS, 1) == 101  # the steps bound it, not the limit
+    assert gcra_allowed(times, 1000, 100 * MS, 4) == 404
+    assert gcra_allowed([], 100, 100 * MS, 1) == 0
