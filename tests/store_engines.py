@@ -11,10 +11,13 @@ the same lease thread."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from redis.connection import AbstractConnection
 from vllm_harness import Driver, make_request, make_scheduler
 
 from outrate.budget.limiter import Limiter
@@ -89,7 +92,11 @@ class Engine:
         self.sched.outrate_trace(self.rec)
         self.driver = Driver(self.sched)
         self.slowest_ns = 0
-        """The longest scheduler step `run` saw (a step that waited on the store shows here)."""
+        """The longest scheduler step `run` saw (printed: a machine's stall shows here too)."""
+        self.store_calls_in_steps = 0
+        """Connections opened and commands sent to the store from inside this
+        engine's scheduler steps during `run`: 0 when no step waits on the
+        store (only the lease thread talks to it)."""
 
     def start(self) -> Engine:
         self.runner.start()
@@ -108,6 +115,34 @@ class Engine:
             d.add(make_request(user, prompt_len=prompt_len, max_tokens=1))
 
 
+_stepping = threading.local()
+"""The engine whose step `run` is in, on the stepping thread (None elsewhere)."""
+
+
+@contextlib.contextmanager
+def _store_calls_counted() -> Iterator[None]:
+    """While open, every redis-py connection opened or command sent from
+    inside an engine's step counts in its `store_calls_in_steps`."""
+    saved = {n: getattr(AbstractConnection, n) for n in ("connect", "send_packed_command")}
+
+    def watch(original: Callable[..., Any]) -> Callable[..., Any]:
+        def watched(self: Any, *args: Any, **kw: Any) -> Any:
+            e = getattr(_stepping, "engine", None)
+            if e is not None:
+                e.store_calls_in_steps += 1
+            return original(self, *args, **kw)
+
+        return watched
+
+    for name, original in saved.items():
+        setattr(AbstractConnection, name, watch(original))
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(AbstractConnection, name, original)
+
+
 def run(
     engines: list[Engine],
     seconds: float,
@@ -117,26 +152,31 @@ def run(
     """Step every engine every `gap_s` for `seconds`; at each (t, action) run
     the action (in a thread: a failover takes seconds, steps go on). Returns
     when each action started (monotonic ns), by its function's name, and
-    records each engine's slowest step (`Engine.slowest_ns`)."""
-    import threading
+    records each engine's slowest step (`Engine.slowest_ns`) and the store
+    calls its steps made (`Engine.store_calls_in_steps`)."""
 
     marks: dict[str, int] = {}
     t0 = time.monotonic()
     pending = sorted(events, key=lambda e: e[0])
     threads = []
     until = t0 + seconds
-    while time.monotonic() < until:
-        while pending and time.monotonic() - t0 >= pending[0][0]:
-            _, action = pending.pop(0)
-            marks[action.__name__] = time.monotonic_ns()
-            th = threading.Thread(target=action, daemon=True)
-            th.start()
-            threads.append(th)
-        for e in engines:
-            t = time.perf_counter_ns()
-            e.driver.step()
-            e.slowest_ns = max(e.slowest_ns, time.perf_counter_ns() - t)
-        time.sleep(gap_s)
+    with _store_calls_counted():
+        while time.monotonic() < until:
+            while pending and time.monotonic() - t0 >= pending[0][0]:
+                _, action = pending.pop(0)
+                marks[action.__name__] = time.monotonic_ns()
+                th = threading.Thread(target=action, daemon=True)
+                th.start()
+                threads.append(th)
+            for e in engines:
+                t = time.perf_counter_ns()
+                _stepping.engine = e
+                try:
+                    e.driver.step()
+                finally:
+                    _stepping.engine = None
+                e.slowest_ns = max(e.slowest_ns, time.perf_counter_ns() - t)
+            time.sleep(gap_s)
     for th in threads:
         th.join(timeout=30)
     return marks
