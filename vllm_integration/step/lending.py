@@ -130,7 +130,7 @@ class Lending:
         # What a step costs (steptime.py): borrowing spends only the step time
         # no committed user needs. None: slots and tokens alone bound it.
         self.cost: StepCost | None = None
-        self.prompts = False  # some rule has a prompt peak: prompt borrowers are ordered
+        self.prompt_peaks = False  # some rule has a prompt peak: prompt borrowers are ordered
 
     def __len__(self) -> int:
         return len(self.running)
@@ -199,7 +199,7 @@ class Lending:
             out = [r for r in running if not _held(r)] if committed < len(running) else running
         else:
             out = [r for r in running if r not in borrowing and not _held(r)] + list(borrowing)
-        return self.prompt_order(out, users, step) if self.prompts else out
+        return self.prompt_order(out, users, step) if self.prompt_peaks else out
 
     def prompt_order(
         self, running: list[Request], users: list[UserState], step: int

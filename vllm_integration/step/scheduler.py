@@ -196,7 +196,7 @@ class OutrateMixin:
         """Lending runs while some rule has a peak (lending.py). A prompt
         peak plans every step: any running prefill may borrow (prompts.py)."""
         prompt = [lim.prompt for lim in policy.all_limits() if lim.prompt is not None]
-        self._plends = self.lending.prompts = lends(prompt)
+        self._plends = self.lending.prompt_peaks = lends(prompt)
         self._lends = self._plends or lends(policy.all_limits())
 
     def _pace_prompts(self, policy: CompiledPolicy) -> None:
