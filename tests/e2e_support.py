@@ -16,6 +16,7 @@ from build_tiny_model import build
 from loadgen import Stream, max_window_excess, run_concurrently, token_times, user_rate
 from serverproc import ServerProcess, cpu_server_env, outrate_serve_argv
 
+from outrate.budget.gcra import Limit, gcra
 from outrate.observe.trace import (
     engine_rate,
     largest_gap_s,
@@ -259,18 +260,12 @@ def gcra_allowed(times_ns: list[int], limit: float, burst_ns: int, per_step: int
     """Tokens a GCRA limit (`limit` tok/s, `burst_ns`: `limit x burst + 1` at
     once) grants at these step times to a user that always wants more, at
     most `per_step` a step (a token a stream), its bucket full at the first:
-    what an exact limiter gives on those steps, stalls included (a stall
-    longer than the burst loses the tokens past it, under any limiter)."""
-    interval = 1e9 / limit
-    tat = float(times_ns[0]) if times_ns else 0.0
-    n = 0
+    what the limiter's own `gcra()` gives on those steps, stalls included (a
+    stall longer than the burst loses the tokens past it, under any limiter)."""
+    lim = Limit(limit, burst_ns)
+    tat = n = 0
     for t in times_ns:
-        if tat < t:
-            tat = float(t)
-        k = 0
-        while k < per_step and tat <= t + burst_ns:
-            tat += interval
-            k += 1
+        k, tat = gcra(tat, t * lim.scale, lim.interval, lim.tolerance, per_step)
         n += k
     return n
 
