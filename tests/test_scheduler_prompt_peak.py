@@ -39,17 +39,25 @@ BOB_AT_NS = 300 * MS
 """bob comes this long (virtual) into the flood: past a few of its steps."""
 
 
+def costed_driver(kind, text: str, **kw) -> Driver:
+    """A scheduler under the policy `text` (CFG, with `kw` over it) on
+    test_scheduler_steptime's costed clock, fitting its step cost from the
+    prior, in a driver."""
+    pol = compile_policy(parse_policy(text, "t.yaml"), "t.yaml")
+    clock = FakeClock()
+    sched = make_scheduler(kind, pol, clock, step_model=Prior(), **{**CFG, **kw})
+    return Driver(sched, clock, step_cost=costed())
+
+
 def flood(kind, mallory: str, bob: bool = False, seconds: float = 6.0, timed=True, **kw):
     """mallory's flood for `seconds` of virtual time (with bob's one
     300-token stream from BOB_AT_NS on where `bob`); returns the driver."""
     text = f"version: 1\ndefault: unlimited\nburst: 100ms\nusers:\n  mallory: {mallory}\n"
     text += "  bob: 100\n  eve: {rate: 1, prompt: 1}\n"  # eve, never here: prompts counted
-    pol = compile_policy(parse_policy(text, "flood.yaml"), "flood.yaml")
-    clock = FakeClock()
-    sched = make_scheduler(kind, pol, clock, step_model=Prior(), **{**CFG, **kw})
+    d = costed_driver(kind, text, **kw)
+    clock = d.clock
     if not timed:
-        sched.lending.cost = None  # slots and tokens alone bound borrowing
-    d = Driver(sched, clock, step_cost=costed())
+        d.sched.lending.cost = None  # slots and tokens alone bound borrowing
     start = clock.now
     live: list[str] = []
     bob_in = not bob
@@ -107,12 +115,7 @@ def test_a_prompt_borrower_leaves_a_committed_user_his_rate(kind):
 
 
 def _bob_alone(kind) -> Driver:
-    pol = compile_policy(
-        parse_policy("version: 1\ndefault: unlimited\nusers:\n  bob: 100\n", "b.yaml"), "b.yaml"
-    )
-    clock = FakeClock()
-    d = Driver(make_scheduler(kind, pol, clock, step_model=Prior(), **CFG), clock,
-               step_cost=costed())  # fmt: skip
+    d = costed_driver(kind, "version: 1\ndefault: unlimited\nusers:\n  bob: 100\n")
     d.add(make_request("bob", prompt_len=8, max_tokens=300))
     d.run_until_done()
     return d
@@ -188,13 +191,10 @@ def two_floods(kind, seconds: float = 4.0) -> Driver:
     rule = "{rate: 20, prompt: {rate: 500, peak: unlimited}}"
     text = f"version: 1\ndefault: unlimited\nburst: 100ms\nusers:\n  mallory: {rule}\n"
     text += f"  trudy: {rule}\n"
-    pol = compile_policy(parse_policy(text, "two.yaml"), "two.yaml")
-    clock = FakeClock()
-    d = Driver(make_scheduler(kind, pol, clock, step_model=Prior(), **CFG), clock,
-               step_cost=costed())  # fmt: skip
+    d = costed_driver(kind, text)
     live: dict[str, list[str]] = {"mallory": [], "trudy": []}
-    start = clock.now
-    while clock.now - start < seconds * S:
+    start = d.clock.now
+    while d.clock.now - start < seconds * S:
         for user, n in (("mallory", PROMPT), ("trudy", 300)):
             live[user] = [r for r in live[user] if r not in d.finished]
             while len(live[user]) < 6:

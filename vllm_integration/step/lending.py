@@ -112,6 +112,12 @@ def _held(r: Any) -> bool:
     return rs is not None and rs.held
 
 
+def _prompt_borrows(u: UserState, step: int) -> bool:
+    """Whether `u` borrows prompt tokens now: under a prompt peak its prompt
+    budget fell short of what it asked in the step before (prompts.py)."""
+    return u.pshort_step >= step - 1
+
+
 def lends(limits: Iterable[Limit]) -> bool:
     """Whether any of these limits has a peak (the scheduler lends only then)."""
     return any(lim.excess is not None and not lim.shadow for lim in limits)
@@ -219,7 +225,7 @@ class Lending:
         the step served whole is still in the race, and lifting it would
         forgive it the deficit it is catching up. Unchanged without a
         prompt borrower."""
-        members = {u: None for u in users if u.pshort_step >= step - 1}
+        members = {u: None for u in users if _prompt_borrows(u, step)}
         if not members:
             return running
         floor = min(u.pserved for u in members)
@@ -275,7 +281,7 @@ class Lending:
         """Whether `u` borrows now: output tokens (a request running on spare
         capacity), or prompt tokens under a prompt peak (its prompt budget
         fell short of what it asked in the step before: prompts.py)."""
-        return bool(u.n_borrowing) or u.pshort_step >= step - 1
+        return bool(u.n_borrowing) or _prompt_borrows(u, step)
 
     def cut(self, n: int) -> int:
         """A running borrower's prefill chunk of `n` tokens, cut to the prompt
