@@ -31,11 +31,23 @@ from outrate.simulate.workload import Workload, load_workload  # noqa: E402
 
 NAMES = ("e2e-agree", "oos-hog", "oos-interactive", "oos-mix")
 Line = dict[str, Any]
-TERMS: dict[str, Callable[[Line], float]] = {
-    "released": lambda r: sum(r.get("released", {}).values()),
-    "running": lambda r: r.get("running", 0),
-    "held": lambda r: sum(r.get("held", {}).values()),
-    "arrived": lambda r: sum(r.get("arrived", {}).values()),
+Term = Callable[[dict[int, Line], int], float]
+"""A per-step term: the trace's steps by number, and the step's number."""
+
+
+def _woke(steps: dict[int, Line], n: int) -> float:
+    """1 for a step after one that ran nothing (the engine waited: a step
+    that schedules nothing has no line, or one with only `held`)."""
+    before = steps.get(n - 1)
+    return float(before is None or not (before.get("charged") or before.get("prompt")))
+
+
+TERMS: dict[str, Term] = {
+    "released": lambda s, n: sum(s[n].get("released", {}).values()),
+    "running": lambda s, n: s[n].get("running", 0),
+    "held": lambda s, n: sum(s[n].get("held", {}).values()),
+    "arrived": lambda s, n: sum(s[n].get("arrived", {}).values()),
+    "woke": _woke,
 }
 
 
@@ -65,7 +77,7 @@ def segments(lines: list[Line]) -> list[tuple[str, list[Line]]]:
     return [(k, s) for k, s in out if (s[-1]["t"] - s[0]["t"]) > 10e9]  # probes are 5 s
 
 
-def rows(seg: list[Line], w: Workload, term: Callable[[Line], float]) -> np.ndarray:
+def rows(seg: list[Line], w: Workload, term: Term) -> np.ndarray:
     """[1, D, P, term, measured us] per step, idle gaps left out."""
     steps = {r["step"]: r for r in seg}
     means = prompt_means_of(w)
@@ -74,14 +86,25 @@ def rows(seg: list[Line], w: Workload, term: Callable[[Line], float]) -> np.ndar
         if n + 1 not in steps or not r.get("charged"):
             continue
         near = {k: steps[k] for k in (n - 1, n, n + 1) if k in steps}
-        d, p, y = _samples(near, means)[-1]  # step n's (n + 1 has no next here)
-        out.append([1.0, d, p, term(r), y])
+        d, p, _, y = _samples(near, means)[-1]  # step n's (n + 1 has no next here)
+        out.append([1.0, d, p, term(steps, n), y])
     a = np.array(out)
     return a[a[:, 4] <= IDLE_FACTOR * statistics.median(a[:, 4])]
 
 
 def error(coef: np.ndarray, a: np.ndarray, k: int) -> float:
     return float((a[:, :k] @ coef).sum() / a[:, 4].sum() - 1)
+
+
+def pinned_on(base: np.ndarray, a: np.ndarray) -> tuple[float, float]:
+    """The term's cost fitted on a case's own residuals (the calibration's
+    three coefficients kept), and the case's error with it: what the term
+    could explain were the calibration able to pin it (in sample: an upper
+    bound on what it buys)."""
+    residual = a[:, 4] - a[:, :3] @ base
+    t = a[:, 3]
+    k = float(residual @ t / (t @ t)) if (t @ t) > 0 else 0.0
+    return k, error(np.append(base, k), a, 4)
 
 
 def main(paths: list[str]) -> int:
@@ -109,9 +132,11 @@ def main(paths: list[str]) -> int:
             for k, s in segs:
                 if k != "e2e-agree":
                     a = rows(s, workloads[k], term)
+                    cost, pinned = pinned_on(base, a)
                     cases.append(
                         f"{k} {error(base, a, 3):+.0%} -> {error(more, a, 4):+.0%}"
-                        f" ({a[:, 3].mean():.2f} a step)"
+                        f" ({a[:, 3].mean():.2f} a step; pinned on the case {cost:.0f} us"
+                        f" each -> {pinned:+.0%})"
                     )
             print(
                 f"  + {name}: {more[3]:.0f} us each (calibration {c[:, 3].mean():.2f} a step); "

@@ -106,6 +106,7 @@ def at_measured_length(model: StepModel, error: float) -> StepModel:
         fixed_us=model.fixed_us * k,
         per_decode_us=model.per_decode_us * k,
         per_prefill_us=model.per_prefill_us * k,
+        wake_us=model.wake_us * k,
     )
 
 

@@ -13,7 +13,7 @@ pytest.importorskip("vllm")
 
 from outrate.observe.trace import read_trace  # noqa: E402
 from outrate.simulate.engine import EngineSpec, engine_from_flags  # noqa: E402
-from outrate.simulate.stepmodel import StepModel, calibrate  # noqa: E402
+from outrate.simulate.stepmodel import StepModel, calibrate, time_error  # noqa: E402
 from outrate.simulate.workload import parse_workload  # noqa: E402
 from vllm_integration.offline.simulator import simulate  # noqa: E402
 
@@ -144,6 +144,31 @@ def test_calibration_recovers_the_model_from_the_schedulers_own_trace(tmp_path):
     assert m.turnaround_us < 20_000  # the simulator has none: a few steps of noise
     without = calibrate(read_trace(trace))
     assert without.model.per_prefill_us == StepModel().per_prefill_us and not without.prefill_fitted
+
+
+def test_the_wake_cost_after_an_idle_step_is_simulated_and_recovered(tmp_path):
+    """A throttled user leaves the engine idle between its tokens: the step
+    after each wait costs `wake_us` more in the simulator, and calibrating
+    on the simulator's trace finds that cost (and the rest) again. Without
+    the term, a model of the same trace is short by the wake steps' share."""
+    truth = StepModel(fixed_us=3000, per_decode_us=200, per_prefill_us=15, wake_us=2000)
+    w = workload(
+        "  a: {streams: 2, think: {exponential: 1s}, prompt: 300,"
+        " output: {uniform: [20, 200]}}\n"
+        "  slow: {streams: 3, prompt: 50, output: 100}\n",
+        duration="10s",
+    )
+    pol = policy(tmp_path, "users:\n  slow: 40\n")
+    trace = tmp_path / "trace.jsonl"
+    simulate(w, engine("--max-num-seqs", "16"), pol, truth, trace=trace)
+    cal = calibrate(read_trace(trace), w)
+    m = cal.model
+    assert abs(m.wake_us - 2000) < 300, cal.describe()
+    assert abs(m.fixed_us - 3000) < 300, cal.describe()
+    assert abs(m.per_decode_us - 200) < 30, cal.describe()
+    no_wake = StepModel(fixed_us=3000, per_decode_us=200, per_prefill_us=15)
+    assert time_error(no_wake, read_trace(trace), w) < -0.04, cal.describe()
+    assert abs(time_error(truth, read_trace(trace), w)) < 0.02
 
 
 def test_a_turnaround_delays_each_streams_next_request(tmp_path):

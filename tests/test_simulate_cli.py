@@ -161,6 +161,7 @@ def test_a_fit_never_goes_negative():
     [
         ("{", "invalid JSON"),
         ('{"fixed_us": -1}', "fixed_us: must be a number >= 0"),
+        ('{"wake_us": true}', "wake_us: must be a number >= 0"),
         ('{"fixd_us": 1}', "unknown key 'fixd_us'"),
         ("[1]", "expected a JSON object"),
     ],

@@ -223,7 +223,10 @@ def calibrate_metrics(
         f"turnaround kept ({base.turnaround_us:g}us): /metrics cannot show it "
         "(calibrate --trace with the workload fits it)"
     )
-    kept_costs = [f"turnaround kept ({base.turnaround_us:g}us: /metrics cannot show it)"]
+    kept_costs = [
+        f"turnaround kept ({base.turnaround_us:g}us: /metrics cannot show it)",
+        f"wake cost kept ({base.wake_us:g}us: /metrics cannot show idle steps)",
+    ]
     kept_costs += [
         f"{name} kept ({base_of[col]:g}us: its count never varied)"
         for col, name in ((1, "per-decode cost"), (2, "prompt cost"))
@@ -234,6 +237,7 @@ def calibrate_metrics(
         per_decode_us=round(coef[1], 3),
         per_prefill_us=round(coef[2], 3),
         turnaround_us=base.turnaround_us,
+        wake_us=base.wake_us,
         source=f"calibrated from {source}",
     )
     fit = (

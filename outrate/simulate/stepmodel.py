@@ -5,6 +5,14 @@ The model is linear, as a step's cost is to first order:
 
     step = fixed + per_decode x (requests decoding one token)
                  + per_prefill x (prompt tokens computed)
+                 + wake, for the first step after the engine waited
+
+The wake cost is what an engine pays to start again after a step that ran
+nothing (outrate's idle wait for a throttled user's budget, or no request
+at all): on vLLM's CPU platform here 1.5-2.4 ms on a ~2.6 ms step, the
+worker and its threads back from sleep (docs/simulate.md, "Out of
+sample"). A workload whose users are throttled pays it on a third or more
+of its steps; one that keeps the engine busy almost never.
 
 The defaults are rough figures for an 8B model in bf16 on one H100-class GPU
 (7 ms a step, 40 us more per sequence decoding, 60 us per prompt token:
@@ -42,6 +50,8 @@ STEP_MODEL_FILE = FileLimit("a step model", MIB)
 """A model is a few numbers and a line of provenance."""
 IDLE_FACTOR = 10
 """A gap longer than this many median steps is the engine waiting, not a step."""
+MIN_WOKE = 5
+"""Steps after an idle one needed to fit the wake cost (fewer: it is kept)."""
 
 
 @dataclass(frozen=True)
@@ -53,18 +63,25 @@ class StepModel:
     """A closed-loop stream's next request reaches the scheduler this long after
     its last token, beyond its think time: the API server and the client, both
     ways (`calibrate` measures it; 0 by default)."""
+    wake_us: float = 0.0
+    """Added to the first step after one that ran nothing (`calibrate` fits
+    it from such steps, where the trace has MIN_WOKE of them; 0 by default)."""
     source: str = "defaults"
     fit: str = ""
     """How it was fitted, one line (`calibrate` writes it into the model file)."""
 
-    def step_ns(self, decode: int, prefill: int) -> int:
+    def step_ns(self, decode: int, prefill: int, woke: bool = False) -> int:
+        """A step's length: `woke`, the first after one that ran nothing."""
         us = self.fixed_us + self.per_decode_us * decode + self.per_prefill_us * prefill
+        if woke:
+            us += self.wake_us
         return max(int(us * 1000), 1)
 
     def describe(self) -> str:
+        wake = f" + {self.wake_us:g}us after an idle step" if self.wake_us else ""
         return (
             f"step = {self.fixed_us:g}us + {self.per_decode_us:g}us/decode "
-            f"+ {self.per_prefill_us:g}us/prompt token; turnaround "
+            f"+ {self.per_prefill_us:g}us/prompt token{wake}; turnaround "
             f"{self.turnaround_us:g}us ({self.source})"
         )
 
@@ -95,7 +112,7 @@ def load_step_model(path: str | os.PathLike[str]) -> StepModel:
     data = data.get("model", data) if isinstance(data, dict) else data
     if not isinstance(data, dict):
         raise OutrateError(f"{source}: expected a JSON object with fixed_us, per_decode_us, ...")
-    known = {"fixed_us", "per_decode_us", "per_prefill_us", "turnaround_us"}
+    known = {"fixed_us", "per_decode_us", "per_prefill_us", "turnaround_us", "wake_us"}
     fit = data.get("fit", "")
     if not isinstance(fit, str):
         raise OutrateError(f"{source}: fit: must be a string (got {fit!r})")
@@ -211,10 +228,9 @@ def calibrate(
     samples = _samples(steps, prompt_means, traced)
     if len(samples) < 10:
         raise OutrateError(f"{source}: fewer than 10 consecutive steps with tokens: nothing to fit")
-    median = statistics.median(s[2] for s in samples)
-    kept = [s for s in samples if s[2] <= IDLE_FACTOR * median]
-    rows = [[1.0, d, p] for d, p, _ in kept]
-    ys = [s[2] for s in kept]
+    kept = _busy(samples)
+    rows = [[1.0, d, p, float(w)] for d, p, w, _ in kept]
+    ys = [s[3] for s in kept]
     fitted = prompt_means is not None or traced
     fixed = {} if fitted else {2: base.per_prefill_us}
     notes = []
@@ -232,6 +248,13 @@ def calibrate(
         if col not in fixed and len({r[col] for r in rows}) < 2:
             fixed[col] = base_of[col]  # constant: not separable from the fixed part
             notes.append(f"the {what} count never varied: its cost is kept")
+    woke = sum(s[2] for s in kept)
+    if woke < MIN_WOKE:
+        fixed[3] = base.wake_us
+        notes.append(
+            f"{woke} steps after an idle one (fewer than {MIN_WOKE}): "
+            f"wake cost kept ({base.wake_us:g}us)"
+        )
     coef = _fit(rows, ys, fixed)
     mean = statistics.fmean(ys)
     predicted = [sum(c * x for c, x in zip(coef, r, strict=True)) for r in rows]
@@ -250,6 +273,7 @@ def calibrate(
         per_decode_us=round(coef[1], 3),
         per_prefill_us=round(coef[2], 3),
         turnaround_us=round(turnaround, 1),
+        wake_us=round(coef[3], 3),
         source=f"calibrated from {source}",
     )
     result = Calibration(
@@ -268,8 +292,16 @@ def calibrate(
     return replace(result, model=replace(model, fit=result.fit_line(source)))
 
 
-Sample = tuple[float, float, float]
-"""(requests decoding, prompt tokens, step length in us)."""
+Sample = tuple[float, float, bool, float]
+"""(requests decoding, prompt tokens, whether the step follows one that ran
+nothing, step length in us)."""
+
+
+def _busy(samples: list[Sample]) -> list[Sample]:
+    """The samples but those the engine idled after (longer than IDLE_FACTOR
+    x the median step)."""
+    median = statistics.median(s[3] for s in samples)
+    return [s for s in samples if s[3] <= IDLE_FACTOR * median]
 
 
 def traces_prompts(lines: Iterable[dict[str, Any]]) -> bool:
@@ -286,15 +318,27 @@ def _samples(
 ) -> list[Sample]:
     """A sample per traced step followed by the next one (its length).
     `traced`: the prompt tokens are the step's own `prompt` counts, and its
-    requests decoding those charged less its first tokens (`first`)."""
+    requests decoding those charged less its first tokens (`first`). A step
+    follows one that ran nothing (woke) when the step before it has no line
+    (nothing to say: it scheduled nothing), or a line without tokens (only
+    held requests), or came more than IDLE_FACTOR x the median step before
+    it (the engine waited for a request)."""
     default_prompt = statistics.fmean(prompt_means.values()) if prompt_means else 0.0
+
+    def ran(rec: dict[str, Any] | None) -> bool:
+        return rec is not None and bool(rec.get("charged") or (traced and rec.get("prompt")))
+
+    gaps = [steps[n + 1]["t"] - r["t"] for n, r in steps.items() if ran(r) and n + 1 in steps]
+    idle_ns = IDLE_FACTOR * statistics.median(gaps) if gaps else 0
     samples: list[Sample] = []
     for number, rec in steps.items():
         nxt = steps.get(number + 1)
         charged: dict[str, int] = rec.get("charged", {})
         prompt: dict[str, int] = rec.get("prompt", {})
-        if nxt is None or not (charged or (traced and prompt)):
+        if nxt is None or not ran(rec):
             continue
+        last = steps.get(number - 1)
+        woke = last is None or not ran(last) or rec["t"] - last["t"] > idle_ns
         refunded: dict[str, int] = rec.get("refunded", {})
         released: dict[str, int] = rec.get("released", {})
         before: dict[str, int] = steps.get(number - 1, {}).get("charged", {})
@@ -310,7 +354,7 @@ def _samples(
             started = sum(rec.get("first", {}).values())
         elif prompt_means is not None:
             prefill = sum(k * prompt_means.get(u, default_prompt) for u, k in new.items())
-        samples.append((n - started, prefill, (nxt["t"] - rec["t"]) / 1000))
+        samples.append((n - started, prefill, woke, (nxt["t"] - rec["t"]) / 1000))
     return samples
 
 
@@ -325,26 +369,25 @@ def time_error(model: StepModel, lines: Iterable[dict[str, Any]], workload: Work
     samples = _samples(steps, prompt_means_of(workload), traces_prompts(steps.values()))
     if not samples:
         return 0.0
-    median = statistics.median(s[2] for s in samples)
-    kept = [s for s in samples if s[2] <= IDLE_FACTOR * median]
-    measured = sum(s[2] for s in kept)
-    modelled = sum(model.step_ns(int(d), int(p)) / 1000 for d, p, _ in kept)
+    kept = _busy(samples)
+    measured = sum(s[3] for s in kept)
+    modelled = sum(model.step_ns(int(d), int(p), w) / 1000 for d, p, w, _ in kept)
     return (modelled - measured) / measured if measured > 0 else 0.0
 
 
 def decode_step_us(lines: Iterable[dict[str, Any]], workload: Workload) -> dict[int, list[float]]:
     """Per number of requests decoding, the lengths (us) of a trace's steps
-    that computed no prompt, idle gaps left out as `calibrate` does. Two
-    runs on one machine share such steps whatever their workloads, so their
-    lengths compared say how the machine moved without asking any model."""
+    that computed no prompt and did not follow an idle one, idle gaps left
+    out as `calibrate` does. Two runs on one machine share such steps
+    whatever their workloads, so their lengths compared say how the machine
+    moved without asking any model."""
     steps = {r["step"]: r for r in lines if "step" in r and "t" in r}
     samples = _samples(steps, prompt_means_of(workload), traces_prompts(steps.values()))
     if not samples:
         return {}
-    median = statistics.median(s[2] for s in samples)
     out: dict[int, list[float]] = {}
-    for decoding, prefill, us in samples:
-        if prefill == 0 and us <= IDLE_FACTOR * median:
+    for decoding, prefill, woke, us in _busy(samples):
+        if prefill == 0 and not woke:
             out.setdefault(int(decoding), []).append(us)
     return out
 

@@ -17,7 +17,8 @@ does). A step that schedules nothing waits like the engine: on outrate's
 idle wait (`outrate_idle_wait_ns`, until the earliest throttled user is
 ready, at most 50 ms), or 1 ms when requests exist that no throttling
 explains (vLLM's own loop), or until the next arrival when idle. Any new
-arrival ends a wait at once, as a request on the input queue does.
+arrival ends a wait at once, as a request on the input queue does. The
+first step after such a wait adds the model's wake cost (`wake_us`).
 
 The model directory is only a `config.json` (no weights, no tokenizer):
 the scheduler needs the model's length, nothing else.
@@ -281,6 +282,7 @@ class Simulation:
         behind = 1 if self.engine.async_scheduling else 0
         report_at = started + PROGRESS_EVERY_S
         n = 0
+        woke = True  # the engine starts from idle
         while clock.now < end:
             n += 1
             if progress is not None and n % 256 == 0 and time.perf_counter() >= report_at:
@@ -299,10 +301,12 @@ class Simulation:
                 wake = self._idle_until(now, end)
                 self.rec.step(now, wake - now, 0, kvm.usage, held, len(sched.waiting), False)
                 clock.now = wake
+                woke = True
                 continue
             requests = sched.requests
             decode = self._count_prompts(scheduled, requests, now)
-            dt = model.step_ns(decode, out.total_num_scheduled_tokens - decode)
+            dt = model.step_ns(decode, out.total_num_scheduled_tokens - decode, woke)
+            woke = False
             samplers = [r for r in scheduled if not requests[r].is_prefill_chunk]
             pending.append((out, samplers))
             clock.now = now + dt
