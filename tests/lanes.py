@@ -19,12 +19,14 @@ first two share the tail of the paced tests.
   (work stealing: the two lanes end within a module of each other, however
   the machine's speed and lint's cache split the rest). Not when the
   arguments name test files or ids: those run as given.
-- **quiet** (`-m quiet`): the simulator against a real engine, judged
+- **quiet** (`-m quiet -rP`): the simulator against a real engine, judged
   against a step model fitted on this machine moments before: another lane
   beside them moves every step's length (tests/sim_drift.py). Its servers
   start with the other lanes (tests/sim_servers.py); its tests wait until
   both have ended (the file OUTRATE_QUIET_GATE names appears), then run
-  alone.
+  alone. Their printed figures (the step model's error on each case, each
+  user's tok/s and first tokens, engine and simulated) are shown for the
+  tests that pass too (`-rP`): a run's log says what it measured.
 
 The paced lane prints as it goes; the others' output is kept in files and
 printed when they end. Each lane ends with its seconds per module
@@ -53,7 +55,7 @@ REPO = Path(__file__).resolve().parent.parent
 LANES: dict[str, list[str]] = {
     "beside": ["-m", "not e2e or beside"],
     "paced": ["-m", "e2e and not beside and not quiet"],
-    "quiet": ["-m", "quiet"],
+    "quiet": ["-m", "quiet", "-rP"],
 }
 BEFORE = {"beside": [os.environ.get("MAKE", "make"), "--no-print-directory", "lint"]}
 """Run in a lane before its tests: the lane's status is the first that failed."""

@@ -9,10 +9,11 @@ The model is linear, as a step's cost is to first order:
 
 The wake cost is what an engine pays to start again after a step that ran
 nothing (outrate's idle wait for a throttled user's budget, or no request
-at all): on vLLM's CPU platform here 1.5-2.4 ms on a ~2.6 ms step, the
-worker and its threads back from sleep (docs/simulate.md, "Out of
-sample"). A workload whose users are throttled pays it on a third or more
-of its steps; one that keeps the engine busy almost never.
+at all): on vLLM's CPU platform here ~2 ms on a ~2.5 ms step after a wait
+of 16-32 ms, less after a shorter one (one figure here, fitted where the
+trace waits: docs/simulate.md, "Out of sample"). A workload whose users
+are throttled pays it on a fifth or more of its steps; one that keeps the
+engine busy almost never.
 
 The defaults are rough figures for an 8B model in bf16 on one H100-class GPU
 (7 ms a step, 40 us more per sequence decoding, 60 us per prompt token:
