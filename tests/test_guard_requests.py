@@ -157,3 +157,30 @@ def test_a_request_waits_once_for_shared_credit_on_its_way(policy_gate):
     status, _, reached = _through_guard(_body("dave"))
     assert (status, reached, asked) == (200, _body("dave"), ["dave", "dave"])
     assert isinstance(gate.requests.admit(gate.policy, "dave"), Admission)
+
+
+@pytest.mark.parametrize(
+    ("path", "error"),
+    [("/v1/completions", "insufficient_quota"), ("/v1/messages", "rate_limit_error")],
+)
+def test_a_spent_quota_is_refused_in_the_routes_shape(policy_gate, tmp_path, path, error):
+    """A user whose quota the engine's file says is spent gets a 429 before
+    any route runs: OpenAI's `insufficient_quota`, Anthropic's
+    `rate_limit_error` on `/v1/messages`, the message naming the quota, and
+    Retry-After up to the window's reset."""
+    from outrate.budget.quota import window_bounds
+    from outrate.contract.quotas import QuotaView
+
+    now = 1_700_000_000.0
+    start, end = window_bounds("day", now)
+    usage = tmp_path / "quota.json"
+    usage.write_text(json.dumps({"version": 1, "users": {"eve": {"output/day": [start, 12]}}}))
+    gate = policy_gate(POLICY + "  eve: {rate: 100, quota: {output: 10/day}}\n")
+    gate.quotas = QuotaView(str(usage), clock=lambda: now)
+    status, response, reached = _through_guard(_body("eve"), path)
+    assert (status, reached) == (429, None)
+    body = json.loads(response)
+    assert body["error"]["type" if error == "rate_limit_error" else "code"] == error
+    assert "quota" in body["error"]["message"]
+    assert int(_fields()[b"retry-after"]) == end - int(now)
+    assert _through_guard(_body("bob"), path)[0] == 200  # bob has no quota

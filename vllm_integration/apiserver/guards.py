@@ -210,26 +210,16 @@ async def _too_many(
     admission: Admission,
     quotas: list[QuotaLeft],
 ) -> None:
-    """429 in OpenAI's shape (Anthropic's on `/v1/messages`), with Retry-After
-    and the limits."""
-    from starlette.responses import JSONResponse
-
-    message = refusal_message(admission)
-    body: dict[str, Any]
-    if str(scope.get("path", "")).startswith(_ANTHROPIC_PREFIX):
-        body = {"type": "error", "error": {"type": "rate_limit_error", "message": message}}
-    else:
-        body = {
-            "error": {
-                "message": message,
-                "type": "requests",
-                "param": None,
-                "code": "rate_limit_exceeded",
-            }
+    """429 over the user's request rate, with Retry-After and the limits."""
+    body = {
+        "error": {
+            "message": refusal_message(admission),
+            "type": "requests",
+            "param": None,
+            "code": "rate_limit_exceeded",
         }
-    response = JSONResponse(body, status_code=HTTPStatus.TOO_MANY_REQUESTS)
-    response.raw_headers += refusal_headers(style, rule, admission, quotas)
-    await response(scope, receive, send)
+    }
+    await _send_429(scope, receive, send, body, refusal_headers(style, rule, admission, quotas))
 
 
 async def _quota_spent(
@@ -242,18 +232,28 @@ async def _quota_spent(
     spent: Spent,
     quotas: list[QuotaLeft],
 ) -> None:
-    """429 `insufficient_quota` (OpenAI's shape; Anthropic's on `/v1/messages`),
-    with Retry-After up to the spent window's reset."""
+    """429 `insufficient_quota`, with Retry-After up to the spent window's reset."""
+    refused = admission._replace(retry_after_ns=math.ceil(spent.reset_s * NS_PER_S))
+    headers = refusal_headers(style, rule, refused, quotas)
+    await _send_429(scope, receive, send, quota_body(spent), headers)
+
+
+async def _send_429(
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    body: dict[str, Any],
+    headers: list[tuple[bytes, bytes]],
+) -> None:
+    """A 429 with `body` in OpenAI's shape, or Anthropic's on `/v1/messages`
+    (its message kept), and the header fields."""
     from starlette.responses import JSONResponse
 
-    body = quota_body(spent)
     if str(scope.get("path", "")).startswith(_ANTHROPIC_PREFIX):
         message = body["error"]["message"]
         body = {"type": "error", "error": {"type": "rate_limit_error", "message": message}}
-    reset_ns = math.ceil(spent.reset_s * NS_PER_S)
-    refused = admission._replace(retry_after_ns=reset_ns)
     response = JSONResponse(body, status_code=HTTPStatus.TOO_MANY_REQUESTS)
-    response.raw_headers += refusal_headers(style, rule, refused, quotas)
+    response.raw_headers += headers
     await response(scope, receive, send)
 
 
