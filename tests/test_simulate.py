@@ -198,3 +198,15 @@ def test_a_long_run_reports_progress_and_ctrl_c_keeps_what_was_simulated(tmp_pat
     from outrate.simulate.report import format_run
 
     assert "== PARTIAL: stopped at" in format_run(result)
+
+
+def test_a_trace_where_every_step_follows_a_wait_keeps_the_wake_cost(tmp_path):
+    """One throttled user alone: every step that ran follows one that held
+    it, so the wake cost cannot be told from the fixed cost; the fit keeps
+    it (and says so) instead of failing on a singular system."""
+    truth = StepModel(fixed_us=3000, per_decode_us=200, per_prefill_us=15, wake_us=2000)
+    w = workload("  slow: {streams: 2, prompt: 50, output: 100}\n", duration="10s")
+    trace = tmp_path / "trace.jsonl"
+    simulate(w, engine(), policy(tmp_path, "users:\n  slow: 20\n"), truth, trace=trace)
+    cal = calibrate(read_trace(trace), w)
+    assert cal.model.wake_us == 0 and "wake cost kept" in cal.describe(), cal.describe()

@@ -52,7 +52,8 @@ STEP_MODEL_FILE = FileLimit("a step model", MIB)
 IDLE_FACTOR = 10
 """A gap longer than this many median steps is the engine waiting, not a step."""
 MIN_WOKE = 5
-"""Steps after an idle one needed to fit the wake cost (fewer: it is kept)."""
+"""Steps after an idle one, and steps not after one, needed to fit the wake
+cost (fewer of either: it is kept)."""
 
 
 @dataclass(frozen=True)
@@ -250,10 +251,11 @@ def calibrate(
             fixed[col] = base_of[col]  # constant: not separable from the fixed part
             notes.append(f"the {what} count never varied: its cost is kept")
     woke = sum(s[2] for s in kept)
-    if woke < MIN_WOKE:
+    if min(woke, len(kept) - woke) < MIN_WOKE:  # too few either way: not separable
         fixed[3] = base.wake_us
         notes.append(
-            f"{woke} steps after an idle one (fewer than {MIN_WOKE}): "
+            f"{woke} of {len(kept)} steps after an idle one (fewer than {MIN_WOKE} "
+            f"{'with' if woke < MIN_WOKE else 'without'} a wait): "
             f"wake cost kept ({base.wake_us:g}us)"
         )
     coef = _fit(rows, ys, fixed)
