@@ -90,9 +90,10 @@ CARRY_BOUND = 0.10
 CARRY_REASON = (
     "the step model fitted on e2e-agree.yaml and e2e-idle.yaml misjudges the step "
     "length of a workload it never saw by up to ~10-30% (quiet runs here, "
-    "2026-12-04: oos-hog -10.4%, -3.7%, +3.6%, -25.2%, -9.6%; oos-interactive "
-    "+13.3%, -9.5%, +31.7%, -0.7%, +15.9%; oos-mix -11.0%, -10.3%, -0.9%, +4.1%, "
-    "+11.1%; all three within 10% in another run), against -21% to -33% before "
+    "2026-12-04: oos-hog -10.4%, -3.7%, +3.6%, -25.2%, -9.6%, -9.2%; oos-interactive "
+    "+13.3%, -9.5%, +31.7%, -0.7%, +15.9%, -10.9%; oos-mix -11.0%, -10.3%, -0.9%, "
+    "+4.1%, +11.1%, -7.9%; all three within 10% in another run), against -21% to "
+    "-33% before "
     "the wake cost after an idle "
     "step; that cost grows with the idle's length (+0.1-0.4 ms after 1-4 ms, "
     "~1.9 ms after 16-32 ms) and the model charges it flat, which over-charges "
