@@ -128,6 +128,13 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _due(tat: int, ahead: int, scale: int, now: int) -> int:
+    """Earliest time (ns), `now` at the soonest, at which a TAT is at most
+    `ahead` in front of the clock (`gcra()`'s test solved for the time)."""
+    t = _ceil_div(tat - ahead, scale)
+    return t if t > now else now
+
+
 def _carried(tat: int, old: Limit | None, new: Limit | None, at: int) -> int:
     """A TAT under `old` as one under `new`: the debt at `at`, in tokens."""
     if old is not None and new is not None:
@@ -313,9 +320,7 @@ class Limiter:
         lim = b.limit
         if not lim.scale:
             return now
-        t = _ceil_div(b.tat - lim.tolerance, lim.scale)
-        if t < now:
-            t = now
+        t = _due(b.tat, lim.tolerance, lim.scale, now)
         a, lender = b.credit, self.lender
         if self._spend and a is not None and lender is not None:
             if a.granted - a.spent - a.released <= 0:
@@ -329,10 +334,7 @@ class Limiter:
         if b.gen != self._gen:
             self._refresh(b, now)
         lim = b.limit
-        if not lim.scale:
-            return now
-        t = _ceil_div(b.tat, lim.scale)
-        return t if t > now else now
+        return _due(b.tat, 0, lim.scale, now) if lim.scale else now
 
     def waits_for_credit(self, b: Bucket, now: int) -> bool:
         """A take at `now` fails only for want of credit: the local GCRA
@@ -396,10 +398,7 @@ class Limiter:
         ex = self._excess(b, now)
         if ex is None:
             return None
-        if not ex.scale:
-            return now
-        t = _ceil_div(b.etat - ex.tolerance, ex.scale)
-        return t if t > now else now
+        return _due(b.etat, ex.tolerance, ex.scale, now) if ex.scale else now
 
     def borrow(self, b: Bucket, now: int) -> bool:
         """Take one borrowed token from the excess bucket alone: the committed

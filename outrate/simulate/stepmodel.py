@@ -344,7 +344,7 @@ def _samples(
         woke = last is None or not ran(last) or rec["t"] - last["t"] > idle_ns
         refunded: dict[str, int] = rec.get("refunded", {})
         released: dict[str, int] = rec.get("released", {})
-        before: dict[str, int] = steps.get(number - 1, {}).get("charged", {})
+        before: dict[str, int] = last.get("charged", {}) if last is not None else {}
         n = sum(charged.values()) - sum(refunded.values())
         new = {
             u: max(0, k - refunded.get(u, 0) - before.get(u, 0) - released.get(u, 0))
