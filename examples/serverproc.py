@@ -10,9 +10,11 @@ Pieces: :func:`cpu_server_env` (environment for a small, offline CPU server
 on 2 cores), :func:`tiny_model_flags` (engine flags for the tiny model, shared
 by every launcher), :func:`stock_vllm_argv` + :func:`stock_vllm_env` (stock
 vLLM with only outrate's CPU fixes) and :class:`ServerProcess`. Measured on the 2-core CPU
-machine with vLLM 0.32.0: ready in ~30 s (three processes each import torch
-and vLLM), ~200-480 tokens/s for one stream depending on load, RSS about
-620 MiB API server + 600 MiB engine core + 900 MiB worker.
+machine with vLLM 0.32.0: ready in ~16 s (two processes each import torch
+and vLLM: the API server, and the engine core, which runs the model; ~25 s
+with the CPU default's third process, a model worker), ~200-480 tokens/s for
+one stream depending on load, RSS about 620 MiB API server + 920 MiB engine
+core.
 
 Linux only (reads /proc), as is vLLM's CPU backend.
 """
@@ -64,6 +66,14 @@ CPU_SERVER_ENV: dict[str, str] = {
     # nothing for ~7 s, then every token at once. Sleep 100 us instead
     # (vllm_integration/startup/cpu_spin.py; applied where the outrate plugin loads).
     "OUTRATE_SHM_SPIN_SLEEP_US": "100",
+    # The model runs in the engine-core process (vLLM's "uni" executor), as
+    # it does on a GPU with one device, instead of a third process that
+    # imports torch and vLLM once more: a start takes ~9 s and ~6 CPU s less
+    # here (docs/development.md, "Test time"). vLLM's CPU platform picks its
+    # "mp" executor while this is 1, its default; the scheduler, the API
+    # server and outrate are the same either way. test_tiny_model keeps one
+    # stock server on the CPU default (three processes).
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
 
 # Dropped from the inherited environment: VLLM_CPU_KVCACHE_SPACE (GiB) silently

@@ -319,7 +319,7 @@ def test_a_slow_store_never_blocks_the_scheduler(tmp_path):
             calls += 1
         assert runner.up is False and runner.metrics.errors >= 1
         took = time.monotonic() - t0_s
-        print(f"{calls} takes in {took:.1f} s while Redis was frozen, slowest {slowest / 1e3:.0f} us")
+        print(f"{calls} takes in {took:.1f} s with Redis frozen, slowest {slowest / 1e3:.0f} us")
         # A take that waited on the store (a lock held across the round trip,
         # say) would wait out its timeout: a few calls, each >= 500 ms. The
         # slowest one is only reported beside it: a loaded 2-core machine stalled

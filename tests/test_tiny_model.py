@@ -211,15 +211,20 @@ def test_stock_vllm_serves_tiny_model(tmp_path: Path) -> None:
     began = time.monotonic()
     model = build_tiny_model.build()
     build_s = time.monotonic() - began
+    # vLLM's CPU default, three processes (the model in a worker of its
+    # own), where every other test server runs the model in the engine core
+    # (serverproc.CPU_SERVER_ENV): the layout a CPU user gets is served too.
     server = ServerProcess(
         stock_vllm_argv(model),
-        env=stock_vllm_env(),
+        env=stock_vllm_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}),
         log_path=tmp_path / "vllm.log",
         name="stock-vllm",
     )
     with server.start(timeout_s=240, progress=print):
         pids = server.all_pids()
         assert server.engine_core_pids(), server.log_tail()
+        names = [process_name(p) for p in pids]
+        assert any("Worker" in n for n in names), names
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
 
         arrivals: list[float] = []
