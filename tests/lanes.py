@@ -73,16 +73,6 @@ STEALS = ("paced", "beside")
 GATED = "quiet"
 """The lane whose tests wait for every other lane to end (sim_servers.GATE_ENV)."""
 SHOWN_LIVE = ("paced",)
-LANE_ENV = {
-    "paced": {"VLLM_CPU_OMP_THREADS_BIND": "0"},
-    "beside": {"VLLM_CPU_OMP_THREADS_BIND": "1"},
-}
-"""Each lane's servers run their model worker on a core of its own
-(serverproc.cpu_server_env keeps the variable): vLLM's "auto" puts every
-server's worker on core 0, so the two lanes' engines queued on one core
-while the other idled (the cores were busy 71-73% of a run). The quiet
-lane runs alone: "auto". Tests that bind their servers themselves (the
-store's, one engine a core) keep theirs."""
 NO_TESTS = 5  # pytest's exit status when a selection collected nothing
 
 
@@ -169,7 +159,7 @@ def main(args: list[str]) -> int:
         cmds[0] += args
         if name in BEFORE:
             cmds.insert(0, BEFORE[name])
-        env = {**os.environ, **LANE_ENV.get(name, {})}
+        env = dict(os.environ)
         if name == GATED:
             env["OUTRATE_QUIET_GATE"] = str(gate)
 

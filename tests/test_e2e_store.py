@@ -31,7 +31,7 @@ from build_tiny_model import build  # noqa: E402
 from e2e_support import REPO, assert_complete, start_together  # noqa: E402
 from loadgen import run_concurrently  # noqa: E402
 from redis_support import RedisServer  # noqa: E402
-from serverproc import ServerProcess, cpu_server_env, outrate_serve_argv  # noqa: E402
+from serverproc import ServerProcess, cpu_server_env, outrate_serve_argv, worker_env  # noqa: E402
 
 from outrate.budget.shared.credit import LEASE_INTERVAL_S  # noqa: E402
 from outrate.budget.shared.lease import ENGINES_KEY  # noqa: E402
@@ -124,15 +124,13 @@ def replicas_up(root: Path):
     servers = [
         ServerProcess(
             a,
-            env=cpu_server_env({"VLLM_CPU_OMP_THREADS_BIND": "0"}),
+            env=cpu_server_env(worker_env("0")),
             log_path=root / "server-a.log",
             name="a",
         ),
         ServerProcess(
             b,
-            env=cpu_server_env(
-                {"OUTRATE_STORE_PASSWORD": PASSWORD, "VLLM_CPU_OMP_THREADS_BIND": "1|0"}
-            ),
+            env=cpu_server_env({"OUTRATE_STORE_PASSWORD": PASSWORD, **worker_env("1|0")}),
             log_path=root / "server-b.log",
             name="b-dp2",
         ),

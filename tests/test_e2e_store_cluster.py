@@ -35,7 +35,7 @@ from build_tiny_model import build  # noqa: E402
 from e2e_support import REPO, assert_complete, start_together  # noqa: E402
 from loadgen import run_concurrently  # noqa: E402
 from redis_cluster_support import Cluster  # noqa: E402
-from serverproc import ServerProcess, cpu_server_env, outrate_serve_argv  # noqa: E402
+from serverproc import ServerProcess, cpu_server_env, outrate_serve_argv, worker_env  # noqa: E402
 
 from outrate.budget.shared.credit import LEASE_INTERVAL_S  # noqa: E402
 from outrate.budget.shared.lease import GROUP_SLOTS, group_of  # noqa: E402
@@ -88,7 +88,7 @@ def deployment_up(root: Path):
             "--outrate-quota-file",
             str(root / f"quota-{i}.json"),
         )
-        env = cpu_server_env({"VLLM_CPU_OMP_THREADS_BIND": core})
+        env = cpu_server_env(worker_env(core))
         servers.append(
             ServerProcess(argv, env=env, log_path=root / f"server-{i}.log", name=f"c{i}")
         )

@@ -25,6 +25,7 @@ from serverproc import (
     process_name,
     stock_vllm_argv,
     stock_vllm_env,
+    worker_env,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
@@ -211,12 +212,12 @@ def test_stock_vllm_serves_tiny_model(tmp_path: Path) -> None:
     began = time.monotonic()
     model = build_tiny_model.build()
     build_s = time.monotonic() - began
-    # vLLM's CPU default, three processes (the model in a worker of its
-    # own), where every other test server runs the model in the engine core
-    # (serverproc.CPU_SERVER_ENV): the layout a CPU user gets is served too.
+    # vLLM's CPU default, three processes (the model in a worker of its own,
+    # bound by "auto"), where most test servers run the model in the engine
+    # core (serverproc.CPU_SERVER_ENV): the layout a CPU user gets is served too.
     server = ServerProcess(
         stock_vllm_argv(model),
-        env=stock_vllm_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}),
+        env=stock_vllm_env(worker_env("auto")),
         log_path=tmp_path / "vllm.log",
         name="stock-vllm",
     )
