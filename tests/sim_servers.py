@@ -88,8 +88,7 @@ def _start(config: pytest.Config, specs: dict[str, SimServer]) -> dict[str, obje
             "--enable-per-request-metrics",
         )  # fmt: skip
         # vLLM's CPU default, the model in a worker: the layout the step
-        # model's terms were found on (the wake cost after an idle step fitted
-        # 0.4-2.8 ms there; 0.18 ms in one run with the model in the engine core).
+        # model's terms were found and measured on (docs/simulate.md).
         env = cpu_server_env(worker_env("auto"))
         proc = ServerProcess(argv, env=env, log_path=d / "server.log", name=name.rsplit(".", 1)[-1])
         proc.policy_path, proc.trace_path = policy, trace
