@@ -10,11 +10,11 @@ Pieces: :func:`cpu_server_env` (environment for a small, offline CPU server
 on 2 cores), :func:`tiny_model_flags` (engine flags for the tiny model, shared
 by every launcher), :func:`stock_vllm_argv` + :func:`stock_vllm_env` (stock
 vLLM with only outrate's CPU fixes) and :class:`ServerProcess`. Measured on the 2-core CPU
-machine with vLLM 0.32.0: ready in ~16 s (two processes each import torch
-and vLLM: the API server, and the engine core, which runs the model; ~25 s
-with the CPU default's third process, a model worker), ~200-480 tokens/s for
-one stream depending on load, RSS about 620 MiB API server + 920 MiB engine
-core.
+machine with vLLM 0.32.0: ready in ~15 s (two processes each import torch
+and vLLM: the API server, and the engine core, which runs the model; ~22 s
+with the CPU default's third process, a model worker), 655 tokens/s for one
+stream of 256 tokens on an idle machine and 557 beside a busy loop (461 and
+370 with the worker), RSS about 620 MiB API server + 900 MiB engine core.
 
 Linux only (reads /proc), as is vLLM's CPU backend.
 """
