@@ -1,17 +1,25 @@
-"""`make test`'s runner: `make lint` and the suite in three lanes started at
-once, the last of which waits for the other two before its tests run; the
+"""`make test`'s runner: `make lint` and the suite in four lanes started at
+once, the last of which waits for the other three before its tests run; the
 first two share the tail of the paced tests.
 
 - **paced** (`-m "e2e and not beside and not quiet"`): the end-to-end tests
   that judge pacing on what an engine recorded. They start real servers one
   module after another and run in order, as they always did; they hold
   beside one core's worth of other work (docs/development.md, "Test time").
-- **beside** (`make lint`, then `-m "not e2e or beside"`): the linters,
-  every test that needs no server (the scheduler on fabricated outputs, the
-  limiter's properties, the CLI), and the end-to-end tests marked `beside`,
-  whose judgments hold beside another engine's load (a server that starts,
-  answers or refuses). The paced lane is the longer one, so lint here costs
-  the run no wall time (before, it ran first, alone: ~50 s on a fresh clone).
+- **beside** (`make lint`, then `-m "(not e2e or beside) and not waits and
+  not quiet"`): the linters, every test that needs no server (the scheduler
+  on fabricated outputs, the limiter's properties, the CLI), and the
+  end-to-end tests marked `beside`, whose judgments hold beside another
+  engine's load (a server that starts, answers or refuses). The paced lane
+  is the longer one, so lint here costs the run no wall time (before, it
+  ran first, alone: ~50 s on a fresh clone).
+- **waits** (the same selection's modules marked `waits`): the modules that
+  mostly wait on real time (a store's timeouts and outages, a lease's
+  heartbeat, a policy file's watcher) on a tenth of a core or less, and hold
+  beside both cores busy. In the beside lane they kept a core's lane for
+  ~165 s of waiting; beside it they take what the other lanes leave idle.
+  A module that does more than wait (a server, a scheduler loop run for its
+  own sake) does not belong here: it would take from the paced lane's core.
 - **shared** (`SHARED`): the paced lane's modules that start servers of
   their own (no session server, no order among them) are not in either
   lane's first run: whichever lane is free first runs the next of them,
@@ -23,7 +31,7 @@ first two share the tail of the paced tests.
   against a step model fitted on this machine moments before: another lane
   beside them moves every step's length (tests/sim_drift.py). Its servers
   start with the other lanes (tests/sim_servers.py); its tests wait until
-  both have ended (the file OUTRATE_QUIET_GATE names appears), then run
+  all three have ended (the file OUTRATE_QUIET_GATE names appears), then run
   alone. Their printed figures (the step model's error on each case, each
   user's tok/s and first tokens, engine and simulated) are shown for the
   tests that pass too (`-rP`): a run's log says what it measured.
@@ -53,10 +61,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 LANES: dict[str, list[str]] = {
-    "beside": ["-m", "not e2e or beside"],
+    "beside": ["-m", "(not e2e or beside) and not waits and not quiet"],
+    "waits": ["-m", "waits and (not e2e or beside) and not quiet"],
     "paced": ["-m", "e2e and not beside and not quiet"],
     "quiet": ["-m", "quiet", "-rP"],
 }
+"""Each lane's marker expression: every test is in exactly one, whatever its
+markers (tests/test_lanes.py)."""
 BEFORE = {"beside": [os.environ.get("MAKE", "make"), "--no-print-directory", "lint"]}
 """Run in a lane before its tests: the lane's status is the first that failed."""
 SHARED = (
@@ -66,7 +77,7 @@ SHARED = (
     "tests/test_e2e_store_cluster.py",
     "tests/test_e2e_api_servers.py",
 )
-"""Paced modules either of the first two lanes runs, once its own tests are
+"""Paced modules the paced or the beside lane runs, once its own tests are
 done: the longest first (seconds measured, docs/development.md)."""
 STEALS = ("paced", "beside")
 """The lanes that take SHARED modules (the paced lane's selection leaves them out)."""

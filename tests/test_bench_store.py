@@ -15,6 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import bench_store as bench  # noqa: E402
 from redis_support import RedisServer  # noqa: E402
 
+pytestmark = pytest.mark.waits  # make test's waits lane (tests/lanes.py)
+
 
 def test_bench_store_parts_run(tmp_path):
     server = RedisServer(tmp_path).start()

@@ -55,3 +55,41 @@ def test_counts_read_a_lanes_junit_file(tmp_path: Path) -> None:
     )
     assert lanes.counts(xml) == (2, 2, 1)
     assert lanes.counts(tmp_path / "missing.xml") == (0, 0, 0)
+
+
+def test_every_test_is_in_exactly_one_lane_whatever_its_markers() -> None:
+    """The lanes' `-m` expressions, evaluated for every combination of the
+    markers they read: one lane each (a test in none would never run; in
+    two, it would run twice, beside itself)."""
+    names = sorted(
+        {
+            w
+            for args in lanes.LANES.values()
+            for w in args[1].replace("(", " ").replace(")", " ").split()
+        }
+        - {"and", "or", "not"}
+    )
+    assert names == ["beside", "e2e", "quiet", "waits"]
+    for bits in range(2 ** len(names)):
+        marks = {n: bool(bits >> i & 1) for i, n in enumerate(names)}
+        chosen = [lane for lane, args in lanes.LANES.items() if eval(args[1], {}, marks)]
+        assert len(chosen) == 1, (marks, chosen)
+
+
+def test_the_waits_lane_runs_only_modules_that_wait() -> None:
+    """A module marked `waits` starts no server: the waits lane runs beside
+    the paced one, which holds beside one core's worth of other work only."""
+    root = Path(lanes.REPO) / "tests"
+    marked = [
+        p
+        for p in sorted(root.glob("test_*.py"))
+        if any(
+            line.startswith("pytestmark") and "mark.waits" in line
+            for line in p.read_text().splitlines()
+        )
+    ]
+    assert len(marked) >= 5
+    for p in marked:
+        text = p.read_text()
+        assert "ServerProcess" not in text and "session_server" not in text, p.name
+        assert "mark.e2e" not in text and "(server)" not in text, p.name

@@ -27,6 +27,8 @@ from outrate.budget.shared.usage import SCAN_COUNT, UsageLink, usage_keys, user_
 from outrate.cli import app  # noqa: E402
 from outrate.env import STORE_PASSWORD  # noqa: E402
 
+pytestmark = pytest.mark.waits  # make test's waits lane (tests/lanes.py)
+
 NOW = calendar.timegm((2026, 12, 4, 12, 0, 0))
 DAY = "output/day"
 QUOTA = Quota("output", 1000, "day")

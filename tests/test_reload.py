@@ -29,6 +29,8 @@ from outrate.policy.loader import parse_policy
 from outrate.policy.pipeline import load_compiled
 from outrate.policy.reload import Reloader
 
+pytestmark = pytest.mark.waits  # make test's waits lane (tests/lanes.py)
+
 T = 5.0
 """Seconds any single wait may take before the test fails."""
 

@@ -17,7 +17,7 @@ from store_engines import BURST_NS, Engine, longest_gap_ms  # noqa: E402
 from outrate.budget.shared.credit import LEASE_INTERVAL_S  # noqa: E402
 from outrate.observe.trace import engine_rate, max_window_excess  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.waits]
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])

@@ -30,6 +30,8 @@ from outrate.budget.shared.runner import TIMEOUT_S  # noqa: E402
 from outrate.observe.metrics import Metrics  # noqa: E402
 from outrate.observe.publish import SnapshotCollector, snapshot, write_snapshot  # noqa: E402
 
+pytestmark = pytest.mark.waits  # make test's waits lane (tests/lanes.py)
+
 
 def test_unreachable_at_start_serves_rate_over_n_then_joins(tmp_path, caplog):
     """The default fallback (local): an engine that never reached its store

@@ -29,6 +29,8 @@ from outrate.budget.shared.credit import credit_of  # noqa: E402
 from outrate.budget.shared.lease import user_keys  # noqa: E402
 from outrate.observe.trace import engine_rate, max_window_excess  # noqa: E402
 
+pytestmark = pytest.mark.waits  # make test's waits lane (tests/lanes.py)
+
 
 @pytest.fixture
 def fresh(redis_server):

@@ -30,6 +30,8 @@ from shared_support import S, engine, policy, settle  # noqa: E402
 
 from outrate.budget.shared.runner import StoreRefused  # noqa: E402
 
+pytestmark = pytest.mark.waits  # make test's waits lane (tests/lanes.py)
+
 ACL = {
     "no scripts": ["~*", "+@all", "-@scripting"],
     "no keys": ["~someone-else:*", "+@all"],

@@ -24,6 +24,8 @@ from outrate.policy.compiler import compile_policy  # noqa: E402
 from outrate.policy.loader import parse_policy  # noqa: E402
 from vllm_integration.apiserver.store import open_requests  # noqa: E402
 
+pytestmark = pytest.mark.waits  # make test's waits lane (tests/lanes.py)
+
 RATE = 10
 TEXT = (
     f"version: 1\ndefault: unlimited\nburst: 100ms\nusers:\n  u: {{rate: 20, requests: {RATE}}}\n"

@@ -38,7 +38,7 @@ from outrate.observe.trace import engine_rate, max_window_excess  # noqa: E402
 from outrate.policy.compiler import compile_policy  # noqa: E402
 from outrate.policy.loader import parse_policy  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.waits]
 
 S_NS = 1_000_000_000
 ALICE_SLOT = GROUP_SLOTS[group_of("alice")]

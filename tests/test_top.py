@@ -35,6 +35,8 @@ from outrate.observe import top
 from outrate.observe.fetch import MAX_PAGE_BYTES
 from outrate.observe.top import LimitValues, Row, Snapshot, TopError
 
+pytestmark = pytest.mark.waits  # make test's waits lane (tests/lanes.py)
+
 ROOT = Path(__file__).parent.parent
 INF = float("inf")
 SHA = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
