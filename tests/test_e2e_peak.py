@@ -302,14 +302,21 @@ def test_an_unlimited_user_filling_every_slot_reclaims_them(server):
     try:
         time.sleep(1.5)  # borrowing by now
         since = time.monotonic_ns()
-        done = run_concurrently(server.base_url, [("free", ACTIVE, 400)])
+        # 800 tokens a stream: its 12 requests reach the engine over a spread
+        # of steps that load widens, and all 12 must run together (with 400,
+        # beside a busy loop, 2026-12-05: no step had all 12).
+        done = run_concurrently(server.base_url, [("free", ACTIVE, 800)])
     finally:
         t.join()
     assert_complete(done)
     assert_complete(hog)
     lines = trace_steps(server, since)
+    counts = [r.get("charged", {}).get("free", 0) for r in lines]
     busy = [r for r in lines if r.get("charged", {}).get("free", 0) == ACTIVE]
-    assert len(busy) >= 50
+    assert len(busy) >= 50, (
+        f"{len(busy)} steps with all {ACTIVE} of the unlimited user's streams; at most "
+        f"{max(counts, default=0)} in one step, over {len(lines)} steps"
+    )
     first, last = busy[0]["t"], busy[-1]["t"]
     # While the unlimited user has every active slot (the stretch from its
     # first step with all 12 to its last).
