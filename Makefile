@@ -33,9 +33,8 @@ install: $(STAMP)
 model: $(STAMP)
 	$(BIN)/python examples/build_tiny_model.py
 
-# Lanes at once (tests/lanes.py): the end-to-end tests in order in one, the
-# rest beside them, the tests that wait on real time then `make lint` (at idle
-# priority) in a third, then the simulator checks alone. ARGS go to every
+# Two lanes at once, one per core: the end-to-end tests in order in one,
+# `make lint` then the rest beside them (tests/lanes.py). ARGS go to every
 # lane's pytest run.
 test: prometheus model
 	$(BIN)/python tests/lanes.py $(ARGS)

@@ -6,11 +6,13 @@ first two share the tail of the paced tests.
   that judge pacing on what an engine recorded. They start real servers one
   module after another and run in order, as they always did; they hold
   beside one core's worth of other work (docs/development.md, "Test time").
-- **beside** (`-m "(not e2e or beside) and not waits and not quiet"`):
-  every test that needs no server (the scheduler on fabricated outputs, the
-  limiter's properties, the CLI), and the end-to-end tests marked `beside`,
-  whose judgments hold beside another engine's load (a server that starts,
-  answers or refuses).
+- **beside** (`make lint`, then `-m "(not e2e or beside) and not waits and
+  not quiet"`): the linters, every test that needs no server (the scheduler
+  on fabricated outputs, the limiter's properties, the CLI), and the
+  end-to-end tests marked `beside`, whose judgments hold beside another
+  engine's load (a server that starts, answers or refuses). The paced lane
+  is the longer one, so lint here costs the run no wall time (before, it
+  ran first, alone: ~50 s on a fresh clone).
 - **waits** (the same selection's modules marked `waits`): the modules that
   mostly wait on real time (a store's timeouts and outages, a lease's
   heartbeat, a policy file's watcher) on a tenth of a core or less, and hold
@@ -18,11 +20,6 @@ first two share the tail of the paced tests.
   ~165 s of waiting; beside it they take what the other lanes leave idle.
   A module that does more than wait (a server, a scheduler loop run for its
   own sake) does not belong here: it would take from the paced lane's core.
-  Then `make lint`, at idle priority (`idle_priority`): the linters run
-  only on CPU time no other lane wants (the paced lane's plays leave part
-  of a core idle), so they hold up no test. Before, lint ran first in the
-  beside lane (~50-90 s of its wall time on a fresh clone, mypy's cache
-  cold).
 - **shared** (`SHARED`): the paced lane's modules that start servers of
   their own (no session server, no order among them) are not in either
   lane's first run: whichever lane is free first runs the next of them,
@@ -53,7 +50,6 @@ lane that selected no test is fine while another ran some), else 0.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -72,9 +68,8 @@ LANES: dict[str, list[str]] = {
 }
 """Each lane's marker expression: every test is in exactly one, whatever its
 markers (tests/test_lanes.py)."""
-AFTER = {"waits": [os.environ.get("MAKE", "make"), "--no-print-directory", "lint"]}
-"""Run in a lane after its tests, at idle priority (`idle_priority`); the
-lane's status is the first command's that failed."""
+BEFORE = {"beside": [os.environ.get("MAKE", "make"), "--no-print-directory", "lint"]}
+"""Run in a lane before its tests: the lane's status is the first that failed."""
 SHARED = (
     "tests/test_bench_gpu_check.py",
     "tests/test_e2e_store.py",
@@ -117,41 +112,16 @@ def busy_seconds() -> tuple[float, float]:
     return (sum(fields) - idle) / hz, sum(fields) / hz
 
 
-def idle_priority(cmd: list[str]) -> list[str]:
-    """`cmd` at the lowest CPU priority the OS gives, which its children
-    inherit: Linux's SCHED_IDLE (util-linux `chrt --idle 0`) runs it only
-    when a core would otherwise sit idle, and any other task that wakes
-    takes the core from it; `nice -n 19` where there is no chrt."""
-    chrt = shutil.which("chrt")
-    return [chrt, "--idle", "0", *cmd] if chrt else ["nice", "-n", "19", *cmd]
-
-
-Command = tuple[list[str], bool]
-"""A lane's command, and whether it runs at idle priority."""
-
-
-def run_lane(cmds: Iterable[Command], log: Path | None, env: dict[str, str] | None = None) -> int:
+def run_lane(cmds: Iterable[list[str]], log: Path | None, env: dict[str, str] | None = None) -> int:
     """The lane's commands one after the other, whatever each returns; the
-    first non-zero status, else 0 (pytest's NO_TESTS included). A command
-    at idle priority says in the log how long it took."""
+    first non-zero status, else 0 (pytest's NO_TESTS included)."""
     status = 0
-    for cmd, idle in cmds:
-        began = time.monotonic()
-        argv = idle_priority(cmd) if idle else cmd
+    for cmd in cmds:
         if log is None:
-            code = subprocess.call(argv, cwd=REPO, env=env)
+            code = subprocess.call(cmd, cwd=REPO, env=env)
         else:
             with open(log, "ab") as out:
-                code = subprocess.call(
-                    argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT
-                )
-        if idle:
-            said = f"{' '.join(argv)}: exit {code}, {time.monotonic() - began:.0f} s\n"
-            if log is None:
-                print(said, end="", flush=True)
-            else:
-                with open(log, "a") as out:
-                    out.write(said)
+                code = subprocess.call(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
         if status == 0 or (status == NO_TESTS and code not in (0, NO_TESTS)):
             status = code
     return status
@@ -196,20 +166,19 @@ def main(args: list[str]) -> int:
     def lane(name: str) -> None:
         pytest = [sys.executable, "-m", "pytest", "-q"]
         mine = skip if name == "paced" else []
-        cmds: list[Command] = [
-            ([*pytest, *LANES[name], *mine, f"--junitxml={out / name}.xml", *args], False)
-        ]
-        if name in AFTER:
-            cmds.append((AFTER[name], True))
+        cmds: list[list[str]] = [[*pytest, *LANES[name], *mine, f"--junitxml={out / name}.xml"]]
+        cmds[0] += args
+        if name in BEFORE:
+            cmds.insert(0, BEFORE[name])
         env = dict(os.environ)
         if name == GATED:
             env["OUTRATE_QUIET_GATE"] = str(gate)
 
-        def steals() -> Iterator[Command]:
+        def steals() -> Iterator[list[str]]:
             yield from cmds
             while name in STEALS and (module := shared.take(name)) is not None:
                 xml = out / f"{name}-{Path(module).stem}.xml"
-                yield [*pytest, *LANES["paced"], module, f"--junitxml={xml}", *args], False
+                yield [*pytest, *LANES["paced"], module, f"--junitxml={xml}", *args]
 
         ended[name] = (run_lane(steals(), logs.get(name), env), time.monotonic() - started)
 
@@ -256,8 +225,8 @@ def show(name: str, log: Path | None) -> None:
     """A lane's kept output, once it ended (nothing for a lane shown live)."""
     if log is None:
         return
-    then = ", then " + " ".join(idle_priority(AFTER[name])) if name in AFTER else ""
-    print(f"\n===== lane {name} ({' '.join(LANES[name])}{then}), its output =====", flush=True)
+    shown = " ".join(BEFORE[name]) + ", then " if name in BEFORE else ""
+    print(f"\n===== lane {name} ({shown}{' '.join(LANES[name])}), its output =====", flush=True)
     sys.stdout.write(log.read_text(errors="replace") if log.exists() else "")
 
 

@@ -3,11 +3,8 @@ goes to one lane each, the longest first, and every lane's results count."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -96,36 +93,3 @@ def test_the_waits_lane_runs_only_modules_that_wait() -> None:
         text = p.read_text()
         assert "ServerProcess" not in text and "session_server" not in text, p.name
         assert "mark.e2e" not in text and "(server)" not in text, p.name
-
-
-def test_lint_runs_at_idle_priority_and_its_status_counts(tmp_path: Path) -> None:
-    """A command at idle priority says its seconds in the lane's log, and
-    when it fails it is the lane's status after a pytest run that selected
-    nothing."""
-    log = tmp_path / "lane.log"
-    cmds = [([sys.executable, "-c", "raise SystemExit(5)"], False), (["sh", "-c", "exit 3"], True)]
-    assert lanes.run_lane(cmds, log) == 3
-    text = log.read_text()
-    assert "sh -c exit 3: exit 3, " in text and text.rstrip().endswith(" s")
-
-
-def test_idle_priority_is_the_lowest_the_os_gives() -> None:
-    """SCHED_IDLE where chrt is (read from outside: the command itself
-    needs no CPU to be checked, so a busy machine does not hold the test),
-    nice 19 elsewhere."""
-    argv = lanes.idle_priority(["sleep", "30"])
-    child = subprocess.Popen(argv)
-    try:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if argv[0].endswith("chrt"):
-                if os.sched_getscheduler(child.pid) == os.SCHED_IDLE:
-                    break
-            elif os.getpriority(os.PRIO_PROCESS, child.pid) == 19:
-                break
-            time.sleep(0.01)
-        else:
-            raise AssertionError(f"{argv}: not at idle priority after 10 s")
-    finally:
-        child.kill()
-        child.wait()
