@@ -313,7 +313,7 @@ def test_an_unlimited_user_filling_every_slot_reclaims_them(server):
     assert_complete(hog)
     lines = trace_steps(server, since)
     counts = [r.get("charged", {}).get("free", 0) for r in lines]
-    busy = [r for r in lines if r.get("charged", {}).get("free", 0) == ACTIVE]
+    busy = [r for r, n in zip(lines, counts, strict=True) if n == ACTIVE]
     assert len(busy) >= 50, (
         f"{len(busy)} steps with all {ACTIVE} of the unlimited user's streams; at most "
         f"{max(counts, default=0)} in one step, over {len(lines)} steps"
