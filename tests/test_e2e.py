@@ -223,10 +223,12 @@ def test_beam_search_is_refused_with_400(server):
 
 def test_the_engine_waits_instead_of_spinning_when_everyone_is_throttled(server):
     worker = threading.Thread(
-        target=run_concurrently, args=(server.base_url, [("crawl", 4, 4)]), daemon=True
+        target=run_concurrently, args=(server.base_url, [("crawl", 4, 2)]), daemon=True
     )
     worker.start()
-    time.sleep(1.0)  # burst spent, all four streams throttled at 1 tok/s
+    # Burst spent, all four streams throttled at 1 tok/s; 8 tokens last ~8 s,
+    # past the 3.5 s judged here (16 tokens made the test wait 16 s).
+    time.sleep(1.0)
     metrics = urllib.request.urlopen(server.root_url + "/metrics", timeout=10).read().decode()
     held = re.search(r'^outrate_held_requests\{limit="crawl"\} (\S+)', metrics, re.M)
     assert held is not None and float(held.group(1)) >= 3, metrics[-2000:]
