@@ -9,6 +9,8 @@ first) over all of its concurrent streams.
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
 import time
 from collections.abc import Iterable
@@ -33,10 +35,21 @@ class Stream:
     _response: Any = field(default=None, repr=False)
 
     def close(self) -> None:
-        """Disconnect now, from any thread (the server aborts the request)."""
+        """Disconnect now, from any thread (the server aborts the request),
+        a stream still waiting for its first token included: its socket is
+        shut down, which wakes the read blocked on it (closing the response
+        alone left that read waiting, up to 26 s for a prompt held for its
+        user's budget)."""
         self.closed = True
-        if self._response is not None:
-            self._response.close()
+        response = self._response
+        if response is None:
+            return
+        network = getattr(response, "response", response).extensions.get("network_stream")
+        sock = network.get_extra_info("socket") if network is not None else None
+        if sock is not None:
+            with contextlib.suppress(OSError):  # already closed by the other end
+                sock.shutdown(socket.SHUT_RDWR)
+        response.close()
 
     @property
     def ttft(self) -> float | None:
@@ -73,6 +86,8 @@ def stream_completion(
             extra_body=body,
         )
         s._response = chunks
+        if s.closed:  # closed while the request was sent: `close` saw no response
+            chunks.close()
         seen = 0
         for chunk in chunks:
             now = time.monotonic()
