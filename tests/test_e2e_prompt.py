@@ -148,23 +148,39 @@ def _bob(server, tokens: int = 300, firsts: int = 6) -> tuple[float, list[float]
     return rate, ttft, step_ms
 
 
+def _beside(server, user: str, url: str) -> tuple[tuple, tuple[Snapshot, Snapshot]]:
+    """bob (`_bob`) inside `user`'s flood, with when it began and how many
+    prompts she sent; and /metrics scraped as bob began and ended."""
+    since = time.monotonic_ns()
+    with Flood(server, user) as flood:
+        first = scrape(url, 5)
+        # Beside the unlimited flood bob decodes at a few tok/s and waits
+        # seconds for a first token: a shorter stream and two first tokens,
+        # printed, not judged (60 tokens and six took 25-45 s of the suite).
+        run = _bob(server, 300) if user == "mallory" else _bob(server, 30, 2)
+        page = (first, scrape(url, 5))
+    assert not flood.errors, flood.errors[:3]
+    return (*run, since, flood.sent), page
+
+
 def test_a_prompt_limit_keeps_a_prompt_flood_off_others(server):
-    alone_rate, alone_ttft, alone_step = _bob(server)
-    runs = {}
-    pages: dict[str, tuple[Snapshot, Snapshot]] = {}
     url = metrics_url(server.root_url)
+    alone_rate, alone_ttft, alone_step = _bob(server)
+    runs, pages = {}, {}
     for user in ("flooder", "mallory"):
-        since = time.monotonic_ns()
-        with Flood(server, user) as flood:
-            first = scrape(url, 5)
-            # Beside the unlimited flood bob decodes at a few tok/s and
-            # waits seconds for a first token: a shorter stream and two
-            # first tokens, printed, not judged (60 tokens and six took
-            # 25-45 s of the suite).
-            runs[user] = _bob(server, 300) if user == "mallory" else _bob(server, 30, 2)
-            pages[user] = (first, scrape(url, 5))
-        assert not flood.errors, flood.errors[:3]
-        runs[user] += (since, flood.sent)
+        runs[user], pages[user] = _beside(server, user, url)
+    if runs["mallory"][0] < 0.9 * alone_rate:
+        # Beside a one-core busy loop (make test's item 5) the machine once
+        # slowed between bob alone and bob beside her flood: 61.7 tok/s
+        # against 102.6, with the steps around his short requests as short
+        # as alone. Both played once more (printed), and judged on the
+        # second; a flood that takes his time slows him both times.
+        print(
+            f"beside mallory's flood: {runs['mallory'][0]:.1f} tok/s against "
+            f"{alone_rate:.1f} alone: both again"
+        )
+        alone_rate, alone_ttft, alone_step = _bob(server)
+        runs["mallory"], pages["mallory"] = _beside(server, "mallory", url)
     p50_alone = statistics.median(alone_ttft)
     print(
         f"bob alone: decode {alone_rate:.1f} tok/s, engine TTFT p50 {p50_alone:.1f} ms, "
