@@ -170,7 +170,7 @@ def test_a_prompt_limit_keeps_a_prompt_flood_off_others(server):
     for user in ("flooder", "mallory"):
         runs[user], pages[user] = _beside(server, user, url)
     if runs["mallory"][0] < 0.9 * alone_rate:
-        # Beside a one-core busy loop (make test's item 5) the machine once
+        # Beside a one-core busy loop (issue 39, item 5) the machine once
         # slowed between bob alone and bob beside her flood: 61.7 tok/s
         # against 102.6, with the steps around his short requests as short
         # as alone. Both played once more (printed), and judged on the
