@@ -36,24 +36,28 @@ class Stream:
 
     def close(self) -> None:
         """Disconnect now, from any thread (the server aborts the request),
-        a stream still waiting for its first token included: its socket is
-        shut down, which wakes the read blocked on it (closing the response
-        alone left that read waiting, up to 26 s for a prompt held for its
-        user's budget)."""
+        a stream still waiting for its first token included (`disconnect`)."""
         self.closed = True
-        response = self._response
-        if response is None:
-            return
-        network = getattr(response, "response", response).extensions.get("network_stream")
-        sock = network.get_extra_info("socket") if network is not None else None
-        if sock is not None:
-            with contextlib.suppress(OSError):  # already closed by the other end
-                sock.shutdown(socket.SHUT_RDWR)
-        response.close()
+        if self._response is not None:
+            disconnect(self._response)
 
     @property
     def ttft(self) -> float | None:
         return self.token_times[0] - self.started if self.token_times else None
+
+
+def disconnect(response: Any) -> None:
+    """Close a streamed response (the openai client's) from any thread, a
+    read blocked on it included: its socket is shut down, which wakes that
+    read (closing the response alone left it waiting for the server's next
+    chunk, up to 26 s for a prompt held for its user's budget), and the
+    server aborts the request."""
+    network = getattr(response, "response", response).extensions.get("network_stream")
+    sock = network.get_extra_info("socket") if network is not None else None
+    if sock is not None:
+        with contextlib.suppress(OSError):  # already closed by the other end
+            sock.shutdown(socket.SHUT_RDWR)
+    response.close()
 
 
 def client(base_url: str, timeout: float = 120.0) -> OpenAI:

@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from loadgen import MODEL, client
+from loadgen import MODEL, client, disconnect
 
 from outrate.simulate.plan import RequestSpec, plan
 from outrate.simulate.workload import Workload, load_workload
@@ -81,6 +81,8 @@ class Player:
                 extra_body=body,
             )
             p._response = chunks
+            if p.closed:  # cut while it was sent: `play` saw no response
+                disconnect(chunks)
             for chunk in chunks:
                 now = time.monotonic()
                 usage = chunk.usage
@@ -142,10 +144,10 @@ class Player:
         time.sleep(max(end - time.monotonic(), 0))
         with self._lock:  # the workload is over: cut what still streams
             cut = [p for p in self.played if id(p) in self._open]
-        for p in cut:
+        for p in cut:  # a request still waiting for its first token too
             p.closed = True
             if p._response is not None:
-                p._response.close()
+                disconnect(p._response)
         for th in threads:
             th.join(timeout=30)
         return list(self.played)
