@@ -91,7 +91,7 @@ def stream_completion(
         )
         s._response = chunks
         if s.closed:  # closed while the request was sent: `close` saw no response
-            chunks.close()
+            disconnect(chunks)
         seen = 0
         for chunk in chunks:
             now = time.monotonic()
