@@ -137,11 +137,12 @@ def test_probes_are_neither_counted_nor_labelled(policy_gate):
     assert _fields() == {}
 
 
-def test_a_request_waits_once_for_shared_credit_on_its_way(policy_gate):
+def test_a_request_waits_for_shared_credit_on_its_way(policy_gate):
     """With --outrate-store a user's first request on an API server finds no
     request credit yet (tests/test_shared_requests.py): the table says how
     long until it comes (`pending_ns`), and the guard waits that long and
-    asks again, once, instead of refusing."""
+    asks again, for as long as it is on its way (a late lease round: three
+    asks here), instead of refusing."""
     from outrate.contract.requests import Admission
 
     gate = policy_gate(POLICY)
@@ -149,14 +150,40 @@ def test_a_request_waits_once_for_shared_credit_on_its_way(policy_gate):
 
     class Leasing(RequestTable):
         def admit(self, policy, user, now=None):
-            a = super().admit(policy, user, now)
             asked.append(user)
-            return a._replace(admitted=False, pending_ns=1_000_000) if len(asked) == 1 else a
+            if len(asked) <= 3:  # no credit yet: nothing taken
+                return Admission(False, policy.requests.limit_for(user), 0, 1, 0, True, 1_000_000)
+            return super().admit(policy, user, now)
 
     gate.requests = Leasing(clock=lambda: 10**9)
     status, _, reached = _through_guard(_body("dave"))
-    assert (status, reached, asked) == (200, _body("dave"), ["dave", "dave"])
+    assert (status, reached, asked) == (200, _body("dave"), ["dave"] * 4)
     assert isinstance(gate.requests.admit(gate.policy, "dave"), Admission)
+
+
+def test_a_request_waits_for_credit_at_most_max_wait():
+    """Credit that never comes (a store paused, its fallback `pause`): the
+    request is asked again each `pending_ns` until `MAX_WAIT_NS` has passed
+    on the table's clock since its first ask, then refused as any other."""
+    import asyncio
+
+    from outrate.contract.requests import MAX_WAIT_NS, admit_waiting
+
+    clock = [10**9]
+    policy = compile_policy(parse_policy(POLICY, "p.yaml"), "p.yaml")
+
+    class Never(RequestTable):
+        def admit(self, policy, user, now=None):
+            a = super().admit(policy, user, now)
+            return a._replace(admitted=False, pending_ns=5_000_000, retry_after_ns=5_000_000)
+
+    async def sleep(seconds: float) -> None:
+        clock[0] += round(seconds * 1e9)
+
+    table = Never(clock=lambda: clock[0])
+    a = asyncio.run(admit_waiting(table, policy, "dave", sleep))
+    assert not a.admitted and a.retry_after_ns == 5_000_000
+    assert clock[0] - 10**9 == MAX_WAIT_NS  # 400 waits of 5 ms, then no more
 
 
 @pytest.mark.parametrize(

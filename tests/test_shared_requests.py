@@ -18,7 +18,7 @@ pytest.importorskip("redis")
 from redis_support import RedisServer  # noqa: E402
 
 from outrate.budget.shared.lease import API_SERVERS_KEY, ENGINES_KEY  # noqa: E402
-from outrate.contract.requests import MAX_WAIT_NS, RequestTable  # noqa: E402
+from outrate.contract.requests import MAX_WAIT_NS, RequestTable, admit_waiting  # noqa: E402
 from outrate.observe.trace import engine_rate, max_window_excess  # noqa: E402
 from outrate.policy.compiler import compile_policy  # noqa: E402
 from outrate.policy.loader import parse_policy  # noqa: E402
@@ -113,6 +113,31 @@ def test_two_api_servers_share_one_request_rate(tmp_path):
     assert min(counts) >= 0.3 * sum(counts)
     assert all(s.waits and 0 < s.waits[0] <= MAX_WAIT_NS for s in servers)
     assert len(api) == 2 and not engines  # not counted as engines
+
+
+def test_a_first_request_waits_for_a_late_grant(tmp_path):
+    """A store that answers late (redis-server stopped for 0.3 s: a loaded
+    machine's lease round, which took over 100 ms beside a busy loop): a
+    user's first request waits for its grant (`admit_waiting`, as the
+    middleware asks) and is admitted, not refused for credit on its way."""
+    import asyncio
+    import threading
+
+    server = RedisServer(tmp_path).start()
+    try:
+        api = ApiServer(server.url)
+        time.sleep(0.2)  # the lease thread's rounds under way
+        server.pause()
+        threading.Timer(0.3, server.resume).start()
+        t0 = time.monotonic()
+        a = asyncio.run(admit_waiting(api.table, POLICY, "u"))
+        waited = time.monotonic() - t0
+        api.runner.stop()
+    finally:
+        server.resume()
+        server.stop()
+    print(f"first request: admitted {a.admitted} after {waited * 1000:.0f} ms")
+    assert a.admitted and 0.25 <= waited < MAX_WAIT_NS / 1e9
 
 
 def test_a_store_outage_paces_requests_at_rate_over_n(tmp_path, caplog):

@@ -40,7 +40,6 @@ stream. Installed only in the API server, only when a policy is active.
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections.abc import Awaitable, Callable, MutableMapping
 from contextvars import ContextVar
@@ -56,7 +55,7 @@ from outrate.contract.headers import (
     refusal_message,
 )
 from outrate.contract.quotas import quota_body
-from outrate.contract.requests import Admission
+from outrate.contract.requests import Admission, admit_waiting
 from outrate.identity.core import (
     ANONYMOUS,
     IDENTITY_FIELD,
@@ -150,10 +149,7 @@ class IdentityGuard:
             user = verdict.user if identity.source != "body" else _claimed(claims)
             key = ANONYMOUS if user is None else user
             rule = policy.limit_for(key)
-            admission = self.gate.requests.admit(policy, key)
-            if admission.pending_ns:  # a shared rate's credit on its way: wait, once
-                await asyncio.sleep(admission.pending_ns / NS_PER_S)
-                admission = self.gate.requests.admit(policy, key)
+            admission = await admit_waiting(self.gate.requests, policy, key)
             if admission.over:
                 count_requests_over(admission.limit.label, "requests", admission.admitted)
             view = self.gate.quotas
