@@ -25,11 +25,15 @@ Two kinds of check, each case its own test:
   calibration workload right after the case, its decode steps against the
   calibration run's, no model asked), within CARRY_BOUND. A case out by
   more (up to ~30% today, CARRY_REASON) is an expected failure with its
-  figures; one within the bound passes.
-  Where the probe finds the machine moved past sim_drift.MACHINE_BOUND,
-  the case and its probe are played once more, then judged on the
-  corrected figure; a probe that cannot tell the machine (no batch size in
-  common) fails under CI, skips elsewhere;
+  figures; one within the bound passes. A probe that cannot tell the
+  machine (no batch size in common) has the case and its probe played
+  once more; still not, it fails under CI, skips elsewhere. A probe that
+  reads the machine moved is not a reason to play again: the machine's
+  play-to-play noise is larger than the bound (benchmarks/carry_over.py
+  over ten quiet runs' traces: the probes of one run spread 8-82%, median
+  25%; the model's error per case, the probe's reading taken out, mean
+  -2% to +3%, sd 14-17%), and a case played again because its probe
+  moved past 10% came out no nearer: 4 nearer, 7 further, in those runs;
 - the scheduling agrees: the case simulated with the model scaled to the
   step length the case measured (so the model's error, judged above, does
   not count twice, and neither does any move of the machine), every
@@ -55,7 +59,6 @@ from sim_drift import (
     at_measured_length,
     machine_drift,
     model_error,
-    steady,
     told,
     unjudgeable,
 )
@@ -178,10 +181,6 @@ class CaseRun:
     after, its decode steps against the calibration's (sim_drift)."""
     tries: int
 
-    @property
-    def steady(self) -> bool:
-        return steady(self.machine)
-
     def describe(self, case: str) -> str:
         return (
             f"{case}: step length off the model by {self.run_error:+.1%} on the case; the "
@@ -215,7 +214,7 @@ def calibrated(calibration_run) -> Calibration:
 @pytest.fixture(scope="module")
 def runs(sim_server, calibration_run) -> dict[str, CaseRun]:
     """Each case played once (lazily, by the first test that asks), with its
-    probe; played again once if the probe says the machine moved (the
+    probe; played again once if the probe cannot tell the machine (the
     second run is kept either way)."""
 
     class Runs(dict):
@@ -231,7 +230,7 @@ def runs(sim_server, calibration_run) -> dict[str, CaseRun]:
                     machine_drift(calibration_run[1], decode_step_us(probe_steps, probe)),
                     tries,
                 )
-                if run.steady:
+                if told(run.machine):
                     break
             self[case] = run
             return run

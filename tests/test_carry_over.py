@@ -1,0 +1,75 @@
+"""benchmarks/carry_over.py (docs/simulate.md, "Out of sample"): on a
+simulated trace laid out as test_simulate_oos's server writes one (warm-up,
+calibration, e2e-idle, a case and its probe, back to back, the engine idle
+between them), whose steps last what one linear model says, it finds each
+play, and the model carries over; with the case and its probe 25% slower
+(the machine moved), the probe reads the move and the model's own error
+stays what it was."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import carry_over  # noqa: E402
+
+from outrate.observe.trace import read_trace  # noqa: E402
+from outrate.simulate.engine import engine_from_flags  # noqa: E402
+from outrate.simulate.stepmodel import StepModel  # noqa: E402
+from outrate.simulate.workload import load_workload  # noqa: E402
+from vllm_integration.offline.simulator import simulate  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+WORKLOADS = REPO / "examples" / "workloads"
+PLAYS = (("e2e-agree", 3), ("e2e-agree", 15), ("e2e-idle", 0), ("oos-hog", 0), ("e2e-agree", 5))
+
+
+def _trace(tmp_path: Path, slower: float) -> Path:
+    """The plays simulated one after another into one trace, 2 s apart; the
+    last two (the case and its probe) `slower` times as long."""
+    model = StepModel(fixed_us=3000, per_decode_us=500, per_prefill_us=30)
+    engine = engine_from_flags(["--max-num-seqs", "12", "--max-num-active-seqs", "8"])
+    combined = tmp_path / f"trace-{slower}.jsonl"
+    start, step = 0, 0
+    with combined.open("w") as out:
+        for i, (name, seconds) in enumerate(PLAYS):
+            w = load_workload(WORKLOADS / f"{name}.yaml").workload
+            if seconds:
+                w = w.model_copy(update={"duration": seconds * 10**9})
+            trace = tmp_path / f"{i}.jsonl"
+            simulate(w, engine, WORKLOADS / "oos-policy.yaml", model, trace=trace)
+            lines = [r for r in read_trace(trace) if "step" in r]
+            k = slower if i >= 3 else 1.0
+            t0 = lines[0]["t"]
+            for r in lines:
+                r["t"] = start + round((r["t"] - t0) * k)
+                r["step"] += step
+                out.write(json.dumps(r) + "\n")
+            start = lines[-1]["t"] + 2 * 10**9
+            step = lines[-1]["step"] + 1
+    return combined
+
+
+@pytest.mark.parametrize("slower", [1.0, 1.25])
+def test_the_judge_tells_the_machine_from_the_model(tmp_path, capsys, slower):
+    trace = _trace(tmp_path, slower)
+    assert len(carry_over.plays(list(read_trace(trace)))) == len(PLAYS)
+    assert carry_over.main([str(trace)]) == 0
+    printed = capsys.readouterr().out
+    print(printed)
+    number = r" +([-+][\d.]+)%"
+    found = re.search(rf"oos-hog +raw{number} +probe{number} +model{number}", printed)
+    assert found is not None
+    raw, probe, model = (float(x) / 100 for x in found.groups())
+    assert abs(probe - (slower - 1)) <= 0.02  # the machine's move, read without a model
+    assert abs(model) <= 0.05  # the model is the engine: it carries over
+    assert abs(raw - (1 / slower - 1)) <= 0.05
