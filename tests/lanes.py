@@ -1,6 +1,6 @@
 """`make test`'s runner: `make lint` and the suite in four lanes started at
 once, the last of which waits for the other three before its tests run; the
-first two share the tail of the paced tests.
+other three share the tail of the paced tests.
 
 - **paced** (`-m "e2e and not beside and not quiet"`): the end-to-end tests
   that judge pacing on what an engine recorded. They start real servers one
@@ -21,12 +21,16 @@ first two share the tail of the paced tests.
   A module that does more than wait (a server, a scheduler loop run for its
   own sake) does not belong here: it would take from the paced lane's core.
 - **shared** (`SHARED`): the paced lane's modules that start servers of
-  their own (no session server, no order among them) are not in either
-  lane's first run: whichever lane is free first runs the next of them,
+  their own (no session server, no order among them) are not in any
+  lane's first run: whichever of the three lanes is free first (paced,
+  beside, or waits once its own modules are done) runs the next of them,
   the longest first, each in its own pytest run with the paced selection
-  (work stealing: the two lanes end within a module of each other, however
-  the machine's speed and lint's cache split the rest). Not when the
-  arguments name test files or ids: those run as given.
+  (work stealing: the lanes end within a module of each other, however
+  the machine's speed and lint's cache split the rest). The waits lane is
+  free long before the others, and these modules wait on real time too
+  (a store's outage, a cluster's failover): two of them side by side
+  fill the CPU the lanes left idle. Not when the arguments name test
+  files or ids: those run as given.
 - **quiet** (`-m quiet -rP`): the simulator against a real engine, judged
   against a step model fitted on this machine moments before: another lane
   beside them moves every step's length (tests/sim_drift.py). Its servers
@@ -79,7 +83,7 @@ SHARED = (
 )
 """Paced modules the paced or the beside lane runs, once its own tests are
 done: the longest first (seconds measured, docs/development.md)."""
-STEALS = ("paced", "beside")
+STEALS = ("paced", "beside", "waits")
 """The lanes that take SHARED modules (the paced lane's selection leaves them out)."""
 GATED = "quiet"
 """The lane whose tests wait for every other lane to end (sim_servers.GATE_ENV)."""
