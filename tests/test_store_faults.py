@@ -314,7 +314,9 @@ def test_an_engine_cut_off_past_the_hold_keeps_serving_within_its_stated_bound(t
             proxy.heal()
             marks["healed"] = time.monotonic_ns()
 
-        run(engines, 15.0, [(1.5, partition)])
+        # Past the heal's 2 s, 5 s to judge her rate by: 1.5 s (a 15 s run)
+        # read 15.95 tok/s against 16 on a fresh clone, the lanes beside it.
+        run(engines, 18.5, [(1.5, partition)])
         stop(engines)
     finally:
         proxy.close()
