@@ -20,18 +20,17 @@ other three share the tail of the paced tests.
   ~165 s of waiting; beside it they take what the other lanes leave idle.
   A module that does more than wait (a server, a scheduler loop run for its
   own sake) does not belong here: it would take from the paced lane's core.
-- **shared** (`SHARED`): the modules that start servers of their own (no
-  session server, no order among them), the paced lane's and the beside
-  lane's longest, are not in any lane's first run: whichever of the three
-  lanes is free first (paced, beside, or waits once its own modules are
-  done) runs the next of them, the longest first, each in its own pytest
-  run with its home lane's selection (work stealing: the lanes end within
-  a module of each other, however the machine's speed and lint's cache
-  split the rest). The waits lane is free long before the others, and the
-  several-engine modules wait on real time too (a store's outage, a
-  cluster's failover): beside the two other lanes they fill the CPU those
-  left idle. Not when the arguments name test files or ids: those run as
-  given.
+- **shared** (`SHARED`): the paced lane's modules that start servers of
+  their own (no session server, no order among them) are not in any
+  lane's first run: whichever of the three lanes is free first (paced,
+  beside, or waits once its own modules are done) runs the next of them,
+  the longest first, each in its own pytest run with the paced selection
+  (work stealing: the lanes end within a module of each other, however
+  the machine's speed and lint's cache split the rest). The waits lane is
+  free long before the others, and these modules wait on real time too
+  (a store's outage, a cluster's failover): two of them side by side
+  fill the CPU the lanes left idle. Not when the arguments name test
+  files or ids: those run as given.
 - **quiet** (`-m quiet -rP`): the simulator against a real engine, judged
   against a step model fitted on this machine moments before: another lane
   beside them moves every step's length (tests/sim_drift.py). Its servers
@@ -75,21 +74,17 @@ LANES: dict[str, list[str]] = {
 markers (tests/test_lanes.py)."""
 BEFORE = {"beside": [os.environ.get("MAKE", "make"), "--no-print-directory", "lint"]}
 """Run in a lane before its tests: the lane's status is the first that failed."""
-SHARED: dict[str, str] = {
-    "tests/test_e2e_store.py": "paced",
-    "tests/test_e2e_store_outage.py": "paced",
-    "tests/test_e2e_store_cluster.py": "paced",
-    "tests/test_tiny_model.py": "beside",
-    "tests/test_ops.py": "beside",
-    "tests/test_doctor.py": "beside",
-    "tests/test_bench_gpu_check.py": "paced",
-    "tests/test_e2e_api_servers.py": "paced",
-}
-"""Modules any lane of STEALS runs once its own tests are done, the longest
-first (seconds measured, docs/development.md), each with the selection of
-its home lane, whose first run leaves it out."""
+SHARED = (
+    "tests/test_bench_gpu_check.py",
+    "tests/test_e2e_store.py",
+    "tests/test_e2e_store_outage.py",
+    "tests/test_e2e_store_cluster.py",
+    "tests/test_e2e_api_servers.py",
+)
+"""Paced modules the paced or the beside lane runs, once its own tests are
+done: the longest first (seconds measured, docs/development.md)."""
 STEALS = ("paced", "beside", "waits")
-"""The lanes that take SHARED modules."""
+"""The lanes that take SHARED modules (the paced lane's selection leaves them out)."""
 GATED = "quiet"
 """The lane whose tests wait for every other lane to end (sim_servers.GATE_ENV)."""
 SHOWN_LIVE = ("paced",)
@@ -136,19 +131,18 @@ def run_lane(cmds: Iterable[list[str]], log: Path | None, env: dict[str, str] | 
     return status
 
 
-def shared_modules(args: list[str]) -> dict[str, str]:
+def shared_modules(args: list[str]) -> tuple[str, ...]:
     """SHARED, unless the pytest arguments name test files or ids: then those
     run as given, in the lanes' own runs (a module named would otherwise
     run once more in a shared run)."""
     named = any((REPO / a.split("::", 1)[0]).exists() for a in args if not a.startswith("-"))
-    return {} if named else SHARED
+    return () if named else SHARED
 
 
 class Shared:
     """The SHARED modules not yet taken: `take` hands the next to one lane."""
 
-    def __init__(self, modules: dict[str, str]) -> None:
-        self.home = dict(modules)  # module -> the lane whose selection runs it
+    def __init__(self, modules: Iterable[str]) -> None:
         self.left = list(modules)
         self.lock = threading.Lock()
         self.taken: dict[str, str] = {}  # module -> the lane that ran it
@@ -171,13 +165,11 @@ def main(args: list[str]) -> int:
     logs = {name: out / f"{name}.log" for name in LANES if name not in SHOWN_LIVE}
 
     shared = Shared(shared_modules(args))
-    ignored = {
-        name: [f"--ignore={m}" for m, home in shared.home.items() if home == name] for name in LANES
-    }
+    skip = [f"--ignore={m}" for m in shared.left]
 
     def lane(name: str) -> None:
         pytest = [sys.executable, "-m", "pytest", "-q"]
-        mine = ignored[name]
+        mine = skip if name == "paced" else []
         cmds: list[list[str]] = [[*pytest, *LANES[name], *mine, f"--junitxml={out / name}.xml"]]
         cmds[0] += args
         if name in BEFORE:
@@ -190,7 +182,7 @@ def main(args: list[str]) -> int:
             yield from cmds
             while name in STEALS and (module := shared.take(name)) is not None:
                 xml = out / f"{name}-{Path(module).stem}.xml"
-                yield [*pytest, *LANES[shared.home[module]], module, f"--junitxml={xml}", *args]
+                yield [*pytest, *LANES["paced"], module, f"--junitxml={xml}", *args]
 
         ended[name] = (run_lane(steals(), logs.get(name), env), time.monotonic() - started)
 

@@ -1,7 +1,5 @@
-"""tests/lanes.py, `make test`'s runner: the shared tail (the paced and the
-beside lanes' modules with servers of their own) goes to one lane each,
-the longest first, run with its home lane's selection and left out of that
-lane's first run, and every lane's results count."""
+"""tests/lanes.py, `make test`'s runner: the shared tail of the paced tests
+goes to one lane each, the longest first, and every lane's results count."""
 
 from __future__ import annotations
 
@@ -36,26 +34,18 @@ def test_each_shared_module_goes_to_exactly_one_lane_in_order() -> None:
     assert shared.take("paced") is None
 
 
-def test_the_shared_modules_exist_with_a_home_lane_that_runs_them() -> None:
-    """A shared module is left out of its home lane's first run only, and
-    run once with that lane's selection: whatever its tests' markers, each
-    runs in exactly one place (one for another lane stays in that lane's
-    first run). Its home lane must hold its tests (text check: paced for
-    an e2e module with no `beside`, beside for one marked `beside` or not
-    e2e)."""
+def test_the_shared_modules_are_paced_end_to_end_tests_that_exist() -> None:
     root = Path(lanes.REPO)
-    for m, home in lanes.SHARED.items():
+    for m in lanes.SHARED:
         text = (root / m).read_text()
-        e2e = "mark.e2e" in text
-        assert home == ("beside" if "mark.beside" in text or not e2e else "paced"), m
-        assert "mark.quiet" not in text and "mark.waits" not in text, m
+        assert "e2e" in text and "pytest.mark.beside" not in text and "mark.quiet" not in text, m
 
 
 def test_arguments_naming_tests_run_as_given() -> None:
     assert lanes.shared_modules([]) == lanes.SHARED
     assert lanes.shared_modules(["-x", "-k", "store"]) == lanes.SHARED
-    assert lanes.shared_modules(["tests/test_e2e_store.py"]) == {}
-    assert lanes.shared_modules(["tests/test_e2e.py::test_x", "-x"]) == {}
+    assert lanes.shared_modules(["tests/test_e2e_store.py"]) == ()
+    assert lanes.shared_modules(["tests/test_e2e.py::test_x", "-x"]) == ()
 
 
 def test_counts_read_a_lanes_junit_file(tmp_path: Path) -> None:
