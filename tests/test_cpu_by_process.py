@@ -11,11 +11,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import cpu_by_process  # noqa: E402
 
-BUSY = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.5: pass"
+BUSY = (
+    "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.5: pass\n"
+    "time.sleep(1.5)"
+)
+"""1.5 CPU seconds, then alive long enough for a sample to see all of them
+(what a process spends after its last sample is missed: up to 0.5 s)."""
 
 
 def test_a_busy_subprocess_is_charged_to_its_tree(capsys):
-    code = cpu_by_process.main(["--", "sh", "-c", f"{sys.executable} -c '{BUSY}'; sleep 0.6"])
+    code = cpu_by_process.main(["--", "sh", "-c", f"{sys.executable} -c '{BUSY}'"])
     printed = capsys.readouterr().out
     print(printed)
     assert code == 0
