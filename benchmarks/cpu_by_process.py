@@ -20,13 +20,16 @@ The sampler costs ~1% of a core.
 from __future__ import annotations
 
 import collections
-import os
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
-HZ = os.sysconf("SC_CLK_TCK")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+from serverproc import all_pids, cpu_of, stat_fields  # noqa: E402
+
 SAMPLE_S = 0.5
 
 
@@ -42,24 +45,21 @@ class Proc:
 
 def sample(seen: dict[tuple[int, int], Proc], now: float) -> None:
     """One pass over /proc: new processes added, known ones updated."""
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                stat = f.read()
-            fields = stat[stat.rindex(")") + 2 :].split()
-            cpu = (int(fields[11]) + int(fields[12])) / HZ
-            key = (int(name), int(fields[19]))  # pid, start time: pids are reused
-            p = seen.get(key)
-            if p is None:
-                with open(f"/proc/{name}/cmdline", "rb") as f:
-                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-                seen[key] = Proc(int(name), int(fields[1]), cmd, now, now, cpu)
-            else:
-                p.cpu, p.last = cpu, now
-        except (OSError, ValueError, IndexError):
+    for pid in all_pids():
+        fields = stat_fields(pid)
+        if not fields:
             continue  # it ended meanwhile
+        key = (pid, int(fields[19]))  # pid, start time: pids are reused
+        p = seen.get(key)
+        if p is None:
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            text = cmd.replace(b"\0", b" ").decode(errors="replace").strip()
+            seen[key] = Proc(pid, int(fields[1]), text, now, now, cpu_of(fields))
+        else:
+            p.cpu, p.last = cpu_of(fields), now
 
 
 def kind(cmd: str) -> str:

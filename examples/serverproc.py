@@ -237,7 +237,7 @@ def _http_ok(url: str, timeout_s: float = 2.0) -> bool:
 # --- /proc readers (Linux only, like vLLM's CPU backend; no psutil needed) ---
 
 
-def _stat_fields(pid: int) -> list[str]:
+def stat_fields(pid: int) -> list[str]:
     """Fields of /proc/<pid>/stat after the command name (state is [0])."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
@@ -247,7 +247,7 @@ def _stat_fields(pid: int) -> list[str]:
     return text.rpartition(")")[2].split()
 
 
-def _all_pids() -> Iterator[int]:
+def all_pids() -> Iterator[int]:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             yield int(entry.name)
@@ -256,8 +256,8 @@ def _all_pids() -> Iterator[int]:
 def descendants(pid: int) -> list[int]:
     """Every live descendant of ``pid``."""
     children: dict[int, list[int]] = {}
-    for other in _all_pids():
-        fields = _stat_fields(other)
+    for other in all_pids():
+        fields = stat_fields(other)
         if fields:
             children.setdefault(int(fields[1]), []).append(other)
     found: list[int] = []
@@ -275,15 +275,15 @@ def is_alive(pid: int) -> bool:
     Orphans that exit become zombies of PID 1, which in a container may take
     its time to reap them; they hold no memory and use no CPU.
     """
-    fields = _stat_fields(pid)
+    fields = stat_fields(pid)
     return bool(fields) and fields[0] not in ("Z", "X")
 
 
 def group_members(pgid: int) -> list[int]:
     """Live (not zombie) processes of process group ``pgid``."""
     members = []
-    for pid in _all_pids():
-        fields = _stat_fields(pid)
+    for pid in all_pids():
+        fields = stat_fields(pid)
         if fields and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
             members.append(pid)
     return sorted(members)
@@ -304,9 +304,14 @@ def process_name(pid: int) -> str:
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of one process so far (utime + stime)."""
-    fields = _stat_fields(pid)
+    fields = stat_fields(pid)
     if not fields:
         raise ProcessLookupError(pid)
+    return cpu_of(fields)
+
+
+def cpu_of(fields: list[str]) -> float:
+    """utime + stime in seconds, from :func:`stat_fields`' list."""
     # stat fields 14 and 15, counted from 1 with the pid and name as 1 and 2.
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 

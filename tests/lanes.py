@@ -81,8 +81,8 @@ SHARED = (
     "tests/test_e2e_store_cluster.py",
     "tests/test_e2e_api_servers.py",
 )
-"""Paced modules the paced or the beside lane runs, once its own tests are
-done: the longest first (seconds measured, docs/development.md)."""
+"""Paced modules a lane of STEALS runs, once its own tests are done: the
+longest first (seconds measured, docs/development.md)."""
 STEALS = ("paced", "beside", "waits")
 """The lanes that take SHARED modules (the paced lane's selection leaves them out)."""
 GATED = "quiet"

@@ -124,16 +124,18 @@ def test_a_first_request_waits_for_a_late_grant(tmp_path):
     import threading
 
     server = RedisServer(tmp_path).start()
+    resume = threading.Timer(0.3, server.resume)
     try:
         api = ApiServer(server.url)
         time.sleep(0.2)  # the lease thread's rounds under way
         server.pause()
-        threading.Timer(0.3, server.resume).start()
+        resume.start()
         t0 = time.monotonic()
         a = asyncio.run(admit_waiting(api.table, POLICY, "u"))
         waited = time.monotonic() - t0
         api.runner.stop()
     finally:
+        resume.cancel()
         server.resume()
         server.stop()
     print(f"first request: admitted {a.admitted} after {waited * 1000:.0f} ms")
