@@ -247,6 +247,8 @@ def test_an_engine_cut_off_keeps_the_total_within_the_rate(tmp_path, caplog):
             time.sleep(1.0)
             proxy.heal()
             marks["healed"] = time.monotonic_ns()
+            time.sleep(2.0)
+            seen["late_ns"] = [e.runner.late_ns for e in engines]  # the after window's start
 
         # 5 s after the heal's 2 s: one second of a 20 tok/s rate was too few
         # tokens to judge a rate by (14.7 tok/s in one CI run), and three
@@ -313,6 +315,8 @@ def test_an_engine_cut_off_past_the_hold_keeps_serving_within_its_stated_bound(t
             time.sleep(1.5)
             proxy.heal()
             marks["healed"] = time.monotonic_ns()
+            time.sleep(2.0)
+            seen["late_ns"] = [e.runner.late_ns for e in engines]  # the after window's start
 
         # Past the heal's 2 s, 5 s to judge her rate by: 1.5 s (a 15 s run)
         # read 15.95 tok/s against 16 on a fresh clone, the lanes beside it.
@@ -330,6 +334,18 @@ def test_an_engine_cut_off_past_the_hold_keeps_serving_within_its_stated_bound(t
     n = len(engines)
     excess_past = max_window_excess(merged, RATE * (1 + 1 / n), BURST_NS)
     bound = slack(engines, failover=False, fallback=False) + 1
+    # What a short after-window would be told by: each engine's tokens and
+    # steps a second from the heal on, and how late its lease rounds ran in
+    # the window (a round more than two intervals after the one before).
+    seconds = [(healed + i * S_NS, healed + (i + 1) * S_NS) for i in range(7)]
+    was = seen.pop("late_ns")
+    late = [(e.runner.late_ns - w) / 1e6 for e, w in zip(engines, was, strict=True)]
+    tokens_s = [[sum(k for _, k in e.rec.tokens("alice", *w)) for w in seconds] for e in engines]
+    steps_s = [[sum(w[0] <= x[0] < w[1] for x in e.rec.steps) for w in seconds] for e in engines]
+    print(
+        f"after the heal, a second at a time (A, B): tokens {tokens_s}, steps {steps_s}; "
+        f"lease rounds late in the after window {late} ms"
+    )
     print(
         f"seen: {seen}; B alone {engine_rate(b_alone):.2f} tok/s; both: first 4 s of the cut "
         f"{engine_rate(within):.2f}, past the hold {engine_rate(past):.2f} (stated at most "
