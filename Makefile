@@ -19,6 +19,12 @@ VENV_VLLM := .venv-vllm-$(VLLM)
 
 .PHONY: install test test-fast test-vllm demo bench lint model prometheus clean
 
+# Some machines set PYTHONDONTWRITEBYTECODE (this sandbox does, for every shell):
+# then nothing keeps a compiled module, and each of make test's pytest runs
+# rewrote every test module's asserts again (~5 of its ~15 CPU s of collection
+# here). Bytecode goes to __pycache__ (ignored by git), as Python's default.
+unexport PYTHONDONTWRITEBYTECODE
+
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo "installing outrate with vLLM 0.32.0 (CPU build) into $(VENV); first run takes a few minutes"

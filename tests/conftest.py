@@ -22,8 +22,10 @@ settings.load_profile("outrate")
 
 # A failed test whose server's engine died says so (tests/engine_deaths.py);
 # each run ends with its seconds per module (tests/durations.py); the simulate
-# tests' servers start before any test (tests/sim_servers.py).
-pytest_plugins = ["engine_deaths", "durations", "pytester", "sim_servers"]
+# tests' servers start before any test (tests/sim_servers.py); under make test
+# a module of the shared tail runs in the lane that claims it first
+# (tests/shared_tail.py).
+pytest_plugins = ["engine_deaths", "durations", "pytester", "sim_servers", "shared_tail"]
 
 
 @pytest.fixture(scope="session")

@@ -21,16 +21,16 @@ other three share the tail of the paced tests.
   A module that does more than wait (a server, a scheduler loop run for its
   own sake) does not belong here: it would take from the paced lane's core.
 - **shared** (`SHARED`): the paced lane's modules that start servers of
-  their own (no session server, no order among them) are not in any
-  lane's first run: whichever of the three lanes is free first (paced,
-  beside, or waits once its own modules are done) runs the next of them,
-  the longest first, each in its own pytest run with the paced selection
-  (work stealing: the lanes end within a module of each other, however
-  the machine's speed and lint's cache split the rest). The waits lane is
-  free long before the others, and these modules wait on real time too
-  (a store's outage, a cluster's failover): two of them side by side
-  fill the CPU the lanes left idle. Not when the arguments name test
-  files or ids: those run as given.
+  their own (no session server, no order among them) come last in the
+  runs of the three lanes that take them (paced, beside, waits), and
+  whichever lane reaches them first runs the next of them, the longest
+  first, inside its own pytest run (tests/shared_tail.py: a claim per
+  module; work stealing, so the lanes end within a module of each other,
+  however the machine's speed and lint's cache split the rest). The
+  waits lane is free long before the others, and these modules wait on
+  real time too (a store's outage, a cluster's failover): two of them
+  side by side fill the CPU the lanes left idle. Not when the arguments
+  name test files or ids: those run as given.
 - **quiet** (`-m quiet -rP`): the simulator against a real engine, judged
   against a step model fitted on this machine moments before: another lane
   beside them moves every step's length (tests/sim_drift.py). Its servers
@@ -60,8 +60,10 @@ import tempfile
 import threading
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
+
+import shared_tail
 
 REPO = Path(__file__).resolve().parent.parent
 LANES: dict[str, list[str]] = {
@@ -84,7 +86,8 @@ SHARED = (
 """Paced modules a lane of STEALS runs, once its own tests are done: the
 longest first (seconds measured, docs/development.md)."""
 STEALS = ("paced", "beside", "waits")
-"""The lanes that take SHARED modules (the paced lane's selection leaves them out)."""
+"""The lanes that take SHARED modules: each selects them too (`or shared`),
+and runs those it claims first (tests/shared_tail.py)."""
 GATED = "quiet"
 """The lane whose tests wait for every other lane to end (sim_servers.GATE_ENV)."""
 SHOWN_LIVE = ("paced",)
@@ -139,21 +142,13 @@ def shared_modules(args: list[str]) -> tuple[str, ...]:
     return () if named else SHARED
 
 
-class Shared:
-    """The SHARED modules not yet taken: `take` hands the next to one lane."""
-
-    def __init__(self, modules: Iterable[str]) -> None:
-        self.left = list(modules)
-        self.lock = threading.Lock()
-        self.taken: dict[str, str] = {}  # module -> the lane that ran it
-
-    def take(self, lane: str) -> str | None:
-        with self.lock:
-            if not self.left:
-                return None
-            module = self.left.pop(0)
-            self.taken[module] = lane
-            return module
+def selection(name: str, sharing: bool) -> list[str]:
+    """The lane's `-m` arguments: a lane that takes the shared modules
+    selects them too (tests/shared_tail.py marks their tests `shared`)."""
+    flag, expr, *rest = LANES[name]
+    if sharing and name in STEALS:
+        expr = f"({expr}) or {shared_tail.MARKER}"
+    return [flag, expr, *rest]
 
 
 def main(args: list[str]) -> int:
@@ -164,27 +159,21 @@ def main(args: list[str]) -> int:
     ended: dict[str, tuple[int, float]] = {}
     logs = {name: out / f"{name}.log" for name in LANES if name not in SHOWN_LIVE}
 
-    shared = Shared(shared_modules(args))
-    skip = [f"--ignore={m}" for m in shared.left]
+    modules = shared_modules(args)
+    claims = out / "claims"
 
     def lane(name: str) -> None:
         pytest = [sys.executable, "-m", "pytest", "-q"]
-        mine = skip if name == "paced" else []
-        cmds: list[list[str]] = [[*pytest, *LANES[name], *mine, f"--junitxml={out / name}.xml"]]
-        cmds[0] += args
-        if name in BEFORE:
-            cmds.insert(0, BEFORE[name])
+        run = [*pytest, *selection(name, bool(modules)), f"--junitxml={out / name}.xml", *args]
+        cmds = [BEFORE[name], run] if name in BEFORE else [run]
         env = dict(os.environ)
         if name == GATED:
             env["OUTRATE_QUIET_GATE"] = str(gate)
-
-        def steals() -> Iterator[list[str]]:
-            yield from cmds
-            while name in STEALS and (module := shared.take(name)) is not None:
-                xml = out / f"{name}-{Path(module).stem}.xml"
-                yield [*pytest, *LANES["paced"], module, f"--junitxml={xml}", *args]
-
-        ended[name] = (run_lane(steals(), logs.get(name), env), time.monotonic() - started)
+        if modules and name in STEALS:
+            env[shared_tail.SHARED_ENV] = ",".join(modules)
+            env[shared_tail.CLAIMS_ENV] = str(claims)
+            env[shared_tail.LANE_ENV] = name
+        ended[name] = (run_lane(cmds, logs.get(name), env), time.monotonic() - started)
 
     threads = {name: threading.Thread(target=lane, args=(name,)) for name in LANES}
     for t in threads.values():
@@ -199,15 +188,12 @@ def main(args: list[str]) -> int:
     show(GATED, logs.get(GATED))
     print()
     passed = failed = skipped = 0
+    taken = shared_tail.claimed(claims)
     for name, (code, seconds) in ended.items():
         p, f, s = counts(out / f"{name}.xml")
-        for module, by in shared.taken.items():
-            if by == name:
-                q, g, k = counts(out / f"{name}-{Path(module).stem}.xml")
-                p, f, s = p + q, f + g, s + k
         passed, failed, skipped = passed + p, failed + f, skipped + s
         alone = f" ({seconds - opened:.0f} s alone, after the others)" if name == GATED else ""
-        took = [Path(m).stem for m, by in shared.taken.items() if by == name]
+        took = [m for m, by in taken.items() if by == name]
         also = f" (with {', '.join(took)})" if took else ""
         print(f"lane {name}: exit {code}, {seconds:.0f} s{alone}, {p} passed, {f} failed{also}")
     busy1, all1 = busy_seconds()

@@ -3,35 +3,65 @@ goes to one lane each, the longest first, and every lane's results count."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
-import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lanes  # noqa: E402
+import shared_tail  # noqa: E402
+
+_MODULE = """
+import os, time
+def test_one():
+    with open(os.environ["LOG"], "a") as f:
+        f.write(os.environ["OUTRATE_LANE"] + " " + __name__ + "\\n")
+    time.sleep(0.2)
+def test_two():
+    with open(os.environ["LOG"], "a") as f:
+        f.write(os.environ["OUTRATE_LANE"] + " " + __name__ + "\\n")
+"""
 
 
-def test_each_shared_module_goes_to_exactly_one_lane_in_order() -> None:
-    shared = lanes.Shared(lanes.SHARED)
-    got: dict[str, list[str]] = {name: [] for name in lanes.STEALS}
-    barrier = threading.Barrier(len(got))
-
-    def lane(name: str) -> None:
-        barrier.wait()
-        while (m := shared.take(name)) is not None:
-            got[name].append(m)
-
-    threads = [threading.Thread(target=lane, args=(n,)) for n in got]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert sorted(m for mods in got.values() for m in mods) == sorted(lanes.SHARED)
-    for name, mods in got.items():  # each lane took them in the list's order
-        assert mods == [m for m in lanes.SHARED if m in mods]
-        assert all(shared.taken[m] == name for m in mods)
-    assert shared.take("paced") is None
+def test_each_shared_module_runs_in_exactly_one_lane_last_and_in_order(tmp_path: Path) -> None:
+    """Three pytest runs at once over the same files, as make test's lanes
+    (tests/shared_tail.py): every test of a shared module runs in the one
+    lane that claimed it, after that lane's own tests, the modules in the
+    list's order; the other lanes neither run nor report it."""
+    names = ["test_own", "test_s1", "test_s2", "test_s3", "test_s4"]
+    for name in names:
+        (tmp_path / f"{name}.py").write_text(_MODULE)
+    shared = [f"{n}.py" for n in names[1:]]
+    log, claims = tmp_path / "log", tmp_path / "claims"
+    runs = {}
+    for lane in ("paced", "beside", "waits"):
+        env = {
+            **os.environ,
+            "LOG": str(log),
+            "PYTHONPATH": str(Path(__file__).resolve().parent),
+            shared_tail.SHARED_ENV: ",".join(shared),
+            shared_tail.CLAIMS_ENV: str(claims),
+            shared_tail.LANE_ENV: lane,
+        }
+        argv = [sys.executable, "-m", "pytest", "-q", "-p", "shared_tail", "-p", "no:cacheprovider"]
+        argv += ["-m", f"not {shared_tail.MARKER} or {shared_tail.MARKER}"]
+        runs[lane] = subprocess.Popen(
+            [*argv, "--junitxml", str(tmp_path / f"{lane}.xml")],
+            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+    for proc in runs.values():
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out
+    lines = [line.split() for line in log.read_text().splitlines()]
+    taken = shared_tail.claimed(claims)
+    assert sorted(taken) == names[1:]  # each claimed once
+    for lane in runs:
+        ran = [module for by, module in lines if by == lane]
+        mine = [m for m in names[1:] if taken[m] == lane]
+        assert ran == ["test_own", "test_own"] + [m for m in mine for _ in (1, 2)], (lane, ran)
+        assert lanes.counts(tmp_path / f"{lane}.xml") == (2 + 2 * len(mine), 0, 0)
 
 
 def test_the_shared_modules_are_paced_end_to_end_tests_that_exist() -> None:
