@@ -247,8 +247,6 @@ def test_an_engine_cut_off_keeps_the_total_within_the_rate(tmp_path, caplog):
             time.sleep(1.0)
             proxy.heal()
             marks["healed"] = time.monotonic_ns()
-            time.sleep(2.0)
-            seen["late_ns"] = [e.runner.late_ns for e in engines]  # the after window's start
 
         # 5 s after the heal's 2 s: one second of a 20 tok/s rate was too few
         # tokens to judge a rate by (14.7 tok/s in one CI run), and three
