@@ -1,6 +1,6 @@
-"""`make test`'s runner: `make lint` and the suite in four lanes started at
-once, the last of which waits for the other three before its tests run; the
-other three share the tail of the paced tests.
+"""`make test`'s runner: `make lint` and the suite in five lanes started at
+once: quiet's tests wait for the other four to end; paced, beside and waits
+share a tail of modules; idle runs at the lowest priority.
 
 - **paced** (`-m "e2e and not beside and not quiet"`): the end-to-end tests
   that judge pacing on what an engine recorded. They start real servers one
@@ -31,11 +31,22 @@ other three share the tail of the paced tests.
   real time too (a store's outage, a cluster's failover): two of them
   side by side fill the CPU the lanes left idle. Not when the arguments
   name test files or ids: those run as given.
+- **idle** (`IDLE`, the beside selection of those files, at SCHED_IDLE):
+  the beside lane's modules that judge nothing about time (vLLM's and
+  outrate's CLI in subprocesses, the policy parser, the limiter's
+  properties), from the start, on CPU the other lanes leave: the gaps
+  while servers start and plays wait, the tail once one lane is left.
+  Any other lane's process that wakes takes the core from it at once.
+  The quiet lane waits for it too, so its tests still run alone (the
+  idle lane ends first: 493 s against 516-545 for the others, on a fresh
+  clone here). Beside a busy machine it may wait minutes for a core:
+  its subprocesses' hang guard is IDLE_HANG_S. Not when the arguments
+  name test files or ids: the beside lane runs those.
 - **quiet** (`-m quiet -rP`): the simulator against a real engine, judged
   against a step model fitted on this machine moments before: another lane
   beside them moves every step's length (tests/sim_drift.py). Its servers
   start with the other lanes (tests/sim_servers.py); its tests wait until
-  all three have ended (the file OUTRATE_QUIET_GATE names appears), then run
+  all four have ended (the file OUTRATE_QUIET_GATE names appears), then run
   alone. Their printed figures (the step model's error on each case, each
   user's tok/s and first tokens, engine and simulated) are shown for the
   tests that pass too (`-rP`): a run's log says what it measured.
@@ -60,7 +71,7 @@ import tempfile
 import threading
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import shared_tail
@@ -82,12 +93,34 @@ SHARED = (
     "tests/test_e2e_store_outage.py",
     "tests/test_e2e_store_cluster.py",
     "tests/test_e2e_api_servers.py",
+    "tests/test_ops.py",
 )
 """Paced modules a lane of STEALS runs, once its own tests are done: the
 longest first (seconds measured, docs/development.md)."""
 STEALS = ("paced", "beside", "waits")
 """The lanes that take SHARED modules: each selects them too (`or shared`),
 and runs those it claims first (tests/shared_tail.py)."""
+IDLE = (
+    "tests/test_doctor.py",
+    "tests/test_plugin.py",
+    "tests/test_compat.py",
+    "tests/test_simulate_cli.py",
+    "tests/test_wheel.py",
+    "tests/test_limiter.py",
+    "tests/test_loader.py",
+)
+"""Beside modules that judge nothing about time (vLLM's and outrate's CLI in
+subprocesses, parsers, properties) and hold however long the machine keeps
+them waiting: they run in the idle lane, not the beside lane."""
+IDLE_HANG_S = 1200
+"""The hang guard of a subprocess the idle lane's tests run (not a speed
+bound): beside a one-core busy loop the lane had no core for minutes, and
+`outrate doctor` ran past the 180 s it had."""
+IDLE_LANE = "idle"
+"""A lane at SCHED_IDLE priority, from the start: it runs only on CPU the
+other lanes leave (the gaps while servers start and plays wait, the tail
+where one lane is left); a process of another lane that wakes takes the
+core from it at once. The quiet lane's tests wait for it too."""
 GATED = "quiet"
 """The lane whose tests wait for every other lane to end (sim_servers.GATE_ENV)."""
 SHOWN_LIVE = ("paced",)
@@ -119,16 +152,24 @@ def busy_seconds() -> tuple[float, float]:
     return (sum(fields) - idle) / hz, sum(fields) / hz
 
 
-def run_lane(cmds: Iterable[list[str]], log: Path | None, env: dict[str, str] | None = None) -> int:
+def run_lane(
+    cmds: Iterable[list[str]],
+    log: Path | None,
+    env: dict[str, str] | None = None,
+    preexec: Callable[[], None] | None = None,
+) -> int:
     """The lane's commands one after the other, whatever each returns; the
     first non-zero status, else 0 (pytest's NO_TESTS included)."""
     status = 0
     for cmd in cmds:
         if log is None:
-            code = subprocess.call(cmd, cwd=REPO, env=env)
+            code = subprocess.call(cmd, cwd=REPO, env=env, preexec_fn=preexec)
         else:
             with open(log, "ab") as out:
-                code = subprocess.call(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+                code = subprocess.call(
+                    cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                    preexec_fn=preexec,
+                )  # fmt: skip
         if status == 0 or (status == NO_TESTS and code not in (0, NO_TESTS)):
             status = code
     return status
@@ -140,6 +181,17 @@ def shared_modules(args: list[str]) -> tuple[str, ...]:
     run once more in a shared run)."""
     named = any((REPO / a.split("::", 1)[0]).exists() for a in args if not a.startswith("-"))
     return () if named else SHARED
+
+
+def idle_modules(args: list[str]) -> tuple[str, ...]:
+    """IDLE, unless the pytest arguments name test files or ids: then the
+    beside lane runs what they name."""
+    return IDLE if shared_modules(args) else ()
+
+
+def lowest_priority() -> None:
+    """In the child, before exec: SCHED_IDLE (inherited by what it starts)."""
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
 def selection(name: str, sharing: bool) -> list[str]:
@@ -157,14 +209,24 @@ def main(args: list[str]) -> int:
     started = time.monotonic()
     busy0, all0 = busy_seconds()
     ended: dict[str, tuple[int, float]] = {}
-    logs = {name: out / f"{name}.log" for name in LANES if name not in SHOWN_LIVE}
+    idle = idle_modules(args)
+    names = [*LANES, IDLE_LANE] if idle else list(LANES)
+    logs = {name: out / f"{name}.log" for name in names if name not in SHOWN_LIVE}
 
     modules = shared_modules(args)
     claims = out / "claims"
 
     def lane(name: str) -> None:
         pytest = [sys.executable, "-m", "pytest", "-q"]
-        run = [*pytest, *selection(name, bool(modules)), f"--junitxml={out / name}.xml", *args]
+        junit = f"--junitxml={out / name}.xml"
+        if name == IDLE_LANE:
+            run = [*pytest, *LANES["beside"], *idle, junit, *args]
+            code = run_lane([run], logs[name], dict(os.environ), lowest_priority)
+            ended[name] = (code, time.monotonic() - started)
+            return
+        run = [*pytest, *selection(name, bool(modules)), junit, *args]
+        if name == "beside":
+            run += [f"--ignore={m}" for m in idle]
         cmds = [BEFORE[name], run] if name in BEFORE else [run]
         env = dict(os.environ)
         if name == GATED:
@@ -175,7 +237,7 @@ def main(args: list[str]) -> int:
             env[shared_tail.LANE_ENV] = name
         ended[name] = (run_lane(cmds, logs.get(name), env), time.monotonic() - started)
 
-    threads = {name: threading.Thread(target=lane, args=(name,)) for name in LANES}
+    threads = {name: threading.Thread(target=lane, args=(name,)) for name in names}
     for t in threads.values():
         t.start()
     for name, t in threads.items():
@@ -216,7 +278,8 @@ def show(name: str, log: Path | None) -> None:
     if log is None:
         return
     shown = " ".join(BEFORE[name]) + ", then " if name in BEFORE else ""
-    print(f"\n===== lane {name} ({shown}{' '.join(LANES[name])}), its output =====", flush=True)
+    args = LANES[name] if name in LANES else [*LANES["beside"], "at SCHED_IDLE:", *IDLE]
+    print(f"\n===== lane {name} ({shown}{' '.join(args)}), its output =====", flush=True)
     sys.stdout.write(log.read_text(errors="replace") if log.exists() else "")
 
 

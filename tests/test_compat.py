@@ -18,6 +18,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from lanes import IDLE_HANG_S  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
 from vllm_integration.common import versions  # noqa: E402
@@ -132,7 +133,7 @@ def test_vllm_serve_on_an_unsupported_vllm(asks_for_outrate: bool) -> None:
         [sys.executable, "-c", textwrap.dedent(_CLI), *argv],
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=IDLE_HANG_S,
         cwd=REPO,
     )
     if asks_for_outrate:

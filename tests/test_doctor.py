@@ -22,6 +22,8 @@ from typer.testing import CliRunner
 
 pytest.importorskip("vllm")
 
+from lanes import IDLE_HANG_S  # noqa: E402
+
 from outrate.cli import app  # noqa: E402
 from vllm_integration.common import compat, patches, versions  # noqa: E402
 from vllm_integration.common.patches import Patch  # noqa: E402
@@ -79,7 +81,7 @@ def test_the_doctor_command_exits_0_and_says_outrate_would_start() -> None:
         [sys.executable, "-m", "outrate", "doctor"],
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=IDLE_HANG_S,
         cwd=REPO,
         env=env,
     )
@@ -221,7 +223,7 @@ def test_vllm_serve_help_on_a_newer_vllm(opt_in: bool) -> None:
         [sys.executable, "-c", textwrap.dedent(_CLI), NEWER],
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=IDLE_HANG_S,
         cwd=REPO,
         env=env,
     )

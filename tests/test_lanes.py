@@ -64,11 +64,19 @@ def test_each_shared_module_runs_in_exactly_one_lane_last_and_in_order(tmp_path:
         assert lanes.counts(tmp_path / f"{lane}.xml") == (2 + 2 * len(mine), 0, 0)
 
 
-def test_the_shared_modules_are_paced_end_to_end_tests_that_exist() -> None:
+def test_the_shared_modules_exist_and_each_is_one_lanes_whole() -> None:
+    """A shared module runs in whichever lane claims it, under that lane's
+    selection or `shared`: so all its tests must be one lane's, paced
+    (end-to-end, not beside) or beside (each end-to-end test marked
+    beside), never quiet or waits, nor in the idle lane."""
     root = Path(lanes.REPO)
     for m in lanes.SHARED:
         text = (root / m).read_text()
-        assert "e2e" in text and "pytest.mark.beside" not in text and "mark.quiet" not in text, m
+        assert "mark.quiet" not in text and "mark.waits" not in text, m
+        assert m not in lanes.IDLE, m
+        paced = "pytest.mark.e2e" in text and "pytest.mark.beside" not in text
+        beside = text.count("pytest.mark.e2e") == text.count("pytest.mark.beside")
+        assert paced or beside, m
 
 
 def test_arguments_naming_tests_run_as_given() -> None:
@@ -123,3 +131,30 @@ def test_the_waits_lane_runs_only_modules_that_wait() -> None:
         text = p.read_text()
         assert "ServerProcess" not in text and "session_server" not in text, p.name
         assert "mark.e2e" not in text and "(server)" not in text, p.name
+
+
+def test_the_idle_lane_runs_beside_modules_that_judge_no_time() -> None:
+    """The idle lane's modules exist, belong to the beside lane whole (no
+    end-to-end test, no waits), and neither start a server nor read a clock
+    to judge: at SCHED_IDLE a module may wait for the CPU a long time."""
+    root = Path(lanes.REPO)
+    assert lanes.idle_modules([]) == lanes.IDLE
+    assert lanes.idle_modules(["tests/test_loader.py"]) == ()
+    assert not set(lanes.IDLE) & set(lanes.SHARED)
+    for m in lanes.IDLE:
+        text = (root / m).read_text()
+        assert "mark.e2e" not in text and "mark.waits" not in text and "mark.quiet" not in text, m
+        assert "ServerProcess" not in text and "session_server" not in text, m
+        assert "monotonic" not in text and "sleep(" not in text, m
+        assert "timeout=" not in text.replace("timeout=IDLE_HANG_S", ""), m  # a hang guard only
+
+
+def test_the_idle_lane_runs_at_sched_idle(tmp_path: Path) -> None:
+    out = tmp_path / "policy"
+    cmd = [
+        sys.executable,
+        "-c",
+        f"import os; open({str(out)!r}, 'w').write(str(os.sched_getscheduler(0)))",
+    ]
+    assert lanes.run_lane([cmd], tmp_path / "log", preexec=lanes.lowest_priority) == 0
+    assert int(out.read_text()) == os.SCHED_IDLE

@@ -9,6 +9,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from lanes import IDLE_HANG_S  # noqa: E402
 from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
 from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: E402
 
@@ -737,7 +738,7 @@ def test_metrics_directory_inherited_only_by_spawned_api_servers(process, tmp_pa
     env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
     done = subprocess.run(
         [sys.executable, "-c", _METRICS_DIR_OF, process],
-        env=env, capture_output=True, text=True, timeout=120, check=True,
+        env=env, capture_output=True, text=True, timeout=IDLE_HANG_S, check=True,
     )  # fmt: skip
     directory = done.stdout.strip()
     if process == "api":

@@ -19,6 +19,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from lanes import IDLE_HANG_S
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("outrate", "vllm_integration")
@@ -26,7 +27,7 @@ PACKAGES = ("outrate", "vllm_integration")
 
 def _run(*cmd: str | Path, cwd: Path, env: dict[str, str] | None = None) -> str:
     done = subprocess.run(
-        [str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=600, env=env
+        [str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=IDLE_HANG_S, env=env
     )
     assert done.returncode == 0, f"{cmd}: {done.stdout[-2000:]}{done.stderr[-3000:]}"
     return done.stdout + done.stderr
