@@ -21,8 +21,9 @@ share a tail of modules; idle runs at the lowest priority.
   A module that does more than wait (a server, a scheduler loop run for its
   own sake) does not belong here: it would take from the paced lane's core.
 - **shared** (`SHARED`): the paced lane's modules that start servers of
-  their own (no session server, no order among them) come last in the
-  runs of the three lanes that take them (paced, beside, waits), and
+  their own (no session server, no order among them), and test_ops, a
+  beside module with a server and a Prometheus of its own, come last in
+  the runs of the three lanes that take them (paced, beside, waits), and
   whichever lane reaches them first runs the next of them, the longest
   first, inside its own pytest run (tests/shared_tail.py: a claim per
   module; work stealing, so the lanes end within a module of each other,
@@ -38,8 +39,8 @@ share a tail of modules; idle runs at the lowest priority.
   while servers start and plays wait, the tail once one lane is left.
   Any other lane's process that wakes takes the core from it at once.
   The quiet lane waits for it too, so its tests still run alone (the
-  idle lane ends first: 493 s against 516-545 for the others, on a fresh
-  clone here). Beside a busy machine it may wait minutes for a core:
+  idle lane ended with or before the others on fresh clones here: 493
+  and 545 s, against 516-550). Beside a busy machine it may wait minutes for a core:
   its subprocesses' hang guard is IDLE_HANG_S. Not when the arguments
   name test files or ids: the beside lane runs those.
 - **quiet** (`-m quiet -rP`): the simulator against a real engine, judged
@@ -95,8 +96,10 @@ SHARED = (
     "tests/test_e2e_api_servers.py",
     "tests/test_ops.py",
 )
-"""Paced modules a lane of STEALS runs, once its own tests are done: the
-longest first (seconds measured, docs/development.md)."""
+"""Modules a lane of STEALS runs once its own tests are done, the longest
+first (seconds measured, docs/development.md): the paced ones that start
+servers of their own, then test_ops (beside; the beside lane had been the
+one left running alone). Each is one lane's whole (tests/test_lanes.py)."""
 STEALS = ("paced", "beside", "waits")
 """The lanes that take SHARED modules: each selects them too (`or shared`),
 and runs those it claims first (tests/shared_tail.py)."""

@@ -1,4 +1,4 @@
-"""A pytest plugin for `make test`'s shared tail (tests/lanes.py): the paced
+"""A pytest plugin for `make test`'s shared tail (tests/lanes.py SHARED): the
 modules that start servers of their own run in whichever lane is free first,
 inside that lane's own pytest run.
 
