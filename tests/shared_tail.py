@@ -16,6 +16,7 @@ Without OUTRATE_SHARED nothing changes. Loaded by tests/conftest.py.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -30,9 +31,11 @@ _mine: dict[str, bool] = {}
 """Each shared module this run reached: claimed by this lane or not."""
 
 
-def shared() -> list[str]:
-    """The shared modules (paths relative to the repository), in order."""
-    return [m for m in os.environ.get(SHARED_ENV, "").split(",") if m]
+@functools.cache
+def shared() -> tuple[str, ...]:
+    """The shared modules (paths relative to the repository), in order: read
+    once, not per test (the environment is the lane's, fixed at its start)."""
+    return tuple(m for m in os.environ.get(SHARED_ENV, "").split(",") if m)
 
 
 def module_of(item: pytest.Item) -> str:
