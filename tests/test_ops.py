@@ -16,6 +16,7 @@ import re
 import subprocess
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -710,13 +711,15 @@ def test_rules_evaluate_and_the_alerts_tell_the_truth(run):
     was refused fires OutratePolicyReloadRejected; peek's shadow rule, over
     its rate all along, makes OutrateShadowWouldRefuse pending (its `for:` is
     15 minutes); nothing else is wrong here, so nothing else is active (but
-    OutrateLeaseSlow may be pending, and OutrateLimitMostlyHeld could be)."""
-    states = {}
+    OutrateLeaseSlow may be pending, and OutrateLimitMostlyHeld could be; and
+    OutrateStoreErrors is pending if a starved round trip timed out)."""
+    states, evaluated = {}, {}
     for group in run.prom.api("rules")["groups"]:
         for rule in group["rules"]:
             assert rule["health"] == "ok", (rule["name"], rule.get("lastError"))
             if rule["type"] == "alerting":
                 states[rule["name"]] = rule["state"]
+                evaluated[rule["name"]] = rule["lastEvaluation"]
     assert set(states) == {r["alert"] for r in alerts()}
     assert states.pop("OutratePolicyReloadRejected") == "firing"
     assert states.pop("OutrateShadowWouldRefuse") == "pending"
@@ -726,6 +729,15 @@ def test_rules_evaluate_and_the_alerts_tell_the_truth(run):
     lease = run.prom.query("instance:outrate_lease_seconds:p99_5m", at=run.end)
     print(f"lease round trip p99 {value(lease[0]) * 1000:.1f} ms")
     assert states.pop("OutrateLeaseSlow") != "firing"
+    # ... or past its 0.5 s timeout: a failed round trip, retried at the next
+    # round (faults.DOWN_AFTER), so the store stays up and the alert, whose
+    # `for:` is 10 minutes, is pending exactly while the counter shows it
+    at = datetime.fromisoformat(evaluated["OutrateStoreErrors"]).timestamp()
+    errors = value(run.prom.query("sum(increase(outrate_store_errors_total[10m]))", at=at)[0])
+    up = value(run.prom.query("min_over_time(outrate_store_up[5m])", at=run.end)[0])
+    print(f"store round trips failed: {errors:.1f} (extrapolated); up all along: {up == 1}")
+    assert up == 1
+    assert states.pop("OutrateStoreErrors") == ("pending" if errors > 0 else "inactive")
     assert set(states.values()) == {"inactive"}, states
 
 
