@@ -527,6 +527,50 @@ def test_api_key_identity_beside_vllms_api_key_is_refused_at_startup(tmp_path, m
     assert "sk-vllm" not in str(exc.value.code)
 
 
+def _start_says(argv: list[str]) -> str | None:
+    """What the start refuses with (vLLM's serve parser, then the plugin), or None."""
+    try:
+        AsyncEngineArgs.from_cli_args(serve_args(*argv))
+    except SystemExit as exc:
+        return str(exc.code)
+    return None
+
+
+def test_the_launcher_refuses_before_vllm_only_what_the_start_refuses(parser, tmp_path):
+    """`outrate serve` checks the flags that take text and the policy file
+    before it imports vLLM (launcher.early_refusal): with the start's own
+    message where the command line tells, and never a refusal of its own."""
+    from vllm_integration.startup.launcher import early_refusal
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: 1\ndefault: 100\nusers: {alice: {rate: -1}}\n")
+    good = ["--outrate-policy", "policies/demo.yaml"]
+    store = ["--outrate-store", "redis://h:6379/0"]
+    (tmp_path / "precious.txt").write_text("notes")
+    (tmp_path / "t.dp1.jsonl").symlink_to(tmp_path / "precious.txt")
+    told = [
+        ["--outrate-policy", str(bad)],
+        [f"--outrate_policy={bad}"],  # vLLM's parser reads _ as -
+        ["--outrate-policy", str(tmp_path / "missing.yaml")],
+        [*good, "--outrate-trace", str(tmp_path)],
+        [*good, "--outrate-store-fallback", "pause"],  # needs --outrate-store
+        [*good, "--outrate-store", "http://h:6379"],
+    ]
+    for argv in told:
+        said = _start_says(argv)
+        assert said is not None and early_refusal(argv) == said, argv
+    left = [  # what only the parsed command line tells: the start's to refuse
+        ["--outrate-policy", str(identity_policy(tmp_path, API_KEY_SECTION)), "--api-key", "k"],
+        [*good, *store, "--data-parallel-size", "2", "--outrate-trace", str(tmp_path / "t.jsonl")],
+        [*good, *store, "--outrate-store-engines", "0"],
+        ["--max-num-seqs", "8", "--outrate-policy"],  # no value: vLLM's parser says so
+    ]
+    for argv in left:
+        assert _start_says(argv) is not None and early_refusal(argv) is None, argv
+    for argv in ([*good, "--outrate-reload", "off"], ["--max-num-seqs", "8"]):
+        assert _start_says(argv) is None and early_refusal(argv) is None, argv
+
+
 def test_a_body_identity_on_every_interface_is_logged_at_startup(caplog):
     with caplog.at_level("WARNING", logger="vllm.outrate"):
         AsyncEngineArgs.from_cli_args(

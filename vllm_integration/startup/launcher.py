@@ -10,14 +10,19 @@ The CPU build spawns its engine process, so callers must keep their work under
 
 On the CPU platform it also sets `OUTRATE_SHM_SPIN_SLEEP_US=100` unless the
 environment sets it (`=0` turns it off): see `default_spin_sleep`.
+
+A bad policy file or `--outrate-*` value is refused before vLLM is imported
+(`early_refusal`): in under a second, not after the ~9 s that importing vLLM
+takes here.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata as md
 import os
 import sys
-from collections.abc import MutableMapping
+from collections.abc import MutableMapping, Sequence
 
 
 def _answer_vllm_version() -> None:
@@ -61,7 +66,50 @@ def default_spin_sleep(environ: MutableMapping[str, str]) -> bool:
     return True
 
 
+def early_refusal(argv: Sequence[str]) -> str | None:
+    """What the start would refuse, said before vLLM is imported: the
+    `--outrate-*` flags that take text, then the policy file, by the checks
+    the start runs (`outrate_settings`, `load_checked`), with their message.
+    None where those pass, and where they cannot be read from the command
+    line alone (no policy flag, a flag's value missing): vLLM's parser and
+    the start's own checks, which always run, decide then. Never refuses
+    what the start accepts: the flags it leaves out (numbers, --api-key,
+    --data-parallel-size) only add refusals there."""
+    from outrate.check.outrate_flags import FLAGS, POLICY, check_flags, given
+    from outrate.errors import OutrateError
+    from vllm_integration.common.config import load_checked
+
+    texts = [flag for flag in FLAGS if flag.type is str]
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    for flag in texts:
+        parser.add_argument(flag.name, dest=flag.dest)
+    try:  # vLLM's parser reads --outrate_policy as --outrate-policy
+        args, _ = parser.parse_known_args([_dashed(a) for a in argv])
+    except argparse.ArgumentError:
+        return None
+    values = {flag.name: getattr(args, flag.dest) for flag in texts}
+    if not given(values[POLICY]):
+        return None
+    try:
+        kept = check_flags(values)
+        load_checked(os.path.abspath(kept[POLICY]))
+    except OutrateError as exc:
+        return f"outrate: {exc}"
+    return None
+
+
+def _dashed(arg: str) -> str:
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg.partition("=")
+    return name.replace("_", "-") + eq + value
+
+
 def main(argv: list[str]) -> int:
+    refused = early_refusal(argv)
+    if refused is not None:
+        print(refused, file=sys.stderr)
+        return 1
     _answer_vllm_version()
     default_spin_sleep(os.environ)
     from vllm_integration.startup.plugin import register
