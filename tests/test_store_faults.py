@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import pytest
 
@@ -278,18 +279,19 @@ def test_an_engine_cut_off_keeps_the_total_within_the_rate(tmp_path, caplog):
     assert caplog.text.count("still lost after 3 s") == 1  # B, once
 
 
-def test_an_engine_cut_off_past_the_hold_keeps_serving_within_its_stated_bound(tmp_path, caplog):
-    """The default fallback, local, through a partial partition longer than
-    the hold. B is cut off for 10 s with a hold of 1 s: it serves alice at
-    rate/2 the whole time, never pausing. A leaves B its half while B's part
-    is kept (B's last heartbeat + its TTL + B's own hold, a retry and a
-    connect: at most 6 s after the cut), then takes it back. The bound stated
-    for that (docs/several-engines.md): in any window W, tokens over both
-    engines <= (W + burst) x rate x (1 + 1/N) + 1 + S + 1, with N = 2 (B's +1
-    for pacing alone); before A takes B's part back, the total stays within
-    the rate."""
-    caplog.set_level(logging.INFO, logger="vllm.outrate")
-    server = RedisServer(tmp_path).start()
+STALL_NS = 250_000_000
+"""A step of the engines' loop this long is the machine's, not the
+budget's: a step here takes ~1 ms alone and sends nothing to the store
+(`store_calls_in_steps`). On a fresh clone, the lanes beside it, one took
+1,960 ms, and the past-the-hold window (3.5 s) lost its tokens with it:
+19.5 tok/s against at least 24 (30.0 alone, slowest step 1 ms). A play
+with such a step is played again, once; the second is judged as it is."""
+
+
+def _cut_off_past_the_hold(d: Path) -> tuple[list[Engine], dict[str, int], dict[str, object]]:
+    """One play of the partition below: (engines, when it was cut and
+    healed, what was seen during it)."""
+    server = RedisServer(d).start()
     proxy = Proxy(server.port)
     try:
         a = Engine("sync", server.url, "a", hold_s=1.0).start()
@@ -323,6 +325,28 @@ def test_an_engine_cut_off_past_the_hold_keeps_serving_within_its_stated_bound(t
     finally:
         proxy.close()
         server.stop()
+    return engines, marks, seen
+
+
+def test_an_engine_cut_off_past_the_hold_keeps_serving_within_its_stated_bound(tmp_path, caplog):
+    """The default fallback, local, through a partial partition longer than
+    the hold. B is cut off for 10 s with a hold of 1 s: it serves alice at
+    rate/2 the whole time, never pausing. A leaves B its half while B's part
+    is kept (B's last heartbeat + its TTL + B's own hold, a retry and a
+    connect: at most 6 s after the cut), then takes it back. The bound stated
+    for that (docs/several-engines.md): in any window W, tokens over both
+    engines <= (W + burst) x rate x (1 + 1/N) + 1 + S + 1, with N = 2 (B's +1
+    for pacing alone); before A takes B's part back, the total stays within
+    the rate."""
+    caplog.set_level(logging.INFO, logger="vllm.outrate")
+    for tries in (1, 2):
+        caplog.clear()
+        engines, marks, seen = _cut_off_past_the_hold(tmp_path / f"play{tries}")
+        stall = max(e.slowest_ns for e in engines)
+        if stall <= STALL_NS:
+            break
+        print(f"play {tries}: a step of the engines' loop took {stall / 1e6:.0f} ms (STALL_NS)")
+    b = engines[1]
     merged, excess, rate = report("partition past the hold", engines)
     cut, healed = marks["cut"], marks["healed"]
     b_alone = b.rec.tokens("alice", cut + int(1.5 * S_NS), healed)
