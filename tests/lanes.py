@@ -89,19 +89,17 @@ markers (tests/test_lanes.py)."""
 BEFORE = {"beside": [os.environ.get("MAKE", "make"), "--no-print-directory", "lint"]}
 """Run in a lane before its tests: the lane's status is the first that failed."""
 SHARED = (
+    "tests/test_bench_gpu_check.py",
     "tests/test_e2e_store.py",
     "tests/test_e2e_store_outage.py",
     "tests/test_e2e_store_cluster.py",
     "tests/test_e2e_api_servers.py",
-    "tests/test_bench_gpu_check.py",
     "tests/test_ops.py",
 )
 """Modules a lane of STEALS runs once its own tests are done, the longest
-first, so that the last to start is short (seconds on fresh clones,
-2026-12-05: 161-162, 143-151, 93-117, 81-106, 75-83, 65-75): the paced
-ones that start servers of their own, and test_ops (beside; the beside
-lane had been the one left running alone). Each is one lane's whole
-(tests/test_lanes.py)."""
+first (seconds measured, docs/development.md): the paced ones that start
+servers of their own, then test_ops (beside; the beside lane had been the
+one left running alone). Each is one lane's whole (tests/test_lanes.py)."""
 STEALS = ("paced", "beside", "waits")
 """The lanes that take SHARED modules: each selects them too (`or shared`),
 and runs those it claims first (tests/shared_tail.py)."""
