@@ -99,7 +99,10 @@ SHARED = (
 """Modules a lane of STEALS runs once its own tests are done, the longest
 first (seconds measured, docs/development.md): the paced ones that start
 servers of their own, then test_ops (beside; the beside lane had been the
-one left running alone). Each is one lane's whole (tests/test_lanes.py)."""
+one left running alone). Each is one lane's whole (tests/test_lanes.py).
+Not reordered by length (532108e put test_e2e_store first): the lane free
+first, waits, ~200 s in, runs the first beside three busy lanes, and two
+of test_e2e_store's rates fell there (17.3 and 17.6 tok/s of 19 and 18)."""
 STEALS = ("paced", "beside", "waits")
 """The lanes that take SHARED modules: each selects them too (`or shared`),
 and runs those it claims first (tests/shared_tail.py)."""
