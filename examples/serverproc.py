@@ -499,6 +499,20 @@ class ServerProcess:
         """The server process and all its descendants."""
         return [self.proc.pid, *self.child_pids()] if self.proc and self.running() else []
 
+    def waited_ns(self) -> dict[int, int]:
+        """Per thread of the server's processes (thread id -> ns): how long it
+        was runnable but waited for a CPU since it started (the kernel's
+        /proc/PID/task/TID/schedstat, its second field). What the machine,
+        not the server, took from it."""
+        out = {}
+        for pid in self.all_pids():
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                try:
+                    out[int(task.name)] = int((task / "schedstat").read_text().split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue  # a thread that ended meanwhile
+        return out
+
     def engine_core_pids(self) -> list[int]:
         """PIDs of vLLM's engine-core processes (titled ``VLLM::EngineCore``).
 

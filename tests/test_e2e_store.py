@@ -28,7 +28,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("redis")
 
 from build_tiny_model import build  # noqa: E402
-from e2e_support import REPO, assert_complete, start_together  # noqa: E402
+from e2e_support import REPO, assert_complete, cpu_waits, start_together  # noqa: E402
 from loadgen import run_concurrently  # noqa: E402
 from redis_support import RedisServer  # noqa: E402
 from serverproc import ServerProcess, cpu_server_env, outrate_serve_argv, worker_env  # noqa: E402
@@ -169,6 +169,29 @@ def run_split(replicas: Replicas, plan: list[list[tuple[str, int, int]]]):
     return [s for r in results for s in r]
 
 
+STARVED = 0.2
+"""A play in which a thread of the servers waited for a CPU longer than
+this share of it (`e2e_support.cpu_waits`) measured the machine, not the
+budget: it is played again, once, and the second is judged as it is.
+Alone here the largest share was 3.8-9.8%, beside two busy loops 2.7-15.8%,
+each rate within 0.5% of 20 tok/s; in make test, beside three busy lanes,
+two rates read 17.0-17.6 tok/s (0.85-0.88x) in two of four fresh runs."""
+
+
+def played(replicas: Replicas, plan: list[list[tuple[str, int, int]]]) -> int:
+    """`run_split(plan)`, every stream complete, played again once if the
+    machine starved the servers (STARVED); when the judged play began."""
+    for tries in (1, 2):
+        since = time.monotonic_ns()
+        with cpu_waits(replicas.servers) as waited:
+            streams = run_split(replicas, plan)
+        assert_complete(streams)
+        print(f"play {tries}: a thread of the servers waited {waited[0]:.1%} of it for a CPU")
+        if waited[0] <= STARVED:
+            break
+    return since
+
+
 def test_no_password_in_any_log_or_metrics_page(replicas):
     for i, s in enumerate(replicas.servers):
         log = s.log_path.read_text(errors="replace")
@@ -186,9 +209,7 @@ def test_one_user_on_two_replicas_gets_one_rate(replicas):
     """alice: 4 streams, 2 per replica, 50 tokens each. Her tokens summed over
     every engine stay within (W + burst) * rate + 1 + slack in every window
     and reach 0.95 x the rate; an unlimited user beside her is unaffected."""
-    since = time.monotonic_ns()
-    streams = run_split(replicas, [[("alice", 2, 50), ("free", 1, 400)], [("alice", 2, 50)]])
-    assert_complete(streams)
+    since = played(replicas, [[("alice", 2, 50), ("free", 1, 400)], [("alice", 2, 50)]])
     merged = replicas.steps("alice", since)
     per = [sum(k for _, k in replicas.steps("alice", since, replica=i)) for i in (A, B)]
     excess = max_window_excess(merged, RATE, BURST_NS)
@@ -216,9 +237,7 @@ def test_one_user_on_two_replicas_gets_one_rate(replicas):
 
 
 def test_one_user_on_one_replica_still_gets_the_rate(replicas):
-    since = time.monotonic_ns()
-    streams = run_split(replicas, [[("alice", 2, 40)], []])
-    assert_complete(streams)
+    since = played(replicas, [[("alice", 2, 40)], []])
     steps = replicas.steps("alice", since)
     excess = max_window_excess(steps, RATE, BURST_NS)
     rate = engine_rate(steps)
@@ -229,9 +248,7 @@ def test_one_user_on_one_replica_still_gets_the_rate(replicas):
 
 def test_data_parallel_ranks_share_one_budget(replicas):
     """alice: 4 streams on replica B only; vLLM spreads them over its ranks."""
-    since = time.monotonic_ns()
-    streams = run_split(replicas, [[], [("alice", 4, 30)]])
-    assert_complete(streams)
+    since = played(replicas, [[], [("alice", 4, 30)]])
     per_rank = [sum(k for _, k in replicas.steps("alice", since, engine=e)) for e in (1, 2)]
     merged = replicas.steps("alice", since)
     excess = max_window_excess(merged, RATE, BURST_NS)
