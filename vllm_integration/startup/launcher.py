@@ -11,9 +11,9 @@ The CPU build spawns its engine process, so callers must keep their work under
 On the CPU platform it also sets `OUTRATE_SHM_SPIN_SLEEP_US=100` unless the
 environment sets it (`=0` turns it off): see `default_spin_sleep`.
 
-A bad policy file or `--outrate-*` value is refused before vLLM is imported
-(`early_refusal`): in under a second, not after the ~9 s that importing vLLM
-takes here.
+A bad policy file, or a bad `--outrate-*` flag that takes text (a trace
+path, a store URL), is refused before vLLM is imported (`early_refusal`):
+in under a second, not after the ~9 s that importing vLLM takes here.
 """
 
 from __future__ import annotations
@@ -69,12 +69,13 @@ def default_spin_sleep(environ: MutableMapping[str, str]) -> bool:
 def early_refusal(argv: Sequence[str]) -> str | None:
     """What the start would refuse, said before vLLM is imported: the
     `--outrate-*` flags that take text, then the policy file, by the checks
-    the start runs (`outrate_settings`, `load_checked`), with their message.
+    the start runs (`check_flags`, `load_checked`), with their message.
     None where those pass, and where they cannot be read from the command
     line alone (no policy flag, a flag's value missing): vLLM's parser and
     the start's own checks, which always run, decide then. Never refuses
     what the start accepts: the flags it leaves out (numbers, --api-key,
-    --data-parallel-size) only add refusals there."""
+    --data-parallel-size) only add refusals there (so where a number flag
+    is wrong too, the start would have named that one first)."""
     from outrate.check.outrate_flags import FLAGS, POLICY, check_flags, given
     from outrate.errors import OutrateError
     from vllm_integration.common.config import load_checked
