@@ -24,8 +24,8 @@ share a tail of modules; idle runs at the lowest priority.
   their own (no session server, no order among them), and test_ops, a
   beside module with a server and a Prometheus of its own, come last in
   the runs of the three lanes that take them (paced, beside, waits), and
-  whichever lane reaches them first runs the next of them, the longest
-  first, inside its own pytest run (tests/shared_tail.py: a claim per
+  whichever lane reaches them first runs the next of them, in SHARED's
+  order, inside its own pytest run (tests/shared_tail.py: a claim per
   module; work stealing, so the lanes end within a module of each other,
   however the machine's speed and lint's cache split the rest). The
   waits lane is free long before the others, and these modules wait on
@@ -96,12 +96,12 @@ SHARED = (
     "tests/test_e2e_api_servers.py",
     "tests/test_ops.py",
 )
-"""Modules a lane of STEALS runs once its own tests are done, the longest
-first (seconds measured, docs/development.md): the paced ones that start
-servers of their own, then test_ops (beside; the beside lane had been the
-one left running alone). Each is one lane's whole (tests/test_lanes.py).
-Not in length order: 532108e put test_e2e_store first, and the lanes
-ended no sooner in its one run (485-538 s)."""
+"""Modules a lane of STEALS runs once its own tests are done, in this
+order (the longest first when it was set, docs/development.md): the paced
+ones that start servers of their own, then test_ops (beside; the beside
+lane had been the one left running alone). Each is one lane's whole
+(tests/test_lanes.py). Today's lengths differ; sorted by them (532108e:
+test_e2e_store first), the lanes ended no sooner in its one run (485-538 s)."""
 STEALS = ("paced", "beside", "waits")
 """The lanes that take SHARED modules: each selects them too (`or shared`),
 and runs those it claims first (tests/shared_tail.py)."""
