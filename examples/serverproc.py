@@ -26,6 +26,7 @@ import contextlib
 import os
 import random
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -37,8 +38,9 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
+T = TypeVar("T")
 HOST = "127.0.0.1"
 SERVED_MODEL_NAME = "tiny"
 
@@ -316,6 +318,13 @@ def cpu_of(fields: list[str]) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def spent_cpu_s(pid: int) -> float:
+    """CPU seconds of one process and of its children it reaped (utime +
+    stime + cutime + cstime); 0 for a process that is gone."""
+    fields = stat_fields(pid)
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK") if fields else 0.0
+
+
 def rss_bytes(pid: int) -> int:
     """Resident set size of one process."""
     pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
@@ -330,6 +339,22 @@ _live: set[ServerProcess] = set()
 # Every server started in this process, in order: a failed test asks the ones
 # started during it whether their engine died (tests/conftest.py).
 started: list[ServerProcess] = []
+_orphaned_cpu_s = [0.0]  # orphaned_cpu_s()
+
+
+def orphaned_cpu_s() -> float:
+    """CPU seconds that this process's stopped servers used in processes
+    that were not reaped into its children's times: vLLM's CPU model worker
+    outlives its engine core at shutdown, and init reaps it (in one start
+    here, 10.6 of the server's 29.3 CPU s). A count of CPU under this
+    process (tests/durations.py) adds it back."""
+    return _orphaned_cpu_s[0]
+
+
+def _children_cpu_s() -> float:
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
 
 # What vLLM 0.32 logs when a process under the API server dies, and the death
 # it names: (pattern, which process, group of the exit code or None).
@@ -340,6 +365,50 @@ _DEATHS: tuple[tuple[re.Pattern[str], str, int | None], ...] = (
     (re.compile(r"Fatal Python error: (.+)"), "a process", None),
     (re.compile(r"EngineDeadError|EngineCore encountered an issue"), "the engine core", None),
 )
+
+
+STARVED = 0.2
+"""A play in which a thread of the servers waited for a CPU longer than this
+share of it (:func:`cpu_waits`) measured the machine, not the limits
+(:func:`play_unstarved`). Alone here the largest share was 3.8-9.8%, beside
+two busy loops 2.7-15.8%, each rate of test_e2e_store within 0.5% of its
+limit; in `make test`, beside three busy lanes, rates judged in real time
+read 0.82-0.88x in about half the fresh runs (docs/development.md). Not a
+measure for a play that loads its server past its cores itself: beside
+test_e2e_peak's 48 borrowed streams, alone on the machine, a thread of the
+session server waited 34-37% of the play."""
+
+
+@contextlib.contextmanager
+def cpu_waits(servers: list[ServerProcess]) -> Iterator[list[float]]:
+    """While the body runs: the largest share of its wall time that any
+    thread of the servers spent runnable and waiting for a CPU
+    (`ServerProcess.waited_ns`), set in the yielded list when it ends: what
+    the machine took from the engines, not what their limits held back."""
+    before = {t: ns for s in servers for t, ns in s.waited_ns().items()}
+    began = time.monotonic_ns()
+    share: list[float] = []
+    yield share
+    wall = max(1, time.monotonic_ns() - began)
+    after = {t: ns for s in servers for t, ns in s.waited_ns().items()}
+    share.append(max(((ns - before.get(t, 0)) / wall for t, ns in after.items()), default=0.0))
+
+
+def play_unstarved(
+    servers: list[ServerProcess], play: Callable[[], T], say: Callable[[str], None] = print
+) -> T:
+    """`play()`, and once more if the machine starved the servers during it
+    (a thread waited for a CPU over STARVED of the play): what the first
+    measured was the machine. The second is returned as it is, starved or
+    not, so a server that is slow on its own still fails the judgment that
+    follows. Each play's share is said."""
+    for tries in (1, 2):
+        with cpu_waits(servers) as waited:
+            result = play()
+        say(f"play {tries}: a thread of the servers waited {waited[0]:.1%} of it for a CPU")
+        if waited[0] <= STARVED:
+            break
+    return result
 
 
 def exit_reason(code: int) -> str:
@@ -459,6 +528,8 @@ class ServerProcess:
             return None
         pgid = self.proc.pid  # start_new_session: the leader's pid is the pgid
         began = time.monotonic()
+        held = sum(spent_cpu_s(pid) for pid in self.all_pids())
+        reaped = _children_cpu_s()
         # (signal, to the whole group?, give up waiting at this share of timeout_s)
         phases = (
             (signal.SIGINT, False, 0.4),
@@ -479,6 +550,7 @@ class ServerProcess:
         _live.discard(self)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
+        _orphaned_cpu_s[0] += max(0.0, held - (_children_cpu_s() - reaped))
         return self.proc.returncode
 
     def _reap_and_check(self, pgid: int) -> bool:

@@ -22,7 +22,7 @@ import os
 from collections import defaultdict
 
 import pytest
-from serverproc import descendants, stat_fields
+from serverproc import descendants, orphaned_cpu_s, spent_cpu_s
 
 SHOWN = 15
 _seconds: dict[str, float] = defaultdict(float)
@@ -33,15 +33,11 @@ _running: list[tuple[str, float]] = []
 
 
 def tree_cpu() -> float:
-    """CPU seconds of this process and its descendants, alive or reaped:
-    each live one's utime + stime + cutime + cstime (a reaped child's time
-    is in its parent's cutime, a zombie's still in its own)."""
-    ticks = 0
-    for pid in (os.getpid(), *descendants(os.getpid())):
-        fields = stat_fields(pid)
-        if fields:
-            ticks += sum(int(f) for f in fields[11:15])
-    return ticks / os.sysconf("SC_CLK_TCK")
+    """CPU seconds of this process and its descendants, alive or reaped
+    (each live one's own and its reaped children's: a zombie's are still
+    its own), and what stopped servers' orphans used (`orphaned_cpu_s`)."""
+    pids = (os.getpid(), *descendants(os.getpid()))
+    return sum(spent_cpu_s(pid) for pid in pids) + orphaned_cpu_s()
 
 
 def _close(now: float) -> None:

@@ -316,18 +316,3 @@ def assert_complete(streams: list[Stream]) -> None:
         assert s.error is None, s.error
         assert s.completion_tokens == s.max_tokens, (s.user, s.completion_tokens)
         assert s.finish_reason == "length"
-
-
-@contextlib.contextmanager
-def cpu_waits(servers: list[ServerProcess]):
-    """While the body runs: the largest share of its wall time that any
-    thread of the servers spent runnable and waiting for a CPU
-    (`ServerProcess.waited_ns`), set in the yielded list when it ends: what
-    the machine took from the engines, not what their limits held back."""
-    before = {t: ns for s in servers for t, ns in s.waited_ns().items()}
-    began = time.monotonic_ns()
-    share: list[float] = []
-    yield share
-    wall = max(1, time.monotonic_ns() - began)
-    after = {t: ns for s in servers for t, ns in s.waited_ns().items()}
-    share.append(max(((ns - before.get(t, 0)) / wall for t, ns in after.items()), default=0.0))

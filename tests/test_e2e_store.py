@@ -28,10 +28,16 @@ pytest.importorskip("vllm")
 pytest.importorskip("redis")
 
 from build_tiny_model import build  # noqa: E402
-from e2e_support import REPO, assert_complete, cpu_waits, start_together  # noqa: E402
+from e2e_support import REPO, assert_complete, start_together  # noqa: E402
 from loadgen import run_concurrently  # noqa: E402
 from redis_support import RedisServer  # noqa: E402
-from serverproc import ServerProcess, cpu_server_env, outrate_serve_argv, worker_env  # noqa: E402
+from serverproc import (  # noqa: E402
+    ServerProcess,
+    cpu_server_env,
+    outrate_serve_argv,
+    play_unstarved,
+    worker_env,
+)
 
 from outrate.budget.shared.credit import LEASE_INTERVAL_S  # noqa: E402
 from outrate.budget.shared.lease import ENGINES_KEY  # noqa: E402
@@ -169,27 +175,17 @@ def run_split(replicas: Replicas, plan: list[list[tuple[str, int, int]]]):
     return [s for r in results for s in r]
 
 
-STARVED = 0.2
-"""A play in which a thread of the servers waited for a CPU longer than
-this share of it (`e2e_support.cpu_waits`) measured the machine, not the
-budget: it is played again, once, and the second is judged as it is.
-Alone here the largest share was 3.8-9.8%, beside two busy loops 2.7-15.8%,
-each rate within 0.5% of 20 tok/s; in make test, beside three busy lanes,
-two rates read 17.0-17.6 tok/s (0.85-0.88x) in two of four fresh runs."""
-
-
 def played(replicas: Replicas, plan: list[list[tuple[str, int, int]]]) -> int:
     """`run_split(plan)`, every stream complete, played again once if the
-    machine starved the servers (STARVED); when the judged play began."""
-    for tries in (1, 2):
+    machine starved the servers (`serverproc.play_unstarved`); when the
+    judged play began."""
+
+    def play() -> int:
         since = time.monotonic_ns()
-        with cpu_waits(replicas.servers) as waited:
-            streams = run_split(replicas, plan)
-        assert_complete(streams)
-        print(f"play {tries}: a thread of the servers waited {waited[0]:.1%} of it for a CPU")
-        if waited[0] <= STARVED:
-            break
-    return since
+        assert_complete(run_split(replicas, plan))
+        return since
+
+    return play_unstarved(replicas.servers, play)
 
 
 def test_no_password_in_any_log_or_metrics_page(replicas):
