@@ -101,8 +101,8 @@ def worker_env(cores: str) -> dict[str, str]:
     worker's pool to core 0 with one thread and leaves core 1 to the API
     server and the engine core: on 2 cores ~450 tok/s for one stream,
     against ~300 with ``"nobind"`` and ~60 with ``"0-1"`` (two spinning
-    OpenMP threads). The several-engine tests bind each engine's worker to a
-    core of its own, as docs/several-engines.md tells CPU users to. (Without
+    OpenMP threads). test_e2e_store binds each data-parallel rank's worker to
+    a core of its own, as docs/several-engines.md tells CPU users to. (Without
     a worker the variable does nothing: :data:`CPU_SERVER_ENV` leaves it.)"""
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": cores}
 

@@ -101,10 +101,13 @@ def replicas_up(root: Path):
     model = build(REPO / "models" / "tiny-llama")
     common = ["--max-num-seqs", "16", "--max-num-active-seqs", "12"]
     trace_a, trace_b = root / "trace-a.jsonl", root / "trace-b.jsonl"
-    # Each model worker on a core of its own where there is one: with the
-    # default binding every worker sits on core 0, and one replica's step
-    # stalled for 1 s while the other's ran (seen in the merged trace).
-    # B's mask is per data-parallel rank: rank 0 on core 1, rank 1 on core 0.
+    # B keeps vLLM's CPU default layout, a model worker per data-parallel
+    # rank, each on a core of its own (the mask is per rank: rank 0 on core
+    # 1, rank 1 on core 0): with the default binding every worker sits on
+    # core 0, and one replica's step stalled for 1 s while the other's ran
+    # (seen in the merged trace). A runs the model in its engine core
+    # (serverproc.CPU_SERVER_ENV), as the cluster and outage tests' engines
+    # do: no worker to bind, and a process fewer to start.
     a = outrate_serve_argv(
         model,
         policy,
@@ -130,7 +133,7 @@ def replicas_up(root: Path):
     servers = [
         ServerProcess(
             a,
-            env=cpu_server_env(worker_env("0")),
+            env=cpu_server_env(),  # the model in the engine core (serverproc.CPU_SERVER_ENV)
             log_path=root / "server-a.log",
             name="a",
         ),

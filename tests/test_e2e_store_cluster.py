@@ -35,7 +35,7 @@ from build_tiny_model import build  # noqa: E402
 from e2e_support import REPO, assert_complete, start_together  # noqa: E402
 from loadgen import run_concurrently  # noqa: E402
 from redis_cluster_support import Cluster  # noqa: E402
-from serverproc import ServerProcess, cpu_server_env, outrate_serve_argv, worker_env  # noqa: E402
+from serverproc import ServerProcess, cpu_server_env, outrate_serve_argv  # noqa: E402
 
 from outrate.budget.shared.credit import LEASE_INTERVAL_S  # noqa: E402
 from outrate.budget.shared.lease import GROUP_SLOTS, group_of  # noqa: E402
@@ -71,7 +71,7 @@ def deployment_up(root: Path):
     policy.write_text(POLICY)
     model = build(REPO / "models" / "tiny-llama")
     servers, traces = [], []
-    for i, core in enumerate(("0", "1")):
+    for i in range(2):
         trace = root / f"trace-{i}.jsonl"
         traces.append(trace)
         argv = outrate_serve_argv(
@@ -88,7 +88,7 @@ def deployment_up(root: Path):
             "--outrate-quota-file",
             str(root / f"quota-{i}.json"),
         )
-        env = cpu_server_env(worker_env(core))
+        env = cpu_server_env()  # the model in the engine core (serverproc.CPU_SERVER_ENV)
         servers.append(
             ServerProcess(argv, env=env, log_path=root / f"server-{i}.log", name=f"c{i}")
         )

@@ -37,7 +37,7 @@ from build_tiny_model import build  # noqa: E402
 from e2e_support import REPO, assert_complete, start_together  # noqa: E402
 from loadgen import run_concurrently  # noqa: E402
 from redis_support import RedisServer  # noqa: E402
-from serverproc import ServerProcess, cpu_server_env, outrate_serve_argv, worker_env  # noqa: E402
+from serverproc import ServerProcess, cpu_server_env, outrate_serve_argv  # noqa: E402
 
 from outrate.budget.shared.credit import LEASE_INTERVAL_S  # noqa: E402
 from outrate.observe.trace import engine_rate, max_window_excess, read_trace, user_tokens  # noqa: E402
@@ -123,7 +123,7 @@ def pair_up(root: Path):
     servers = [
         ServerProcess(
             outrate_serve_argv(model, policy, *common, "--outrate-trace", str(traces[i]), *told[i]),
-            env=cpu_server_env(worker_env(str(i))),
+            env=cpu_server_env(),  # the model in the engine core (serverproc.CPU_SERVER_ENV)
             log_path=root / f"server-{name}.log",
             name=name,
         )
