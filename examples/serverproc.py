@@ -394,6 +394,24 @@ def cpu_waits(servers: list[ServerProcess]) -> Iterator[list[float]]:
     share.append(max(((ns - before.get(t, 0)) / wall for t, ns in after.items()), default=0.0))
 
 
+REPLAYS_ENV = "OUTRATE_REPLAYS"
+"""A file that :func:`replayed` adds a line to for each play played again
+(tests/lanes.py names one and lists its lines at the end of `make test`)."""
+
+
+def replayed(why: str) -> None:
+    """Say that a play is played again, and why: on stdout (shown with a
+    failing test) and, where $OUTRATE_REPLAYS names a file, as a line in it,
+    with the test that played it: a run that passed says how often the
+    machine, not the code, decided a play."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+    print(f"played again: {why}", flush=True)
+    path = os.environ.get(REPLAYS_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{test or sys.argv[0]}: {why}\n")
+
+
 def play_unstarved(
     servers: list[ServerProcess], play: Callable[[], T], say: Callable[[str], None] = print
 ) -> T:
@@ -406,8 +424,9 @@ def play_unstarved(
         with cpu_waits(servers) as waited:
             result = play()
         say(f"play {tries}: a thread of the servers waited {waited[0]:.1%} of it for a CPU")
-        if waited[0] <= STARVED:
+        if waited[0] <= STARVED or tries == 2:
             break
+        replayed(f"a thread of the servers waited {waited[0]:.1%} of the play for a CPU")
     return result
 
 

@@ -56,7 +56,9 @@ The paced lane prints as it goes; the others' output is kept in files and
 printed when they end. Each lane ends with its seconds per module
 (tests/durations.py); the run ends with how busy the machine's cores were
 throughout. The last line sums all lanes in the plain form `N passed, N
-failed, N skipped`. The exit status is the first non-zero lane status (a
+failed, N skipped`; before it, the plays the tests played again because
+the machine starved them or could not tell (`serverproc.replayed`), passing
+or not. The exit status is the first non-zero lane status (a
 lane's status is its first command's that failed: lint's or pytest's own; a
 lane that selected no test is fine while another ran some), else 0.
 
@@ -76,6 +78,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import shared_tail
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from serverproc import REPLAYS_ENV  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 LANES: dict[str, list[str]] = {
@@ -220,20 +225,22 @@ def main(args: list[str]) -> int:
 
     modules = shared_modules(args)
     claims = out / "claims"
+    replays = out / "replays"
+    base = {**os.environ, REPLAYS_ENV: str(replays)}
 
     def lane(name: str) -> None:
         pytest = [sys.executable, "-m", "pytest", "-q"]
         junit = f"--junitxml={out / name}.xml"
         if name == IDLE_LANE:
             run = [*pytest, *LANES["beside"], *idle, junit, *args]
-            code = run_lane([run], logs[name], dict(os.environ), lowest_priority)
+            code = run_lane([run], logs[name], dict(base), lowest_priority)
             ended[name] = (code, time.monotonic() - started)
             return
         run = [*pytest, *selection(name, bool(modules)), junit, *args]
         if name == "beside":
             run += [f"--ignore={m}" for m in idle]
         cmds = [BEFORE[name], run] if name in BEFORE else [run]
-        env = dict(os.environ)
+        env = dict(base)
         if name == GATED:
             env["OUTRATE_QUIET_GATE"] = str(gate)
         if modules and name in STEALS:
@@ -263,6 +270,10 @@ def main(args: list[str]) -> int:
         took = [m for m, by in taken.items() if by == name]
         also = f" (with {', '.join(took)})" if took else ""
         print(f"lane {name}: exit {code}, {seconds:.0f} s{alone}, {p} passed, {f} failed{also}")
+    played = replays.read_text().splitlines() if replays.exists() else []
+    print(f"plays played again (serverproc.replayed): {len(played)}")
+    for line in played:
+        print(f"  {line}")
     busy1, all1 = busy_seconds()
     print(
         f"all lanes: {time.monotonic() - started:.0f} s; the machine's {os.cpu_count()} "

@@ -61,6 +61,7 @@ from e2e_support import (  # noqa: E402
     wait_idle,
 )
 from loadgen import run_concurrently  # noqa: E402
+from serverproc import replayed  # noqa: E402
 
 from outrate.observe.trace import engine_rate, max_window_excess  # noqa: E402
 
@@ -252,7 +253,7 @@ def test_a_committed_user_is_not_harmed_by_a_borrower(server):
                 # the machine gave it without borrowers in those seconds, so
                 # its tok/s cannot be told from the load of the other lane.
                 # Played once more (printed), and judged on the second.
-                print(f"committed beside the borrower: {rb:.1f} tok/s, no lone step: again")
+                replayed(f"committed beside the borrower: {rb:.1f} tok/s, no lone step")
                 time.sleep(0.2)
                 beside[run] = _run(server, *run)
     finally:

@@ -48,6 +48,7 @@ from e2e_support import (  # noqa: E402
     wait_idle,
 )
 from loadgen import Stream, client, stream_completion  # noqa: E402
+from serverproc import replayed  # noqa: E402
 
 from outrate.observe.scrape import Snapshot, metrics_url, rows, scrape  # noqa: E402
 from outrate.observe.trace import engine_rate, max_window_excess  # noqa: E402
@@ -175,9 +176,9 @@ def test_a_prompt_limit_keeps_a_prompt_flood_off_others(server):
         # against 102.6, with the steps around his short requests as short
         # as alone. Both played once more (printed), and judged on the
         # second; a flood that takes his time slows him both times.
-        print(
-            f"beside mallory's flood: {runs['mallory'][0]:.1f} tok/s against "
-            f"{alone_rate:.1f} alone: both again"
+        replayed(
+            f"bob beside mallory's flood: {runs['mallory'][0]:.1f} tok/s against "
+            f"{alone_rate:.1f} alone: both"
         )
         alone_rate, alone_ttft, alone_step = _bob(server)
         runs["mallory"], pages["mallory"] = _beside(server, "mallory", url)

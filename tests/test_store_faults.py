@@ -27,6 +27,7 @@ pytest.importorskip("redis")
 
 from redis_cluster_support import Cluster, SentinelSet  # noqa: E402
 from redis_support import SECRET, RedisServer  # noqa: E402
+from serverproc import replayed  # noqa: E402
 from store_engines import BURST_NS, RATE, Engine, run  # noqa: E402
 from tcp_proxy import Proxy  # noqa: E402
 
@@ -345,7 +346,11 @@ def test_an_engine_cut_off_past_the_hold_keeps_serving_within_its_stated_bound(t
         stall = max(e.slowest_ns for e in engines)
         if stall <= STALL_NS:
             break
-        print(f"play {tries}: a step of the engines' loop took {stall / 1e6:.0f} ms (STALL_NS)")
+        why = f"a step of the engines' loop took {stall / 1e6:.0f} ms (STALL_NS)"
+        if tries == 2:
+            print(f"play 2 judged as it is: {why}")
+        else:
+            replayed(why)
     b = engines[1]
     merged, excess, rate = report("partition past the hold", engines)
     cut, healed = marks["cut"], marks["healed"]

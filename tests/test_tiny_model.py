@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import serverproc
 from serverproc import (
     ServerProcess,
     cpu_seconds,
@@ -127,6 +128,26 @@ def test_server_process_start_measure_and_stop_group(tmp_path: Path) -> None:
         assert 1.5 < time.monotonic() - began < 5
     assert not server.group_alive() and group_members(pgid) == []
     assert server.stop() is not None  # idempotent, also via __exit__ above
+
+
+def test_a_starved_play_is_played_once_more_and_said(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """serverproc.play_unstarved: a play within STARVED is kept; one over it
+    is played once more, the second kept whatever it measured, and the
+    replay is a line in $OUTRATE_REPLAYS naming the test (make test lists
+    them)."""
+    monkeypatch.setenv(serverproc.REPLAYS_ENV, str(tmp_path / "replays"))
+    plays = iter(range(1, 4))
+    said: list[str] = []
+    assert serverproc.play_unstarved([], lambda: next(plays), said.append) == 1
+    assert not (tmp_path / "replays").exists()
+    monkeypatch.setattr(serverproc, "STARVED", -1.0)  # every play starved
+    assert serverproc.play_unstarved([], lambda: next(plays), said.append) == 3
+    assert len(said) == 3 and all("waited 0.0% of it for a CPU" in m for m in said)
+    (line,) = (tmp_path / "replays").read_text().splitlines()
+    assert line.startswith("tests/test_tiny_model.py::test_a_starved_play_is_played_once_more")
+    assert line.endswith(": a thread of the servers waited 0.0% of the play for a CPU")
 
 
 def test_server_process_reports_early_exit_with_log_tail(tmp_path: Path) -> None:
