@@ -37,7 +37,12 @@ from build_tiny_model import build  # noqa: E402
 from e2e_support import REPO, assert_complete, start_together  # noqa: E402
 from loadgen import run_concurrently  # noqa: E402
 from redis_support import RedisServer  # noqa: E402
-from serverproc import ServerProcess, cpu_server_env, outrate_serve_argv  # noqa: E402
+from serverproc import (  # noqa: E402
+    ServerProcess,
+    cpu_server_env,
+    outrate_serve_argv,
+    play_unstarved,
+)
 
 from outrate.budget.shared.credit import LEASE_INTERVAL_S  # noqa: E402
 from outrate.observe.trace import engine_rate, max_window_excess, read_trace, user_tokens  # noqa: E402
@@ -175,8 +180,15 @@ def test_engines_started_without_redis_serve_then_join(pair):
         "sharing budgets through" in pair.log(i) and "after all" in pair.log(i) for i in (A, B)
     )
     time.sleep(max(0.0, 6.0 - (time.monotonic() - t0)))  # past the grace (<= 5 s)
-    since = time.monotonic_ns()
-    assert_complete(pair.run([[("alice", 2, 40)], [("alice", 2, 40)]]))
+
+    def play() -> int:
+        since = time.monotonic_ns()
+        assert_complete(pair.run([[("alice", 2, 40)], [("alice", 2, 40)]]))
+        return since
+
+    # Played again once if the machine starved the engines (in one fresh
+    # run, the lanes beside it, 17.995 tok/s against 0.9 x 20).
+    since = play_unstarved(pair.servers, play)
     shared = pair.steps(since)
     excess = max_window_excess(shared, RATE, BURST_NS)
     print(f"shared after joining: {engine_rate(shared):.2f} tok/s, worst window {excess:+.2f}")
