@@ -16,11 +16,11 @@ from build_tiny_model import build
 from loadgen import Stream, max_window_excess, run_concurrently, token_times, user_rate
 from serverproc import ServerProcess, cpu_server_env, outrate_serve_argv, worker_env
 
-from outrate.budget.gcra import Limit, gcra
 from outrate.observe.trace import (
     engine_rate,
     largest_gap_s,
     read_trace,
+    steps_allowed_rate,
     user_tokens,
 )
 from outrate.observe.trace import max_window_excess as engine_excess
@@ -261,25 +261,11 @@ def step_intervals(server, user: str, since_ns: int, beside: str | None = None, 
     return intervals, skipped, visited
 
 
-def gcra_allowed(times_ns: list[int], limit: float, burst_ns: int, per_step: int) -> int:
-    """Tokens a GCRA limit (`limit` tok/s, `burst_ns`: `limit x burst + 1` at
-    once) grants at these step times to a user that always wants more, at
-    most `per_step` a step (a token a stream), its bucket full at the first:
-    what the limiter's own `gcra()` gives on those steps, stalls included (a
-    stall longer than the burst loses the tokens past it, under any limiter)."""
-    lim = Limit(limit, burst_ns)
-    tat = n = 0
-    for t in times_ns:
-        k, tat = gcra(tat, t * lim.scale, lim.interval, lim.tolerance, per_step)
-        n += k
-    return n
-
-
 def check_pacing(server, streams, user, limit, since_ns, report):
     """The contract, on the engine's record: the GCRA bound in every window,
     and first to last at least 0.95 x what the engine could give: what an
     exact GCRA limiter grants at the times of the steps the engine ran
-    meanwhile, a token a stream a step (`gcra_allowed`). That is the limit
+    meanwhile, a token a stream a step (`steps_allowed_rate`). That is the limit
     on an engine that steps evenly and often enough; fewer on one that
     cannot (on two busy cores a 1-stream 100 tok/s user needs 100 steps/s)
     or that stalls past the burst (beside a busy loop: gaps of 166 ms with
@@ -291,12 +277,7 @@ def check_pacing(server, streams, user, limit, since_ns, report):
     excess = engine_excess(steps, limit, BURST_NS)
     rate = engine_rate(steps)
     n_streams = sum(1 for s in streams if s.user == user)
-    capacity = float(limit)
-    if len(steps) >= 2:
-        first, last = steps[0][0], steps[-1][0]
-        times = [r["t"] for r in lines if first <= r["t"] <= last]
-        allowed = gcra_allowed(times, limit, BURST_NS, n_streams)
-        capacity = (allowed - 1) / ((last - first) / 1e9)
+    capacity = steps_allowed_rate(lines, steps, limit, BURST_NS, n_streams)
     ur = user_rate(streams, user)
     client_excess = max_window_excess(token_times(streams, user), limit, BURST_S)
     report.append(

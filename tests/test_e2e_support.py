@@ -1,9 +1,10 @@
-"""tests/e2e_support.py's judge of pacing: `gcra_allowed`, what an exact GCRA
-limiter grants at the step times an engine recorded (no server here)."""
+"""The judge of pacing that tests/e2e_support.py and benchmarks/gpu_check.py
+share: `outrate.observe.trace.gcra_allowed`, what an exact GCRA limiter grants
+at the step times an engine recorded (no server here)."""
 
 from __future__ import annotations
 
-from e2e_support import gcra_allowed
+from outrate.observe.trace import gcra_allowed, steps_allowed_rate
 
 MS = 1_000_000
 
@@ -25,3 +26,14 @@ def test_a_token_a_stream_a_step() -> None:
     assert gcra_allowed(times, 1000, 100 * MS, 1) == 101  # the steps bound it, not the limit
     assert gcra_allowed(times, 1000, 100 * MS, 4) == 404
     assert gcra_allowed([], 100, 100 * MS, 1) == 0
+
+
+def test_the_allowed_rate_is_the_steps_between_the_users_first_and_last() -> None:
+    # The engine stepped 50 times a second for 2 s; the user got a token in
+    # every other step (25 tok/s) from 0.5 s to 1.5 s.
+    lines = [{"t": i * 20 * MS, "step": i} for i in range(101)]
+    steps = [(t, 1) for t in range(500 * MS, 1500 * MS + 1, 40 * MS)]
+    rate = steps_allowed_rate(lines, steps, 100, 100 * MS, 1)
+    assert rate == 50  # 51 steps in 1 s, a token each: the steps bound a 100 tok/s limit
+    assert steps_allowed_rate(lines, steps, 10, 100 * MS, 1) == 10 + 1  # the limit and its burst
+    assert steps_allowed_rate(lines, steps[:1], 100, 100 * MS, 1) == 100  # no span: the limit

@@ -41,6 +41,7 @@ import threading
 import time
 from typing import Any
 
+from outrate.budget.gcra import Limit, gcra
 from outrate.env import MAX_TRACE_BYTES
 from outrate.errors import Problem
 from outrate.fileread import MIB, FileLimit, FileReadError, read_lines
@@ -322,3 +323,38 @@ def max_window_excess(steps: list[tuple[int, int]], rate: float, burst_ns: int) 
 def largest_gap_s(steps: list[tuple[int, int]]) -> float:
     """Longest time between two consecutive charged steps of one user."""
     return max(((b[0] - a[0]) / 1e9 for a, b in zip(steps, steps[1:], strict=False)), default=0.0)
+
+
+def gcra_allowed(times_ns: list[int], limit: float, burst_ns: int, per_step: int) -> int:
+    """Tokens a GCRA limit (`limit` tok/s, `burst_ns`: `limit x burst + 1` at
+    once) grants at these step times to a user that always wants more, at
+    most `per_step` a step (a token a stream), its bucket full at the first:
+    what the limiter's own `gcra()` gives on those steps, stalls included (a
+    stall longer than the burst loses the tokens past it, under any limiter)."""
+    lim = Limit(limit, burst_ns)
+    tat = n = 0
+    for t in times_ns:
+        k, tat = gcra(tat, t * lim.scale, lim.interval, lim.tolerance, per_step)
+        n += k
+    return n
+
+
+def steps_allowed_rate(
+    lines: list[dict[str, Any]],
+    steps: list[tuple[int, int]],
+    limit: float,
+    burst_ns: int,
+    per_step: int,
+) -> float:
+    """What the engine could give a user, in the `engine_rate` of its `steps`:
+    `gcra_allowed` at the times of every step the engine traced (`lines`)
+    from the user's first charged step to its last, `per_step` tokens a step
+    at most. The limit on an engine that steps evenly and often enough; less
+    on one that cannot (a 1-stream 100 tok/s user needs 100 steps/s) or that
+    stalls past the burst: the machine's doing, not the limiter's. The limit
+    itself with fewer than two steps."""
+    if len(steps) < 2:
+        return float(limit)
+    first, last = steps[0][0], steps[-1][0]
+    times = [r["t"] for r in lines if "step" in r and first <= r["t"] <= last]
+    return (gcra_allowed(times, limit, burst_ns, per_step) - 1) / ((last - first) / 1e9)
