@@ -64,6 +64,7 @@ from loadgen import run_concurrently  # noqa: E402
 from serverproc import replayed  # noqa: E402
 
 from outrate.observe.trace import engine_rate, max_window_excess  # noqa: E402
+from vllm_integration.step.steptime import HEADROOM  # noqa: E402
 
 ACTIVE = 12  # the shared server's --max-num-active-seqs (e2e_support.session_server)
 COMMITTED = {"committed": 100, "roomy": 5000}  # their rates in e2e_support.POLICY
@@ -210,10 +211,30 @@ def _due(rate: float, streams: int, lone: float, alone: float) -> float:
     return due if math.isnan(lone) else min(due, streams * lone)
 
 
-def _run(server, user: str, streams: int, tokens: int) -> tuple[float, tuple, float, float, float]:
+ROOM = 1 / HEADROOM - 1
+"""How far past its prediction a step may run with the rule's bound kept:
+borrowers fill a step to HEADROOM of the longest every committed rate
+allows (vllm_integration/step/steptime.py)."""
+
+
+def _model_error(lines: list[dict], user: str) -> float:
+    """How far the steps that charged `user` ran past the step model's
+    prediction at their dispatch (the trace's `predicted_us`; a step's real
+    length: to the next step's `t`), all together: sum of real lengths over
+    sum of predicted, less 1. NaN without such a step."""
+    at = {r["step"]: r["t"] for r in lines}
+    real = predicted = 0
+    for r in lines:
+        if user in r.get("charged", {}) and "predicted_us" in r and r["step"] + 1 in at:
+            real += at[r["step"] + 1] - r["t"]
+            predicted += r["predicted_us"] * 1000
+    return real / predicted - 1 if predicted else float("nan")
+
+
+def _run(server, user: str, streams: int, tokens: int) -> tuple:
     """Of `user`'s streams of `tokens` tokens: (engine tok/s past the burst,
     `_all_in`, engine time to first token p50 in steps, client time to first
-    token p50 in seconds, `_lone_step_rate`)."""
+    token p50 in seconds, `_lone_step_rate`, `_model_error`)."""
     since = time.monotonic_ns()
     done = run_concurrently(server.base_url, [(user, streams, tokens)])
     assert_complete(done)
@@ -222,8 +243,8 @@ def _run(server, user: str, streams: int, tokens: int) -> tuple[float, tuple, fl
     client = statistics.median(s.token_times[0] - s.started for s in done)
     lines = trace_steps(server, since)
     all_in = _all_in(lines, user, streams, tokens)
-    lone = _lone_step_rate(lines, user)
-    return _steady_rate(server, user, since), all_in, statistics.median(ttft), client, lone
+    lone, error = _lone_step_rate(lines, user), _model_error(lines, user)
+    return _steady_rate(server, user, since), all_in, statistics.median(ttft), client, lone, error
 
 
 def test_a_committed_user_is_not_harmed_by_a_borrower(server):
@@ -246,14 +267,20 @@ def test_a_committed_user_is_not_harmed_by_a_borrower(server):
             time.sleep(0.2)  # a full burst: within its committed rate as it starts
             beside[run] = _run(server, *run)
             user, n, _ = run
-            rb, lone = beside[run][0], beside[run][4]
+            rb, lone, error = beside[run][0], beside[run][4], beside[run][5]
             due = _due(COMMITTED[user], n, lone, alone[run][0])
-            if user == "committed" and math.isnan(lone) and rb < 0.9 * due:
+            blind = math.isnan(lone) or error > ROOM
+            if user == "committed" and blind and rb < 0.9 * due:
                 # Every step of the run lent a token: nothing measured what
                 # the machine gave it without borrowers in those seconds, so
-                # its tok/s cannot be told from the load of the other lane.
-                # Played once more (printed), and judged on the second.
-                replayed(f"committed beside the borrower: {rb:.1f} tok/s, no lone step")
+                # its tok/s cannot be told from the load of the other lane;
+                # or the machine stretched the steps past the step model's
+                # headroom, which the rule's bound assumes. Played once more
+                # (printed), and judged on the second.
+                replayed(
+                    f"committed beside the borrower: {rb:.1f} tok/s, lone steps at "
+                    f"{lone:.0f}/s, the steps {error:+.0%} past the step model's prediction"
+                )
                 time.sleep(0.2)
                 beside[run] = _run(server, *run)
     finally:
@@ -261,7 +288,7 @@ def test_a_committed_user_is_not_harmed_by_a_borrower(server):
     assert_complete(hog)
     borrowed = sum(r.get("borrowed", {}).get("borrower", 0) for r in trace_steps(server, t0))
     assert borrowed > 0
-    for (user, n, _), (ra, _, ta, ca, _), (rb, (sb, per_s, wb), tb, cb, lone) in zip(
+    for (user, n, _), (ra, _, ta, ca, _, _), (rb, (sb, per_s, wb), tb, cb, lone, error) in zip(
         runs, alone.values(), beside.values(), strict=True
     ):
         due = min(n, COMMITTED[user] / per_s) if per_s else n
@@ -272,7 +299,8 @@ def test_a_committed_user_is_not_harmed_by_a_borrower(server):
             f"alone, {rb:.1f} beside; engine first token p50 {ta:g} steps after arrival alone, "
             f"{tb:g} beside (client: {ca * 1000:.0f} / {cb * 1000:.0f} ms); steps with its "
             f"work alone beside the borrower ran at {lone:.0f}/s: due "
-            f"{_due(COMMITTED[user], n, lone, ra):.1f} tok/s"
+            f"{_due(COMMITTED[user], n, lone, ra):.1f} tok/s; its steps ran {error:+.1%} past "
+            f"the step model's prediction"
         )
         # The scheduler's part: while all its streams are in, each step gives
         # it a token per stream, or as much as its committed rate comes to at
@@ -339,6 +367,25 @@ def test_an_unlimited_user_filling_every_slot_reclaims_them(server):
     assert excess <= ACTIVE  # the committed bound plus that step
 
 
+def _brisk_beside(server, skip: int) -> tuple[int, int, float]:
+    """brisk's one stream of 300 tokens beside the borrower's 48: (when the
+    borrower came, when brisk came, brisk's engine tok/s past `skip` tokens)."""
+    hog: list = []
+    t = threading.Thread(
+        target=lambda: hog.extend(run_concurrently(server.base_url, [("borrower", 3 * SEQS, 200)]))
+    )
+    t0 = time.monotonic_ns()
+    t.start()
+    try:
+        time.sleep(1.5)  # the borrower fills the engine
+        since = time.monotonic_ns()
+        assert_complete(run_concurrently(server.base_url, [("brisk", 1, 300)]))
+    finally:
+        t.join()
+    assert_complete(hog)
+    return t0, since, _steady_rate(server, "brisk", since, skip)
+
+
 def test_a_committed_rate_holds_in_tokens_per_second(server):
     """Issue 40, on the engine's trace: `brisk`, one stream, committed to 0.7x
     what one unlimited stream runs alone right now, so that it gets its rate
@@ -360,22 +407,20 @@ def test_a_committed_rate_holds_in_tokens_per_second(server):
         assert_complete(run_concurrently(server.base_url, [("brisk", 1, 300)]))
         alone = _steady_rate(server, "brisk", since, skip)
         lone_alone = _lone_step_rate(trace_steps(server, since), "brisk")
-        hog: list = []
-        t = threading.Thread(
-            target=lambda: hog.extend(
-                run_concurrently(server.base_url, [("borrower", 3 * SEQS, 200)])
+        t0, since, beside = _brisk_beside(server, skip)
+        lines = trace_steps(server, t0)
+        lone = _lone_step_rate([r for r in lines if r["t"] >= since], "brisk")
+        error = _model_error([r for r in lines if r["t"] >= since], "brisk")
+        if beside < 0.9 * _due(rate, 1, lone, alone) and error > ROOM:
+            # The rule's bound assumes the step model within its headroom;
+            # a machine that stretched the steps past it (a busy neighbour's
+            # time slices) cannot judge the rule. Played once more, and
+            # judged on the second.
+            replayed(
+                f"brisk beside the borrower: {beside:.1f} tok/s, the steps {error:+.0%} "
+                f"past the step model's prediction (the rule's bound needs at most +{ROOM:.0%})"
             )
-        )
-        t0 = time.monotonic_ns()
-        t.start()
-        try:
-            time.sleep(1.5)  # the borrower fills the engine
-            since = time.monotonic_ns()
-            assert_complete(run_concurrently(server.base_url, [("brisk", 1, 300)]))
-        finally:
-            t.join()
-        assert_complete(hog)
-        beside = _steady_rate(server, "brisk", since, skip)
+            t0, since, beside = _brisk_beside(server, skip)
     finally:
         use_policy(server, POLICY)
     lines = trace_steps(server, t0)
@@ -383,11 +428,13 @@ def test_a_committed_rate_holds_in_tokens_per_second(server):
     mine = [r for r in lines if "brisk" in r.get("charged", {})]
     lent = sum(r.get("borrowed", {}).get("borrower", 0) for r in mine)
     lone = _lone_step_rate([r for r in lines if r["t"] >= since], "brisk")
+    error = _model_error([r for r in lines if r["t"] >= since], "brisk")
     print(
         f"brisk {{rate: {rate}}}, one stream: engine {alone:.1f} tok/s past the burst alone, "
         f"{beside:.1f} beside the borrower's {3 * SEQS} streams ({beside / alone:.2f}x); "
         f"the borrower's full batch ran {full:.0f} steps/s; it borrowed {lent} tokens in "
-        f"brisk's {len(mine)} steps; steps with brisk's work alone ran at {lone_alone:.0f}/s "
+        f"brisk's {len(mine)} steps, which ran {error:+.1%} past the step model's prediction; "
+        f"steps with brisk's work alone ran at {lone_alone:.0f}/s "
         f"alone and {lone:.0f}/s beside: due {_due(rate, 1, lone, alone):.1f} tok/s beside"
     )
     # Beside the borrower it gets its rate, or what the machine gives it

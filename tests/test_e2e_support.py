@@ -37,3 +37,10 @@ def test_the_allowed_rate_is_the_steps_between_the_users_first_and_last() -> Non
     assert rate == 50  # 51 steps in 1 s, a token each: the steps bound a 100 tok/s limit
     assert steps_allowed_rate(lines, steps, 10, 100 * MS, 1) == 10 + 1  # the limit and its burst
     assert steps_allowed_rate(lines, steps[:1], 100, 100 * MS, 1) == 100  # no span: the limit
+
+
+def test_a_drained_bucket_grants_the_limit_and_no_burst() -> None:
+    times = [i * MS for i in range(1001)]  # 1 s of 1 ms steps, in the middle of a run
+    assert gcra_allowed(times, 100, 100 * MS, 1, drained=True) == 100
+    stalled = [t for t in times if not 400 * MS < t < 700 * MS]  # 300 ms without a step
+    assert gcra_allowed(stalled, 100, 100 * MS, 1, drained=True) == 100 - 30 + 11

@@ -19,6 +19,8 @@ prefix-cache hits), one output token each, a new one as each finishes.
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -151,6 +153,20 @@ def test_borrowed_prompt_tokens_are_counted_traced_and_bounded(kind, tmp_path):
     row = snapshot(s.metrics, s._policy, now=d.clock.now)["labels"]["mallory"]
     assert (row["prompt_rate"], row["prompt_peak"]) == (500, 1500)  # what /metrics shows
     assert row["prompt_borrowed"] == m.prompt_borrowed
+    # Each step says what the step model predicted for it: on this clock,
+    # linear in the step's work like the model with +-10% noise, the fit's
+    # error is the noise, within the 25% HEADROOM leaves it.
+    at = {r["step"]: r["t"] for r in lines if "step" in r}
+    error = [
+        (at[r["step"] + 1] - r["t"]) / (r["predicted_us"] * 1000) - 1
+        for r in lines
+        if "step" in r and r["step"] + 1 in at
+    ]
+    assert len(error) >= 100
+    mean = statistics.mean(error)
+    print(f"the model's error: {mean:+.3f} on average, {min(error):+.3f} to {max(error):+.3f}")
+    assert abs(mean) < 0.05
+    assert max(abs(e) for e in error) < 0.25
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -19,8 +19,10 @@ limit would have refused), `prompt` (prompt tokens computed and charged to a
 prompt limit, net of refunds), `prompt_over` (of those, the ones over a shadow
 prompt limit), `prompt_waiting` (requests that found no prompt budget for
 their next prompt position), `prompt_borrowed` (of the prompt tokens, the ones
-past the prompt rate, borrowed under its `peak` in spare step time). Keys with
-nothing to say are left out.
+past the prompt rate, borrowed under its `peak` in spare step time). Where a
+rule has a `peak` (the step model runs), `predicted_us`: the step's length as
+the model predicted it at dispatch; the time to the next step's `t` is its
+real length. Keys with nothing to say are left out.
 
 The scheduler only appends a tuple to a bounded deque; a daemon thread formats
 and writes, and stops writing at `max_bytes` (a last line says so). If the
@@ -54,9 +56,9 @@ MAX_PENDING = 200_000
 
 Counts = dict[str, int]
 _C = Counts
-Step = tuple[int, int, int, _C, _C, _C, _C, _C, _C, _C, _C, _C, _C, _C, _C]
+Step = tuple[int, int, int, _C, _C, _C, _C, _C, _C, _C, _C, _C, _C, _C, _C, int]
 """(t, step, running, charged, refunded, held, released, over, borrowed, first,
-arrived, prompt, prompt_over, prompt_waiting, prompt_borrowed)."""
+arrived, prompt, prompt_over, prompt_waiting, prompt_borrowed, predicted_us)."""
 
 _KEYS = (
     "charged",
@@ -196,11 +198,13 @@ class TraceWriter:
 def _format(entry: Step | dict[str, Any]) -> str:
     if isinstance(entry, dict):
         return json.dumps(entry, separators=(",", ":"))
-    t, step, running, *maps = entry
+    t, step, running, *maps, predicted = entry
     out: dict[str, Any] = {"t": t, "step": step, "running": running}
     for key, value in zip(_KEYS, maps, strict=True):
         if value:
             out[key] = value
+    if predicted:
+        out["predicted_us"] = predicted
     return json.dumps(out, separators=(",", ":"))
 
 
@@ -249,7 +253,7 @@ def _not_a_trace_line(rec: Any) -> str | None:
     newer writers may add some)."""
     if not isinstance(rec, dict):
         return f"expected a JSON object (got {type(rec).__name__})"
-    for key in ("t", "step", "running", "dropped", "truncated"):
+    for key in ("t", "step", "running", "predicted_us", "dropped", "truncated"):
         if key in rec and not _whole(rec[key]):
             return f"{key}: expected a whole number"
     for key in _KEYS:
@@ -325,14 +329,19 @@ def largest_gap_s(steps: list[tuple[int, int]]) -> float:
     return max(((b[0] - a[0]) / 1e9 for a, b in zip(steps, steps[1:], strict=False)), default=0.0)
 
 
-def gcra_allowed(times_ns: list[int], limit: float, burst_ns: int, per_step: int) -> int:
+def gcra_allowed(
+    times_ns: list[int], limit: float, burst_ns: int, per_step: int, drained: bool = False
+) -> int:
     """Tokens a GCRA limit (`limit` tok/s, `burst_ns`: `limit x burst + 1` at
     once) grants at these step times to a user that always wants more, at
-    most `per_step` a step (a token a stream), its bucket full at the first:
-    what the limiter's own `gcra()` gives on those steps, stalls included (a
-    stall longer than the burst loses the tokens past it, under any limiter)."""
+    most `per_step` a step (a token a stream), its bucket full at the first,
+    or `drained` (it has just taken all it may, as a user running at its
+    limit has: for a window in the middle of a run): what the limiter's own
+    `gcra()` gives on those steps, stalls included (a stall longer than the
+    burst loses the tokens past it, under any limiter)."""
     lim = Limit(limit, burst_ns)
-    tat = n = 0
+    n = 0
+    tat = times_ns[0] * lim.scale + lim.tolerance + lim.interval if drained and times_ns else 0
     for t in times_ns:
         k, tat = gcra(tat, t * lim.scale, lim.interval, lim.tolerance, per_step)
         n += k

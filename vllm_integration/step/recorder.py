@@ -50,6 +50,7 @@ class StepRecorder:
         step: int,
         now: int,
         running: int,
+        predicted_us: int = 0,
     ) -> None:
         """The step's line: the requests stock's loop visited (`running`: held
         ones are not among them); per user id, tokens charged this step
@@ -59,8 +60,10 @@ class StepRecorder:
         tokens charged (net: the refund point ran, and refunded requests are
         not scheduled), of those the ones over a shadow prompt limit,
         requests that found no prompt budget, and prompt tokens borrowed
-        (past the prompt rate, under its peak: among the prompt ones). O(requests scheduled). Steps
-        where nothing happened write nothing."""
+        (past the prompt rate, under its peak: among the prompt ones); and
+        the step's predicted length where the step model runs
+        (`StepCost.dispatched`). O(requests scheduled). Steps where nothing
+        happened write nothing."""
         charged: dict[str, int] = {}
         over: dict[str, int] = {}
         borrowed: dict[str, int] = {}
@@ -114,6 +117,7 @@ class StepRecorder:
                     prompt_over,
                     pwait,
                     prompt_borrowed,
+                    predicted_us,
                 )
             )
             self.held_by, self.released_by, self.refunded_by = {}, {}, {}

@@ -371,18 +371,21 @@ class OutrateMixin:
             out = super().schedule(throttle_prefills)  # type: ignore[misc]
         finally:
             self.max_num_active_reqs = self._cfg_active
+        predicted = 0  # the step's predicted length, us: where the model runs (lending)
         if self._lends:
-            self.step_cost.dispatched(
+            predicted = self.step_cost.dispatched(
                 now, len(out.num_scheduled_tokens), out.total_num_scheduled_tokens
             )
-        self._after_schedule(out.num_scheduled_tokens, now, visited)
+        self._after_schedule(out.num_scheduled_tokens, now, visited, predicted)
         quota = self.quota
         if quota is not None and now >= quota.next_ns:
             quota.next_ns = now + FOLD_INTERVAL_NS
             quota.fold(self.requests.values())
         return out
 
-    def _after_schedule(self, scheduled: dict[str, int], now: int, visited: int) -> None:
+    def _after_schedule(
+        self, scheduled: dict[str, int], now: int, visited: int, predicted: int = 0
+    ) -> None:
         st = self._st
         self.ledger.refund_missed(st, scheduled, self._step, now)  # charged, not scheduled
         if st.stash:  # held victims of a KV allocation (kv.py): back at the front
@@ -406,7 +409,7 @@ class OutrateMixin:
             self.holdback.arm_touched(st.touched, now)
         self.ledger.fold(st, now)
         if self.recorder is not None:
-            self.recorder.write(scheduled, self.requests, self._step, now, visited)
+            self.recorder.write(scheduled, self.requests, self._step, now, visited, predicted)
         self.limiter.cleanup(now, 4)
         # Idle users of the prompt table go too; a shared prompt budget's step boundary.
         self.prompt_table.cleanup(now, 4)
