@@ -54,7 +54,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import sim_servers  # noqa: E402
-from serverproc import replayed  # noqa: E402
+from serverproc import replay_once  # noqa: E402
 from sim_drift import (
     PROBE_S,
     at_measured_length,
@@ -220,10 +220,10 @@ def runs(sim_server, calibration_run) -> dict[str, CaseRun]:
 
     class Runs(dict):
         def __missing__(self, case: str) -> CaseRun:
-            for tries in (1, 2):
+            def once(tries: int) -> CaseRun:
                 workload, played, steps = play(sim_server, case)
                 probe, _, probe_steps = play(sim_server, "e2e-agree", seconds=PROBE_S)
-                run = CaseRun(
+                return CaseRun(
                     workload,
                     played,
                     steps,
@@ -231,10 +231,13 @@ def runs(sim_server, calibration_run) -> dict[str, CaseRun]:
                     machine_drift(calibration_run[1], decode_step_us(probe_steps, probe)),
                     tries,
                 )
-                if told(run.machine) or tries == 2:
-                    break
-                replayed(f"{case}: the probe could not tell the machine")
-            self[case] = run
+
+            def blind(run: CaseRun) -> str | None:
+                if told(run.machine):
+                    return None
+                return f"{case}: the probe could not tell the machine"
+
+            run = self[case] = replay_once(once, blind)
             return run
 
     return Runs()

@@ -29,7 +29,7 @@ pytest.importorskip("redis")
 
 from redis_cluster_support import Cluster, SentinelSet  # noqa: E402
 from redis_support import SECRET, RedisServer  # noqa: E402
-from serverproc import replayed  # noqa: E402
+from serverproc import replay_once  # noqa: E402
 from store_engines import BURST_NS, RATE, Engine, run  # noqa: E402
 from tcp_proxy import Proxy  # noqa: E402
 
@@ -140,20 +140,20 @@ Play = TypeVar("Play", bound=tuple)
 
 def _unstalled(play: Callable[[int], Play], caplog: pytest.LogCaptureFixture) -> Play:
     """`play(tries)` (its first item the engines), played again once if a
-    step of the engines' loop took over STALL_NS (`serverproc.replayed`);
-    the second is kept as it is. The log captured is the kept play's."""
-    for tries in (1, 2):
+    step of the engines' loop took over STALL_NS (`serverproc.replay_once`).
+    The log captured is the kept play's."""
+
+    def fresh(tries: int) -> Play:
         caplog.clear()
-        out = play(tries)
+        return play(tries)
+
+    def stalled(out: Play) -> str | None:
         stall = max(e.slowest_ns for e in out[0])
         if stall <= STALL_NS:
-            break
-        why = f"a step of the engines' loop took {stall / 1e6:.0f} ms (STALL_NS)"
-        if tries == 2:
-            print(f"play 2 judged as it is: {why}")
-        else:
-            replayed(why)
-    return out
+            return None
+        return f"a step of the engines' loop took {stall / 1e6:.0f} ms (STALL_NS)"
+
+    return replay_once(fresh, stalled)
 
 
 def _slot_move_and_two_failovers(cluster) -> tuple[list[Engine], dict[str, int]]:
