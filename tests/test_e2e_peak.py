@@ -61,7 +61,7 @@ from e2e_support import (  # noqa: E402
     wait_idle,
 )
 from loadgen import run_concurrently  # noqa: E402
-from serverproc import replayed  # noqa: E402
+from serverproc import replay_once  # noqa: E402
 
 from outrate.observe.trace import engine_rate, max_window_excess  # noqa: E402
 from vllm_integration.step.steptime import HEADROOM  # noqa: E402
@@ -247,6 +247,22 @@ def _run(server, user: str, streams: int, tokens: int) -> tuple:
     return _steady_rate(server, user, since), all_in, statistics.median(ttft), client, lone, error
 
 
+def _blind(out: tuple, rate: float, streams: int, alone: float) -> str | None:
+    """Why a committed run beside the borrower (`_run`'s) that fell short of
+    0.9x what it is due cannot judge the rule, or None: every step of it
+    lent a token, so nothing measured what the machine gave it without
+    borrowers in those seconds and its tok/s cannot be told from the load
+    of another lane; or the machine stretched its steps past the step
+    model's headroom, which the rule's bound assumes."""
+    got, lone, error = out[0], out[4], out[5]
+    if got >= 0.9 * _due(rate, streams, lone, alone) or not (math.isnan(lone) or error > ROOM):
+        return None
+    return (
+        f"committed beside the borrower: {got:.1f} tok/s, lone steps at {lone:.0f}/s, "
+        f"the steps {error:+.0%} past the step model's prediction"
+    )
+
+
 def test_a_committed_user_is_not_harmed_by_a_borrower(server):
     # roomy's 12 streams run 1,000 tokens: beside 48 streams on a loaded
     # machine the API server spread their arrivals over more than 150 steps
@@ -264,25 +280,17 @@ def test_a_committed_user_is_not_harmed_by_a_borrower(server):
         time.sleep(2.0)  # the borrower fills the engine
         beside = {}
         for run in runs:
-            time.sleep(0.2)  # a full burst: within its committed rate as it starts
-            beside[run] = _run(server, *run)
             user, n, _ = run
-            rb, lone, error = beside[run][0], beside[run][4], beside[run][5]
-            due = _due(COMMITTED[user], n, lone, alone[run][0])
-            blind = math.isnan(lone) or error > ROOM
-            if user == "committed" and blind and rb < 0.9 * due:
-                # Every step of the run lent a token: nothing measured what
-                # the machine gave it without borrowers in those seconds, so
-                # its tok/s cannot be told from the load of the other lane;
-                # or the machine stretched the steps past the step model's
-                # headroom, which the rule's bound assumes. Played once more
-                # (printed), and judged on the second.
-                replayed(
-                    f"committed beside the borrower: {rb:.1f} tok/s, lone steps at "
-                    f"{lone:.0f}/s, the steps {error:+.0%} past the step model's prediction"
-                )
-                time.sleep(0.2)
-                beside[run] = _run(server, *run)
+
+            def play(_: int) -> tuple:
+                time.sleep(0.2)  # a full burst: within its committed rate as it starts
+                return _run(server, *run)  # noqa: B023 (called within this iteration)
+
+            if user == "committed":
+                ra = alone[run][0]
+                beside[run] = replay_once(play, lambda out: _blind(out, COMMITTED[user], n, ra))  # noqa: B023
+            else:
+                beside[run] = play(1)
     finally:
         t.join()
     assert_complete(hog)
@@ -407,20 +415,21 @@ def test_a_committed_rate_holds_in_tokens_per_second(server):
         assert_complete(run_concurrently(server.base_url, [("brisk", 1, 300)]))
         alone = _steady_rate(server, "brisk", since, skip)
         lone_alone = _lone_step_rate(trace_steps(server, since), "brisk")
-        t0, since, beside = _brisk_beside(server, skip)
-        lines = trace_steps(server, t0)
-        lone = _lone_step_rate([r for r in lines if r["t"] >= since], "brisk")
-        error = _model_error([r for r in lines if r["t"] >= since], "brisk")
-        if beside < 0.9 * _due(rate, 1, lone, alone) and error > ROOM:
+
+        def past_the_model(out: tuple[int, int, float]) -> str | None:
             # The rule's bound assumes the step model within its headroom;
             # a machine that stretched the steps past it (a busy neighbour's
-            # time slices) cannot judge the rule. Played once more, and
-            # judged on the second.
-            replayed(
-                f"brisk beside the borrower: {beside:.1f} tok/s, the steps {error:+.0%} "
+            # time slices) cannot judge the rule.
+            lines = trace_steps(server, out[1])
+            lone, error = _lone_step_rate(lines, "brisk"), _model_error(lines, "brisk")
+            if out[2] >= 0.9 * _due(rate, 1, lone, alone) or not error > ROOM:
+                return None
+            return (
+                f"brisk beside the borrower: {out[2]:.1f} tok/s, the steps {error:+.0%} "
                 f"past the step model's prediction (the rule's bound needs at most +{ROOM:.0%})"
             )
-            t0, since, beside = _brisk_beside(server, skip)
+
+        t0, since, beside = replay_once(lambda _: _brisk_beside(server, skip), past_the_model)
     finally:
         use_policy(server, POLICY)
     lines = trace_steps(server, t0)
