@@ -39,10 +39,12 @@ each read from the engine's own trace (`borrowed` marks borrowed tokens):
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -146,6 +148,28 @@ def _engine_ttft_steps(server, user: str, since: int) -> list[int]:
     arrived = [r["step"] for r in lines for _ in range(r.get("arrived", {}).get(user, 0))]
     first = [r["step"] for r in lines for _ in range(r.get("first", {}).get(user, 0))]
     return [f - a for a, f in zip(arrived, first, strict=False)]
+
+
+@contextlib.contextmanager
+def _borrowing(server, streams: int, tokens: int, settle_s: float) -> Iterator[int]:
+    """The borrower's `streams` streams of `tokens` tokens in the background,
+    the body entered `settle_s` after they came (the engine filled by
+    then): yields when they came; every stream complete once the body is
+    done."""
+    hog: list = []
+    t = threading.Thread(
+        target=lambda: hog.extend(
+            run_concurrently(server.base_url, [("borrower", streams, tokens)])
+        )
+    )
+    t0 = time.monotonic_ns()
+    t.start()
+    try:
+        time.sleep(settle_s)
+        yield t0
+    finally:
+        t.join()
+    assert_complete(hog)
 
 
 def _steady_rate(server, user: str, since: int, skip: int = 20) -> float:
@@ -270,15 +294,8 @@ def test_a_committed_user_is_not_harmed_by_a_borrower(server):
     # with 600, beside a one-core busy loop (2026-12-05), none again.
     runs = (("committed", 1, 150), ("roomy", ACTIVE, 1000))
     alone = {run: _run(server, *run) for run in runs}
-    hog: list = []
-    t = threading.Thread(
-        target=lambda: hog.extend(run_concurrently(server.base_url, [("borrower", 3 * SEQS, 400)]))
-    )
-    t0 = time.monotonic_ns()
-    t.start()
-    try:
-        time.sleep(2.0)  # the borrower fills the engine
-        beside = {}
+    beside = {}
+    with _borrowing(server, 3 * SEQS, 400, 2.0) as t0:
         for run in runs:
             user, n, _ = run
 
@@ -291,9 +308,6 @@ def test_a_committed_user_is_not_harmed_by_a_borrower(server):
                 beside[run] = replay_once(play, lambda out: _blind(out, COMMITTED[user], n, ra))  # noqa: B023
             else:
                 beside[run] = play(1)
-    finally:
-        t.join()
-    assert_complete(hog)
     borrowed = sum(r.get("borrowed", {}).get("borrower", 0) for r in trace_steps(server, t0))
     assert borrowed > 0
     for (user, n, _), (ra, _, ta, ca, _, _), (rb, (sb, per_s, wb), tb, cb, lone, error) in zip(
@@ -332,22 +346,13 @@ def test_a_committed_user_is_not_harmed_by_a_borrower(server):
 
 
 def test_an_unlimited_user_filling_every_slot_reclaims_them(server):
-    hog: list = []
-    t = threading.Thread(
-        target=lambda: hog.extend(run_concurrently(server.base_url, [("borrower", 4, 600)]))
-    )
-    t.start()
-    try:
-        time.sleep(1.5)  # borrowing by now
+    with _borrowing(server, 4, 600, 1.5):  # borrowing by the body
         since = time.monotonic_ns()
         # 800 tokens a stream: its 12 requests reach the engine over a spread
         # of steps that load widens, and all 12 must run together (with 400,
         # beside a busy loop, 2026-12-05: no step had all 12).
         done = run_concurrently(server.base_url, [("free", ACTIVE, 800)])
-    finally:
-        t.join()
     assert_complete(done)
-    assert_complete(hog)
     lines = trace_steps(server, since)
     counts = [r.get("charged", {}).get("free", 0) for r in lines]
     busy = [r for r, n in zip(lines, counts, strict=True) if n == ACTIVE]
@@ -378,19 +383,9 @@ def test_an_unlimited_user_filling_every_slot_reclaims_them(server):
 def _brisk_beside(server, skip: int) -> tuple[int, int, float]:
     """brisk's one stream of 300 tokens beside the borrower's 48: (when the
     borrower came, when brisk came, brisk's engine tok/s past `skip` tokens)."""
-    hog: list = []
-    t = threading.Thread(
-        target=lambda: hog.extend(run_concurrently(server.base_url, [("borrower", 3 * SEQS, 200)]))
-    )
-    t0 = time.monotonic_ns()
-    t.start()
-    try:
-        time.sleep(1.5)  # the borrower fills the engine
+    with _borrowing(server, 3 * SEQS, 200, 1.5) as t0:
         since = time.monotonic_ns()
         assert_complete(run_concurrently(server.base_url, [("brisk", 1, 300)]))
-    finally:
-        t.join()
-    assert_complete(hog)
     return t0, since, _steady_rate(server, "brisk", since, skip)
 
 
