@@ -864,7 +864,7 @@ def _ablated(sched: Any, name: str) -> None:
     elif name == "bare":
         stock = type(sched).__mro__[2]  # Scheduler / AsyncScheduler, after OutrateMixin
         sched._reserve_prefill_lookahead = types.MethodType(stock._reserve_prefill_lookahead, sched)
-        sched._after_schedule = lambda scheduled, now, visited, predicted=0: None
+        sched._after_schedule = lambda scheduled, now, visited: None
     elif name != "shipped":
         raise ValueError(f"unknown ablation {name!r}")
 

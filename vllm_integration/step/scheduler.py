@@ -371,21 +371,18 @@ class OutrateMixin:
             out = super().schedule(throttle_prefills)  # type: ignore[misc]
         finally:
             self.max_num_active_reqs = self._cfg_active
-        predicted = 0  # the step's predicted length, us: where the model runs (lending)
         if self._lends:
-            predicted = self.step_cost.dispatched(
+            self.step_cost.dispatched(
                 now, len(out.num_scheduled_tokens), out.total_num_scheduled_tokens
             )
-        self._after_schedule(out.num_scheduled_tokens, now, visited, predicted)
+        self._after_schedule(out.num_scheduled_tokens, now, visited)
         quota = self.quota
         if quota is not None and now >= quota.next_ns:
             quota.next_ns = now + FOLD_INTERVAL_NS
             quota.fold(self.requests.values())
         return out
 
-    def _after_schedule(
-        self, scheduled: dict[str, int], now: int, visited: int, predicted: int = 0
-    ) -> None:
+    def _after_schedule(self, scheduled: dict[str, int], now: int, visited: int) -> None:
         st = self._st
         self.ledger.refund_missed(st, scheduled, self._step, now)  # charged, not scheduled
         if st.stash:  # held victims of a KV allocation (kv.py): back at the front
@@ -409,6 +406,8 @@ class OutrateMixin:
             self.holdback.arm_touched(st.touched, now)
         self.ledger.fold(st, now)
         if self.recorder is not None:
+            # the step's predicted length where the model runs (lending)
+            predicted = self.step_cost.timed_us() if self._lends else 0
             self.recorder.write(scheduled, self.requests, self._step, now, visited, predicted)
         self.limiter.cleanup(now, 4)
         # Idle users of the prompt table go too; a shared prompt budget's step boundary.

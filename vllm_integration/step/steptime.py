@@ -89,18 +89,20 @@ class StepCost:
 
     # -- learning --------------------------------------------------------------
 
-    def dispatched(self, now: int, n: int, tokens: int) -> int:
-        """A step was dispatched at `now`: `n` requests, `tokens` tokens.
-        Returns its predicted length in whole microseconds (0: it dispatched
-        nothing), the model as it stands before it learns from this step:
-        the trace's `predicted_us`, against which a step's real length tells
-        the model's error (the rule's bound holds while it is within
-        `HEADROOM`'s 25%)."""
+    def dispatched(self, now: int, n: int, tokens: int) -> None:
+        """A step was dispatched at `now`: `n` requests, `tokens` tokens."""
         if n:
             self.start, self.n, self.p = now, n, tokens - n
-            return round(self.predict_us(n, tokens - n))
-        self.start = 0
-        return 0
+        else:
+            self.start = 0
+
+    def timed_us(self) -> int:
+        """The predicted length of the step being timed, in whole
+        microseconds (0: none), the model as it stands before it learns
+        from that step: the trace's `predicted_us`, against which a step's
+        real length tells the model's error (the rule's bound holds while
+        it is within `HEADROOM`'s 25%)."""
+        return round(self.predict_us(self.n, self.p)) if self.start else 0
 
     def tick(self, now: int) -> None:
         """The next step starts at `now`: the one timed ended."""
