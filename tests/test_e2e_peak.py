@@ -380,13 +380,16 @@ def test_an_unlimited_user_filling_every_slot_reclaims_them(server):
     assert excess <= ACTIVE  # the committed bound plus that step
 
 
-def _brisk_beside(server, skip: int) -> tuple[int, int, float]:
+def _brisk_beside(server, skip: int) -> tuple[int, int, float, float, float]:
     """brisk's one stream of 300 tokens beside the borrower's 48: (when the
-    borrower came, when brisk came, brisk's engine tok/s past `skip` tokens)."""
+    borrower came, when brisk came, brisk's engine tok/s past `skip` tokens,
+    `_lone_step_rate` and `_model_error` from then on)."""
     with _borrowing(server, 3 * SEQS, 200, 1.5) as t0:
         since = time.monotonic_ns()
         assert_complete(run_concurrently(server.base_url, [("brisk", 1, 300)]))
-    return t0, since, _steady_rate(server, "brisk", since, skip)
+    lines = trace_steps(server, since)
+    lone, error = _lone_step_rate(lines, "brisk"), _model_error(lines, "brisk")
+    return t0, since, _steady_rate(server, "brisk", since, skip), lone, error
 
 
 def test_a_committed_rate_holds_in_tokens_per_second(server):
@@ -411,28 +414,26 @@ def test_a_committed_rate_holds_in_tokens_per_second(server):
         alone = _steady_rate(server, "brisk", since, skip)
         lone_alone = _lone_step_rate(trace_steps(server, since), "brisk")
 
-        def past_the_model(out: tuple[int, int, float]) -> str | None:
+        def past_the_model(out: tuple[int, int, float, float, float]) -> str | None:
             # The rule's bound assumes the step model within its headroom;
             # a machine that stretched the steps past it (a busy neighbour's
             # time slices) cannot judge the rule.
-            lines = trace_steps(server, out[1])
-            lone, error = _lone_step_rate(lines, "brisk"), _model_error(lines, "brisk")
-            if out[2] >= 0.9 * _due(rate, 1, lone, alone) or not error > ROOM:
+            got, lone, error = out[2:]
+            if got >= 0.9 * _due(rate, 1, lone, alone) or not error > ROOM:
                 return None
             return (
-                f"brisk beside the borrower: {out[2]:.1f} tok/s, the steps {error:+.0%} "
+                f"brisk beside the borrower: {got:.1f} tok/s, the steps {error:+.0%} "
                 f"past the step model's prediction (the rule's bound needs at most +{ROOM:.0%})"
             )
 
-        t0, since, beside = replay_once(lambda _: _brisk_beside(server, skip), past_the_model)
+        played = replay_once(lambda _: _brisk_beside(server, skip), past_the_model)
+        t0, since, beside, lone, error = played
     finally:
         use_policy(server, POLICY)
     lines = trace_steps(server, t0)
     full = step_rate([r for r in lines if r["t"] < since], "borrower")
     mine = [r for r in lines if "brisk" in r.get("charged", {})]
     lent = sum(r.get("borrowed", {}).get("borrower", 0) for r in mine)
-    lone = _lone_step_rate([r for r in lines if r["t"] >= since], "brisk")
-    error = _model_error([r for r in lines if r["t"] >= since], "brisk")
     print(
         f"brisk {{rate: {rate}}}, one stream: engine {alone:.1f} tok/s past the burst alone, "
         f"{beside:.1f} beside the borrower's {3 * SEQS} streams ({beside / alone:.2f}x); "
