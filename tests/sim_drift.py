@@ -8,11 +8,12 @@ Two different things move a run's step length away from a step model:
 - **the model**: fitted on one workload, it misjudges another's steps (that
   is what the out-of-sample test exists to judge).
 
-They are told apart by a probe that asks no model: the calibration
+They are told apart by probes that ask no model: the calibration
 workload played again for PROBE_S right after the run, its decode-only
 steps against the calibration run's of the same batch size
-(`machine_drift`). The model's own error on the run is its error there
-with the machine's move taken out (`model_error`). A probe that cannot
+(`machine_drift`), read with the probe before the run (`bracket`). The
+model's own error on the run is its error there with the machine's move
+taken out (`model_error`). A probe that cannot
 tell the machine at all (no batch size shared with the calibration run:
 NaN) has the run played once more; still NaN, the case is unjudged
 (`unjudgeable`): it fails under CI and skips elsewhere, never a green
@@ -72,6 +73,26 @@ def machine_drift(reference: dict[int, list[float]], probe: dict[int, list[float
         total += len(probed) * statistics.median(probed) / statistics.median(known)
         weight += len(probed)
     return total / weight - 1 if weight else math.nan
+
+
+def last(steps: list[dict], seconds: float = PROBE_S) -> list[dict]:
+    """A play's steps in its last `seconds`: read as a probe, its end."""
+    end = steps[-1]["t"] if steps else 0
+    return [r for r in steps if r["t"] >= end - seconds * 1e9]
+
+
+def bracket(before: float, after: float) -> float:
+    """How the machine moved over a run played between two probes: the mean
+    of the probe before it and the probe after (`machine_drift` each), or
+    the one that could tell. This machine moves within seconds (the same
+    decode step's median over 2.5 s windows of one play: 10-40% apart in
+    some runs), so one
+    probe after the run misreads the run's own seconds: over 28 quiet runs'
+    traces (84 case plays) the model's error read against the probe after
+    had an sd of 13-16% per case, against the two probes' mean 9-12%
+    (benchmarks/carry_over.py; docs/simulate.md, "Out of sample")."""
+    drifts = [d for d in (before, after) if told(d)]
+    return statistics.fmean(drifts) if drifts else math.nan
 
 
 def told(drift: float) -> bool:

@@ -2,9 +2,9 @@
 simulated trace laid out as test_simulate_oos's server writes one (warm-up,
 calibration, e2e-idle, a case and its probe, back to back, the engine idle
 between them), whose steps last what one linear model says, it finds each
-play, and the model carries over; with the case and its probe 25% slower
-(the machine moved), the probe reads the move and the model's own error
-stays what it was."""
+play, and the model carries over; with the machine slowing steadily from
+the case's start to 25% slower at the probe's end, the probes before and
+after read the move and the model's own error stays what it was."""
 
 from __future__ import annotations
 
@@ -34,28 +34,35 @@ PLAYS = (("e2e-agree", 3), ("e2e-agree", 15), ("e2e-idle", 0), ("oos-hog", 0), (
 
 
 def _trace(tmp_path: Path, slower: float) -> Path:
-    """The plays simulated one after another into one trace, 2 s apart; the
-    last two (the case and its probe) `slower` times as long."""
+    """The plays simulated one after another into one trace, 2 s apart; from
+    the case's start the machine slows steadily, every step longer by a
+    factor rising from 1 to `slower` at the probe's end (the time warped
+    by its integral)."""
     model = StepModel(fixed_us=3000, per_decode_us=500, per_prefill_us=30)
     engine = engine_from_flags(["--max-num-seqs", "12", "--max-num-active-seqs", "8"])
+    lines: list[dict] = []
+    start = ramp = 0
+    for i, (name, seconds) in enumerate(PLAYS):
+        w = load_workload(WORKLOADS / f"{name}.yaml").workload
+        if seconds:
+            w = w.model_copy(update={"duration": seconds * 10**9})
+        trace = tmp_path / f"{i}.jsonl"
+        simulate(w, engine, WORKLOADS / "oos-policy.yaml", model, trace=trace)
+        play = [r for r in read_trace(trace) if "step" in r]
+        t0, step = play[0]["t"], len(lines)
+        ramp = start if i == 3 else ramp
+        for r in play:
+            lines.append(
+                {**r, "t": start + r["t"] - t0, "step": r["step"] - play[0]["step"] + step}
+            )
+        start = lines[-1]["t"] + 2 * 10**9
+    span = lines[-1]["t"] - ramp
+    for r in lines:
+        if r["t"] > ramp:
+            x = r["t"] - ramp
+            r["t"] = ramp + round(x + (slower - 1) * x * x / (2 * span))
     combined = tmp_path / f"trace-{slower}.jsonl"
-    start, step = 0, 0
-    with combined.open("w") as out:
-        for i, (name, seconds) in enumerate(PLAYS):
-            w = load_workload(WORKLOADS / f"{name}.yaml").workload
-            if seconds:
-                w = w.model_copy(update={"duration": seconds * 10**9})
-            trace = tmp_path / f"{i}.jsonl"
-            simulate(w, engine, WORKLOADS / "oos-policy.yaml", model, trace=trace)
-            lines = [r for r in read_trace(trace) if "step" in r]
-            k = slower if i >= 3 else 1.0
-            t0 = lines[0]["t"]
-            for r in lines:
-                r["t"] = start + round((r["t"] - t0) * k)
-                r["step"] += step
-                out.write(json.dumps(r) + "\n")
-            start = lines[-1]["t"] + 2 * 10**9
-            step = lines[-1]["step"] + 1
+    combined.write_text("".join(json.dumps(r) + "\n" for r in lines))
     return combined
 
 
@@ -67,9 +74,14 @@ def test_the_judge_tells_the_machine_from_the_model(tmp_path, capsys, slower):
     printed = capsys.readouterr().out
     print(printed)
     number = r" +([-+][\d.]+)%"
-    found = re.search(rf"oos-hog +raw{number} +probe{number} +model{number}", printed)
+    found = re.search(
+        rf"oos-hog +raw{number} +probe before{number} +after{number} +model{number}", printed
+    )
     assert found is not None
-    raw, probe, model = (float(x) / 100 for x in found.groups())
-    assert abs(probe - (slower - 1)) <= 0.02  # the machine's move, read without a model
+    raw, before, after, model = (float(x) / 100 for x in found.groups())
+    # The machine's move, read without a model: none before the case (the
+    # calibration's end), most of it by the probe after.
+    assert abs(before) <= 0.02
+    assert 0.9 * (slower - 1) - 0.02 <= after <= slower - 1 + 0.02
     assert abs(model) <= 0.05  # the model is the engine: it carries over
-    assert abs(raw - (1 / slower - 1)) <= 0.05
+    assert raw <= 0.02 - (slower - 1) * 0.3  # the case itself ran slower than the model

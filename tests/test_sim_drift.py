@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
-from sim_drift import machine_drift, model_error, told, unjudgeable
+from sim_drift import bracket, last, machine_drift, model_error, told, unjudgeable
 
 from outrate.simulate.stepmodel import decode_step_us
 from outrate.simulate.workload import load_workload
@@ -67,3 +67,16 @@ def test_the_models_own_error_is_its_error_with_the_machines_move_taken_out():
     assert model_error(1 / 1.2 - 1, 0.2) == pytest.approx(0.0)
     # The machine did not move: the model's error is all its own.
     assert model_error(-0.25, 0.0) == pytest.approx(-0.25)
+
+
+def test_the_machine_over_a_run_is_the_mean_of_the_probes_around_it():
+    assert bracket(0.0, 0.2) == pytest.approx(0.1)
+    assert bracket(math.nan, 0.2) == pytest.approx(0.2)  # the one that could tell
+    assert bracket(-0.1, math.nan) == pytest.approx(-0.1)
+    assert not told(bracket(math.nan, math.nan))
+
+
+def test_a_plays_end_is_its_last_seconds():
+    steps = trace([(3, 1_000_000)] * 10)  # a step a second
+    assert [r["step"] for r in last(steps, seconds=3)] == [7, 8, 9, 10]
+    assert last([], seconds=3) == []

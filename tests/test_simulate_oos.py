@@ -21,19 +21,24 @@ engine, over the finished requests; about 20 ms here).
 
 Two kinds of check, each case its own test:
 - the step model carries over: its step-length error on the case's own
-  steps, with how the machine moved taken out (sim_drift: a probe of the
-  calibration workload right after the case, its decode steps against the
-  calibration run's, no model asked), within CARRY_BOUND. A case out by
-  more (up to ~30% today, CARRY_REASON) is an expected failure with its
-  figures; one within the bound passes. A probe that cannot tell the
+  steps, with how the machine moved taken out (sim_drift: the calibration
+  workload played for PROBE_S before the case and after it, their decode
+  steps against the calibration run's, no model asked: `bracket`), within
+  PLAY_BOUND. That bound is loose on purpose: on this machine the same
+  decode step's median moves 10-40% between 2.5 s windows of one play in
+  some runs, and a
+  play's figure with the best correction found still spreads by an sd of
+  9-12% a case, so a single play can judge only a model that is badly
+  wrong (without the wake cost: up to -49%). Whether the model carries
+  over within 10% is the mean over many plays, judged by
+  benchmarks/carry_over.py on the traces this module leaves (every
+  `make test` leaves one) or on runs of its own (`--play N`):
+  docs/simulate.md, "Out of sample". A probe pair that cannot tell the
   machine (no batch size in common) has the case and its probe played
   once more; still not, it fails under CI, skips elsewhere. A probe that
-  reads the machine moved is not a reason to play again: the machine's
-  play-to-play noise is larger than the bound (benchmarks/carry_over.py
-  over ten quiet runs' traces: the probes of one run spread 8-82%, median
-  25%; the model's error per case, the probe's reading taken out, mean
-  -2% to +3%, sd 14-17%), and a case played again because its probe
-  moved past 10% came out no nearer: 4 nearer, 7 further, in those runs;
+  reads the machine moved is not a reason to play again: a case played
+  again because its probe moved past 10% came out no nearer (4 nearer,
+  7 further, over ten quiet runs);
 - the scheduling agrees: the case simulated with the model scaled to the
   step length the case measured (so the model's error, judged above, does
   not count twice, and neither does any move of the machine), every
@@ -58,6 +63,8 @@ from serverproc import replay_once  # noqa: E402
 from sim_drift import (
     PROBE_S,
     at_measured_length,
+    bracket,
+    last,
     machine_drift,
     model_error,
     told,
@@ -89,20 +96,12 @@ KV_TOKENS = 256 * 1024 * 1024 // 512  # --kv-cache-memory-bytes 256M at 512 byte
 RATE_BOUND = 0.10
 TTFT_BOUND, TTFT_SLACK_S = 0.30, 0.050
 CASES = ("oos-hog", "oos-interactive", "oos-mix")
-CARRY_BOUND = 0.10
-"""The step model's step-length error on a workload it was not fitted on."""
-CARRY_REASON = (
-    "the step model fitted on e2e-agree.yaml and e2e-idle.yaml misjudges the step "
-    "length of a workload it never saw by up to ~10-30% (quiet runs here, "
-    "2026-12-04: oos-hog -10.4%, -3.7%, +3.6%, -25.2%, -9.6%, -9.2%; oos-interactive "
-    "+13.3%, -9.5%, +31.7%, -0.7%, +15.9%, -10.9%; oos-mix -11.0%, -10.3%, -0.9%, "
-    "+4.1%, +11.1%, -7.9%; all three within 10% in another run), against -21% to "
-    "-33% before "
-    "the wake cost after an idle "
-    "step; that cost grows with the idle's length (+0.1-0.4 ms after 1-4 ms, "
-    "~1.9 ms after 16-32 ms) and the model charges it flat, which over-charges "
-    "oos-interactive's short waits (docs/simulate.md, Out of sample; issue 40)"
-)
+PLAY_BOUND = 0.40
+"""The step model's step-length error on one play of a workload it was not
+fitted on, the machine's move taken out: the largest over 90 plays (30
+runs, 2026-12-04 to 2026-12-06) was 27%; the model without its wake cost
+read up to 49%. The 10% target is judged on the mean over plays
+(benchmarks/carry_over.py)."""
 
 _SLOTS = (
     "its requests queue for a slot (max_streams, or --max-num-seqs full of held "
@@ -177,34 +176,42 @@ class CaseRun:
     steps: list[dict]
     run_error: float
     """The model's step-length error on the case's own steps."""
-    machine: float
-    """How the machine moved since the calibration: the probe played right
-    after, its decode steps against the calibration's (sim_drift)."""
+    before: float
+    after: float
+    """How the machine moved since the calibration, read by the probe played
+    before the case and by the one after: their decode steps against the
+    calibration's (sim_drift.machine_drift)."""
     tries: int
+
+    @property
+    def machine(self) -> float:
+        return bracket(self.before, self.after)
 
     def describe(self, case: str) -> str:
         return (
             f"{case}: step length off the model by {self.run_error:+.1%} on the case; the "
-            f"machine's decode steps {self.machine:+.1%} against the calibration's (the probe), "
-            f"so the model's own error {model_error(self.run_error, self.machine):+.1%}; "
-            f"played {self.tries}x"
+            f"machine's decode steps {self.machine:+.1%} against the calibration's (the probes "
+            f"before and after: {self.before:+.1%}, {self.after:+.1%}), so the model's own "
+            f"error {model_error(self.run_error, self.machine):+.1%}; played {self.tries}x"
         )
 
 
 @pytest.fixture(scope="module")
-def calibration_run(sim_server) -> tuple[Calibration, dict[int, list[float]]]:
+def calibration_run(sim_server) -> tuple[Calibration, dict[int, list[float]], float]:
     """The step model fitted on 15 s of the calibration workload and 6 s of
     its throttled user alone (e2e-idle.yaml: the engine waits between its
     tokens, so the fit sees the steps after a wait, which the busy 15 s
-    have almost none of), and the 15 s run's decode-only step lengths (what
-    each probe is held against)."""
+    have almost none of); the 15 s run's decode-only step lengths (what
+    each probe is held against); and its last PROBE_S seconds read as a
+    probe (the first case's probe before)."""
     workload, _, busy = play(sim_server, "e2e-agree", seconds=15)
     _, _, idle = play(sim_server, "e2e-idle")
     cal = calibrate(
         busy + idle, workload, source="15 s of e2e-agree.yaml and e2e-idle.yaml on the trace"
     )
     print(cal.describe())
-    return cal, decode_step_us(busy, workload)
+    reference = decode_step_us(busy, workload)
+    return cal, reference, machine_drift(reference, decode_step_us(last(busy), workload))
 
 
 @pytest.fixture(scope="module")
@@ -214,28 +221,36 @@ def calibrated(calibration_run) -> Calibration:
 
 @pytest.fixture(scope="module")
 def runs(sim_server, calibration_run) -> dict[str, CaseRun]:
-    """Each case played once (lazily, by the first test that asks), with its
-    probe; played again once if the probe cannot tell the machine (the
-    second run is kept either way)."""
+    """Each case played once (lazily, by the first test that asks), then its
+    probe; the probe before it is the previous case's (the first case's: the
+    calibration's end). Played again once if neither probe can tell the
+    machine (the second run is kept either way)."""
+    model, reference, calibration_end = calibration_run
 
     class Runs(dict):
+        before = calibration_end
+
         def __missing__(self, case: str) -> CaseRun:
             def once(tries: int) -> CaseRun:
                 workload, played, steps = play(sim_server, case)
                 probe, _, probe_steps = play(sim_server, "e2e-agree", seconds=PROBE_S)
-                return CaseRun(
+                after = machine_drift(reference, decode_step_us(probe_steps, probe))
+                run = CaseRun(
                     workload,
                     played,
                     steps,
-                    time_error(calibration_run[0].model, steps, workload),
-                    machine_drift(calibration_run[1], decode_step_us(probe_steps, probe)),
+                    time_error(model.model, steps, workload),
+                    self.before,
+                    after,
                     tries,
                 )
+                self.before = after
+                return run
 
             def blind(run: CaseRun) -> str | None:
                 if told(run.machine):
                     return None
-                return f"{case}: the probe could not tell the machine"
+                return f"{case}: the probes could not tell the machine"
 
             run = self[case] = replay_once(once, blind)
             return run
@@ -249,11 +264,9 @@ def test_the_step_model_carries_over_to_a_workload_it_never_saw(calibrated, runs
     print(calibrated.describe())
     print(run.describe(case))
     if not told(run.machine):
-        unjudgeable(f"the probe could not tell the machine: {run.describe(case)}")
+        unjudgeable(f"the probes could not tell the machine: {run.describe(case)}")
     error = model_error(run.run_error, run.machine)
-    if abs(error) <= CARRY_BOUND:
-        return
-    pytest.xfail(f"{run.describe(case)}: over {CARRY_BOUND:.0%}; {CARRY_REASON}")
+    assert abs(error) <= PLAY_BOUND, f"{run.describe(case)}: over {PLAY_BOUND:.0%}"
 
 
 @pytest.mark.parametrize("case", CASES)
