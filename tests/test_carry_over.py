@@ -85,3 +85,22 @@ def test_the_judge_tells_the_machine_from_the_model(tmp_path, capsys, slower):
     assert 0.9 * (slower - 1) - 0.02 <= after <= slower - 1 + 0.02
     assert abs(model) <= 0.05  # the model is the engine: it carries over
     assert raw <= 0.02 - (slower - 1) * 0.3  # the case itself ran slower than the model
+
+
+def test_a_warm_up_run_into_the_calibration_is_cut_off(tmp_path, capsys):
+    """The module run alone starts its calibration right after the warm-up,
+    with no idle gap: the calibration is read as the last 15 s of both."""
+    trace = _trace(tmp_path, 1.0)
+    lines = list(read_trace(trace))
+    cut = carry_over.plays(lines)
+    gap = cut[1][0]["t"] - cut[0][-1]["t"] - 10**7  # the warm-up ends 10 ms before
+    for r in cut[0]:
+        r["t"] += gap
+    joined = tmp_path / "joined.jsonl"
+    joined.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert len(carry_over.plays(list(read_trace(joined)))) == len(PLAYS) - 1
+    assert carry_over.main([str(joined)]) == 0
+    printed = capsys.readouterr().out
+    assert "skipped" not in printed
+    found = re.search(r"oos-hog +raw +([-+][\d.]+)%", printed)
+    assert found is not None and abs(float(found.group(1))) <= 5
