@@ -26,12 +26,11 @@ Two kinds of check, each case its own test:
   steps against the calibration run's, no model asked: `bracket`), within
   PLAY_BOUND. That bound is loose on purpose: on this machine the same
   decode step's median moves 10-40% between 2.5 s windows of one play in
-  some runs, and a
-  play's figure with the best correction found still spreads by an sd of
-  9-12% a case, so a single play can judge only a model that is badly
-  wrong (without the wake cost: up to -44%). Whether the model carries
-  over within 10% is the mean over many plays, judged by
-  benchmarks/carry_over.py on the traces this module leaves (every
+  some runs, and a play's figure with the best correction found still
+  spreads by an sd of 9-12% a case, so a single play can judge only a
+  model that is badly wrong (without the wake cost: up to -44%). Whether
+  the model carries over within 10% is the mean over many plays, judged
+  by benchmarks/carry_over.py on the traces this module leaves (every
   `make test` leaves one) or on runs of its own (`--play N`):
   docs/simulate.md, "Out of sample". A probe pair that cannot tell the
   machine (no batch size in common) has the case and its probe played
@@ -225,7 +224,7 @@ def runs(sim_server, calibration_run) -> dict[str, CaseRun]:
     probe; the probe before it is the previous case's (the first case's: the
     calibration's end). Played again once if neither probe can tell the
     machine (the second run is kept either way)."""
-    model, reference, calibration_end = calibration_run
+    cal, reference, calibration_end = calibration_run
 
     class Runs(dict):
         before = calibration_end
@@ -239,7 +238,7 @@ def runs(sim_server, calibration_run) -> dict[str, CaseRun]:
                     workload,
                     played,
                     steps,
-                    time_error(model.model, steps, workload),
+                    time_error(cal.model, steps, workload),
                     self.before,
                     after,
                     tries,
