@@ -28,7 +28,7 @@ Two kinds of check, each case its own test:
   decode step's median moves 10-40% between 2.5 s windows of one play in
   some runs, and a play's figure with the best correction found still
   spreads by an sd of 9-12% a case, so a single play can judge only a
-  model that is badly wrong (without the wake cost: up to -44%). Whether
+  model that is badly wrong (without the wake cost: up to -47%). Whether
   the model carries over within 10% is the mean over many plays, judged
   by benchmarks/carry_over.py on the traces this module leaves (every
   `make test` leaves one) or on runs of its own (`--play N`):
@@ -97,9 +97,9 @@ TTFT_BOUND, TTFT_SLACK_S = 0.30, 0.050
 CASES = ("oos-hog", "oos-interactive", "oos-mix")
 PLAY_BOUND = 0.35
 """The step model's step-length error on one play of a workload it was not
-fitted on, the machine's move taken out: the largest over 93 plays (31
+fitted on, the machine's move taken out: the largest over 105 plays (35
 runs, 2026-12-04 to 12-06) was 26.4%. The model without its wake cost is
-past it in 13 of those 31 runs (16 plays, up to 43.8%). The 10% target is
+past it in 16 of those 35 runs (20 plays, up to 47.4%). The 10% target is
 judged on the mean over plays (benchmarks/carry_over.py)."""
 
 _SLOTS = (
