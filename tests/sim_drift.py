@@ -13,9 +13,9 @@ workload played again for PROBE_S right after the run, its decode-only
 steps against the calibration run's of the same batch size
 (`machine_drift`), read with the probe before the run (`bracket`). The
 model's own error on the run is its error there with the machine's move
-taken out (`model_error`). A probe that cannot
-tell the machine at all (no batch size shared with the calibration run:
-NaN) has the run played once more; still NaN, the case is unjudged
+taken out (`model_error`). Probes that cannot tell the machine at all (no
+batch size shared with the calibration run: NaN) have the run played once
+more; still NaN, the case is unjudged
 (`unjudgeable`): it fails under CI and skips elsewhere, never a green
 pass. A probe that reads a move is not a reason to play again: on this
 machine consecutive plays of one workload move by more than any bound a
@@ -86,11 +86,11 @@ def bracket(before: float, after: float) -> float:
     of the probe before it and the probe after (`machine_drift` each), or
     the one that could tell. This machine moves within seconds (the same
     decode step's median over 2.5 s windows of one play: 10-40% apart in
-    some runs), so one
-    probe after the run misreads the run's own seconds: over 28 quiet runs'
-    traces (84 case plays) the model's error read against the probe after
-    had an sd of 13-16% per case, against the two probes' mean 9-12%
-    (benchmarks/carry_over.py; docs/simulate.md, "Out of sample")."""
+    some runs), so one probe after the run misreads the run's own seconds:
+    over 35 quiet runs' traces (105 case plays) the model's error read
+    against the probe after had an sd of 13-15% per case, against the two
+    probes' mean 9-12% (benchmarks/carry_over.py; docs/simulate.md, "Out of
+    sample")."""
     drifts = [d for d in (before, after) if told(d)]
     return statistics.fmean(drifts) if drifts else math.nan
 

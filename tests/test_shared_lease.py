@@ -269,9 +269,11 @@ def test_a_returning_user_gets_credit_within_one_lease_interval(fresh):
     settle(lim)
     waits = []
     try:
+        # Its first round: a loaded machine starts the thread late (a fresh
+        # clone's make test found `starts` still empty here).
         began = time.monotonic()
-        while not starts and time.monotonic() - began < 5:  # its first round: a
-            time.sleep(0.002)  # loaded machine starts the thread late (a fresh clone's make test)
+        while not starts and time.monotonic() - began < 5:
+            time.sleep(0.002)
         assert starts, "the lease thread made no round trip in 5 s"
         for i in range(4):
             while time.monotonic_ns() < starts[-1] + 600 * MS:
