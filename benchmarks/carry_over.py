@@ -45,7 +45,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "examples")]
 
-from sim_drift import bracket, last, machine_drift, model_error  # noqa: E402
+from sim_drift import CALIBRATION_S, bracket, last, machine_drift, model_error  # noqa: E402
 
 from outrate.observe.trace import read_trace  # noqa: E402
 from outrate.simulate.stepmodel import calibrate, decode_step_us, time_error  # noqa: E402
@@ -59,8 +59,6 @@ GAP_NS = 450_000_000
 for it to be idle, then 0.5 s, then starts the next); within a play no
 step waits that long here."""
 BOUND = 0.10
-CALIBRATION_S = 15
-"""The calibration play's length (tests/test_simulate_oos.py)."""
 Line = dict[str, Any]
 
 
@@ -115,30 +113,22 @@ def _within(xs: list[float]) -> str:
 
 
 def play_runs(n: int, out: Path) -> list[str]:
-    """The module's sequence played `n` times on one server of its own (as
-    tests/sim_servers.py starts it); one trace per run under `out`."""
-    from build_tiny_model import build
+    """The module's sequence played `n` times on one server of its own
+    (tests/sim_servers.py's, as the module has it); one trace per run under
+    `out`."""
     from e2e_support import start_together
-    from serverproc import ServerProcess, cpu_server_env, outrate_serve_argv, worker_env
     from sim_drift import PROBE_S, play
-    from test_simulate_oos import ENGINE_FLAGS, POLICY
+    from sim_servers import server_in
+    from test_simulate_oos import SIM_SERVER
 
     out.mkdir(parents=True, exist_ok=True)
-    trace = out / "server-trace.jsonl"
-    argv = outrate_serve_argv(
-        build(REPO / "models" / "tiny-llama"), POLICY, *ENGINE_FLAGS,
-        "--outrate-trace", str(trace), "--enable-per-request-metrics",
-    )  # fmt: skip
-    server = ServerProcess(
-        argv, env=cpu_server_env(worker_env("auto")), log_path=out / "server.log"
-    )
-    server.trace_path = trace
+    server = server_in(out, SIM_SERVER)
     start_together([server], timeout_s=300)
     paths = []
     try:
         for run in range(n):
             steps = []
-            for name, seconds in (("e2e-agree", 3), ("e2e-agree", 15), ("e2e-idle", 0)):
+            for name, seconds in (("e2e-agree", 3), ("e2e-agree", CALIBRATION_S), ("e2e-idle", 0)):
                 steps += play(server, WORKLOADS / f"{name}.yaml", seconds)[2]
             for case in CASES:
                 steps += play(server, WORKLOADS / f"{case}.yaml")[2]

@@ -47,6 +47,8 @@ from outrate.simulate.stepmodel import StepModel, calibrate, time_error
 from outrate.simulate.workload import load_workload
 
 PROBE_S = 5
+CALIBRATION_S = 15
+"""The out-of-sample calibration's busy play (tests/test_simulate_oos.py)."""
 MIN_SHAPE = 5
 """Decode-only steps of one batch size needed on each side to compare it."""
 

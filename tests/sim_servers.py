@@ -65,34 +65,41 @@ def sim_server(request: pytest.FixtureRequest):
     return request.config.stash[_SERVERS][request.module.__name__]
 
 
-def _start(config: pytest.Config, specs: dict[str, SimServer]) -> dict[str, object]:
+def server_in(d: Path, spec: SimServer, name: str = "sim"):
+    """A quiet module's server (not started) writing its trace, log and
+    policy (where given as text) under the directory `d`: also what
+    benchmarks/carry_over.py --play starts."""
     from build_tiny_model import build
-    from e2e_support import start_together
     from serverproc import ServerProcess, cpu_server_env, outrate_serve_argv, worker_env
+
+    policy = Path(spec.policy) if isinstance(spec.policy, Path) else d / "policy.yaml"
+    if not isinstance(spec.policy, Path):
+        policy.write_text(spec.policy)
+    trace = d / "trace.jsonl"
+    argv = outrate_serve_argv(
+        build(REPO / "models" / "tiny-llama"), policy, *spec.flags, "--outrate-trace", str(trace),
+        "--enable-per-request-metrics",
+    )  # fmt: skip
+    # vLLM's CPU default, the model in a worker: the layout the step
+    # model's terms were found and measured on (docs/simulate.md).
+    env = cpu_server_env(worker_env("auto"))
+    proc = ServerProcess(argv, env=env, log_path=d / "server.log", name=name)
+    proc.policy_path, proc.trace_path = policy, trace
+    return proc
+
+
+def _start(config: pytest.Config, specs: dict[str, SimServer]) -> dict[str, object]:
+    from e2e_support import start_together
     from workload_player import Player
 
     from outrate.simulate.workload import load_workload
 
     root = Path(tempfile.mkdtemp(prefix="outrate-quiet-"))
-    model = build(REPO / "models" / "tiny-llama")
     servers = {}
     for name, spec in specs.items():
         d = root / name
         d.mkdir()
-        policy = Path(spec.policy) if isinstance(spec.policy, Path) else d / "policy.yaml"
-        if not isinstance(spec.policy, Path):
-            policy.write_text(spec.policy)
-        trace = d / "trace.jsonl"
-        argv = outrate_serve_argv(
-            model, policy, *spec.flags, "--outrate-trace", str(trace),
-            "--enable-per-request-metrics",
-        )  # fmt: skip
-        # vLLM's CPU default, the model in a worker: the layout the step
-        # model's terms were found and measured on (docs/simulate.md).
-        env = cpu_server_env(worker_env("auto"))
-        proc = ServerProcess(argv, env=env, log_path=d / "server.log", name=name.rsplit(".", 1)[-1])
-        proc.policy_path, proc.trace_path = policy, trace
-        servers[name] = proc
+        servers[name] = server_in(d, spec, name.rsplit(".", 1)[-1])
 
     def stop() -> None:
         for proc in servers.values():

@@ -60,6 +60,7 @@ pytest.importorskip("vllm")
 import sim_servers  # noqa: E402
 from serverproc import replay_once  # noqa: E402
 from sim_drift import (
+    CALIBRATION_S,
     PROBE_S,
     at_measured_length,
     bracket,
@@ -203,7 +204,7 @@ def calibration_run(sim_server) -> tuple[Calibration, dict[int, list[float]], fl
     have almost none of); the 15 s run's decode-only step lengths (what
     each probe is held against); and its last PROBE_S seconds read as a
     probe (the first case's probe before)."""
-    workload, _, busy = play(sim_server, "e2e-agree", seconds=15)
+    workload, _, busy = play(sim_server, "e2e-agree", seconds=CALIBRATION_S)
     _, _, idle = play(sim_server, "e2e-idle")
     cal = calibrate(
         busy + idle, workload, source="15 s of e2e-agree.yaml and e2e-idle.yaml on the trace"
