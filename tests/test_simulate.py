@@ -171,6 +171,32 @@ def test_the_wake_cost_after_an_idle_step_is_simulated_and_recovered(tmp_path):
     assert abs(time_error(truth, read_trace(trace), w)) < 0.02
 
 
+def test_the_step_length_error_over_one_users_steps(tmp_path):
+    """time_error(..., user) reads only the steps that charged that user: a
+    trace whose steps with b in them ran 1.5x the model reads -1/3 for b,
+    and about that share of it over every step."""
+    model = StepModel(fixed_us=3000, per_decode_us=200, per_prefill_us=15)
+    w = workload(
+        "  a: {streams: 2, prompt: 30, output: 100}\n"
+        "  b: {streams: 1, think: {exponential: 1s}, prompt: 30, output: 20}\n",
+        duration="6s",
+    )
+    trace = tmp_path / "trace.jsonl"
+    simulate(w, engine("--max-num-seqs", "8"), policy(tmp_path, ""), model, trace=trace)
+    lines, shift, before = [], 0, None
+    for r in read_trace(trace):
+        if "t" in r and "step" in r:
+            if before is not None and before.get("charged", {}).get("b"):
+                shift += (r["t"] - before["t"]) // 2  # that step, half as long again
+            before = r
+            r = {**r, "t": r["t"] + shift}
+        lines.append(r)
+    assert abs(time_error(model, lines, w, "b") + 1 / 3) < 0.01
+    assert abs(time_error(model, lines, w, "a")) < abs(time_error(model, lines, w, "b"))
+    assert time_error(model, lines, w) < -0.01
+    assert abs(time_error(model, read_trace(trace), w, "b")) < 0.01
+
+
 def test_a_turnaround_delays_each_streams_next_request(tmp_path):
     w = workload("  a: {streams: 1, prompt: 10, output: 10}\n", duration="2s")
     quick = simulate(w, engine(), None, MODEL)

@@ -41,7 +41,12 @@ Two kinds of check, each case its own test:
 - the scheduling agrees: the case simulated with the model scaled to the
   step length the case measured (so the model's error, judged above, does
   not count twice, and neither does any move of the machine), every
-  user's tok/s and time to first token within the bounds. KNOWN lists the
+  user's tok/s and time to first token within the bounds. A user's tok/s
+  is judged at the length of the steps it decoded in: the machine moves
+  within a play too, and a user no limit holds (oos-interactive's reader)
+  runs at the speed of its own stretch of it: at the case's length the
+  reader read -1.9% to +10.1% over 38 traces here and +10.1% on CI; at its
+  own, -2.5% to +2.0% on the same traces. KNOWN lists the
   checks that fail today, each with its reason and figures
   (docs/simulate.md, "Out of sample"): they are printed, not asserted, and
   the list is the work left.
@@ -282,15 +287,25 @@ def test_the_simulator_schedules_a_workload_it_never_saw_as_the_engine_does(
     report = [run.describe(case)]
     failures, known = [], []
     for user, stats in result.users.items():
+        # Its tok/s at the length of the steps it decoded in: within one play
+        # the machine moves (sim_drift), and a user that is not held to a
+        # rate runs at the speed of its own stretch of the play.
+        own = time_error(calibrated.model, run.steps, run.workload, user)
+        sim_rate = (
+            simulate(run.workload, engine, str(POLICY), at_measured_length(calibrated.model, own))
+            .users[user]
+            .rate
+        )
         real_rate = engine_rate(user_tokens(run.steps, user))
         real_ttft = statistics.median(ttfts.get(user, [0.0]))
         sim_ttft = (stats.ttft_p50 or 0) / 1e9
-        rate_ok = abs(stats.rate - real_rate) <= RATE_BOUND * real_rate
+        rate_ok = abs(sim_rate - real_rate) <= RATE_BOUND * real_rate
         ttft_ok = abs(real_ttft - sim_ttft) <= max(TTFT_BOUND * real_ttft, TTFT_SLACK_S)
         r = raw.users[user]
         report.append(
-            f"{case} {user}: tok/s engine {real_rate:.1f}, simulated {stats.rate:.1f} "
-            f"({(stats.rate - real_rate) / real_rate:+.0%}); TTFT p50 engine "
+            f"{case} {user}: tok/s engine {real_rate:.1f}, simulated {sim_rate:.1f} "
+            f"({(sim_rate - real_rate) / real_rate:+.0%}; at the case's step length "
+            f"{stats.rate:.1f}, its own steps off the model by {own:+.1%}); TTFT p50 engine "
             f"{real_ttft * 1000:.0f} ms, simulated {sim_ttft * 1000:.0f} ms; first tokens "
             f"engine {len(ttfts.get(user, []))}, simulated {stats.started} (with the "
             f"model's own step length: {r.rate:.1f} tok/s, TTFT p50 "

@@ -318,10 +318,12 @@ def _samples(
     steps: dict[int, dict[str, Any]],
     prompt_means: dict[str, float] | None,
     traced: bool = False,
+    user: str | None = None,
 ) -> list[Sample]:
     """A sample per traced step followed by the next one (its length).
     `traced`: the prompt tokens are the step's own `prompt` counts, and its
-    requests decoding those charged less its first tokens (`first`). A step
+    requests decoding those charged less its first tokens (`first`).
+    `user`: only the steps that charged that user. A step
     follows one that ran nothing (woke) when the step before it has no line
     (nothing to say: it scheduled nothing), or a line without tokens (only
     held requests), or came more than IDLE_FACTOR x the median step before
@@ -338,7 +340,7 @@ def _samples(
         nxt = steps.get(number + 1)
         charged: dict[str, int] = rec.get("charged", {})
         prompt: dict[str, int] = rec.get("prompt", {})
-        if nxt is None or not ran(rec):
+        if nxt is None or not ran(rec) or (user is not None and not charged.get(user)):
             continue
         last = steps.get(number - 1)
         woke = last is None or not ran(last) or rec["t"] - last["t"] > idle_ns
@@ -361,15 +363,21 @@ def _samples(
     return samples
 
 
-def time_error(model: StepModel, lines: Iterable[dict[str, Any]], workload: Workload) -> float:
+def time_error(
+    model: StepModel,
+    lines: Iterable[dict[str, Any]],
+    workload: Workload,
+    user: str | None = None,
+) -> float:
     """How far the model's step lengths are from a trace's, as a share of the
     measured total: (modelled - measured) / measured over its busy steps (the
-    idle gaps left out as `calibrate` does). On a run the model was not
-    fitted on, it says how much of a rate error is the step length (the
-    machine's load moved, or the batch left the fitted range) rather than
-    the scheduling."""
+    idle gaps left out as `calibrate` does); with `user`, over the steps
+    that charged that user only. On a run the model was not fitted on, it
+    says how much of a rate error is the step length (the machine's load
+    moved, or the batch left the fitted range) rather than the scheduling."""
     steps = {r["step"]: r for r in lines if "step" in r and "t" in r}
-    samples = _samples(steps, prompt_means_of(workload), traces_prompts(steps.values()))
+    prompts = prompt_means_of(workload)
+    samples = _samples(steps, prompts, traces_prompts(steps.values()), user)
     if not samples:
         return 0.0
     kept = _busy(samples)
