@@ -47,10 +47,11 @@ share a tail of modules; idle runs at the lowest priority.
   against a step model fitted on this machine moments before: another lane
   beside them moves every step's length (tests/sim_drift.py). Its servers
   start with the other lanes (tests/sim_servers.py); its tests wait until
-  all four have ended (the file OUTRATE_QUIET_GATE names appears), then run
-  alone. Their printed figures (the step model's error on each case, each
-  user's tok/s and first tokens, engine and simulated) are shown for the
-  tests that pass too (`-rP`): a run's log says what it measured.
+  all four have ended (the file OUTRATE_QUIET_GATE names appears) and the
+  machine reads idle, then run alone. Their printed figures (the step
+  model's error on each case, each user's tok/s and first tokens, engine
+  and simulated) are shown for the tests that pass too (`-rP`): a run's
+  log says what it measured.
 
 The paced lane prints as it goes; the others' output is kept in files and
 printed when they end. Each lane ends with its seconds per module

@@ -3,7 +3,9 @@
 test runs. Under `make test` (tests/lanes.py sets OUTRATE_QUIET_GATE to a
 file's path) that is while the other lanes still run: a start measures
 nothing, so only the tests wait for the machine to be theirs, until the
-file appears. The quiet lane then spends no time on server starts.
+file appears and then until the machine reads idle (`_settle`: what the
+other lanes' ending left to the kernel). The quiet lane then spends no
+time on server starts.
 
 A module opts in with a module-level `SIM_SERVER = SimServer(flags, policy)`
 and takes its server from `sim_server(request)`: the tiny model with those
@@ -25,6 +27,13 @@ import pytest
 
 GATE_ENV = "OUTRATE_QUIET_GATE"
 GATE_TIMEOUT_S = 3 * 3600
+SETTLE_BUSY = 0.10
+"""After the gate, the tests start once two 1 s readings in a row find the
+machine's CPUs (every core, all processes and the kernel: /proc/stat)
+busy less than this share: the other lanes' processes gone, and what
+their ending left to the kernel done. An idle server of this lane reads
+~1% here."""
+SETTLE_MAX_S = 90
 REPO = Path(__file__).resolve().parent.parent
 WORKLOADS = REPO / "examples" / "workloads"
 _SERVERS = pytest.StashKey[dict[str, object]]()
@@ -124,3 +133,28 @@ def _wait_for_gate() -> None:
             raise pytest.UsageError(f"{GATE_ENV}: {gate} did not appear in {GATE_TIMEOUT_S} s")
         time.sleep(0.5)
     print(f"\nquiet: waited {time.monotonic() - began:.0f} s for the other lanes", flush=True)
+    _settle()
+
+
+def _busy() -> tuple[int, int]:
+    """The machine's CPU time so far, busy and all (jiffies, /proc/stat)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return sum(fields) - fields[3] - fields[4], sum(fields)  # less idle and iowait
+
+
+def _settle() -> None:
+    """Wait, at most SETTLE_MAX_S, for the machine to be idle (SETTLE_BUSY);
+    print what was read."""
+    if not os.path.exists("/proc/stat"):
+        return
+    began, quiet, readings = time.monotonic(), 0, []
+    while quiet < 2 and time.monotonic() - began < SETTLE_MAX_S:
+        b0, t0 = _busy()
+        time.sleep(1)
+        b1, t1 = _busy()
+        readings.append((b1 - b0) / max(1, t1 - t0))
+        quiet = quiet + 1 if readings[-1] < SETTLE_BUSY else 0
+    shown = ", ".join(f"{r:.0%}" for r in readings[-8:])
+    state = "idle" if quiet >= 2 else f"still busy after {SETTLE_MAX_S} s"
+    print(f"quiet: the machine {state} ({len(readings)} readings, the last: {shown})", flush=True)
