@@ -4,6 +4,7 @@ sample"; issue 40, item 8).
 
     python benchmarks/carry_over.py [TRACE.jsonl ...]
     python benchmarks/carry_over.py --play N [--out DIR]
+    python benchmarks/carry_over.py --rates [TRACE.jsonl ...]
 
 With no argument it reads every `/tmp/outrate-quiet-*/test_simulate_oos/
 trace.jsonl` (each `make test` leaves one: tests/sim_servers.py). With
@@ -28,6 +29,12 @@ spread, and how many single plays are within 10%. The target is on the
 mean: a single play on this machine moves with it (the probes of one run,
 the same 5 s of the same workload minutes apart, read against one
 calibration: printed per run). Exits 1 where a case's mean is past 10%.
+
+`--rates` replays the test's other check instead, on the same traces:
+each user's tok/s simulated with the model scaled to the case's step
+length and to the length of the steps that user decoded in (the one the
+test judges), against the engine's; then each user's largest error both
+ways over the traces.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "examples")]
 from sim_drift import CALIBRATION_S, bracket, last, machine_drift, model_error  # noqa: E402
 
 from outrate.observe.trace import read_trace  # noqa: E402
-from outrate.simulate.stepmodel import calibrate, decode_step_us, time_error  # noqa: E402
+from outrate.simulate.stepmodel import StepModel, calibrate, decode_step_us, time_error  # noqa: E402
 from outrate.simulate.workload import Workload, load_workload  # noqa: E402
 
 WORKLOADS = REPO / "examples" / "workloads"
@@ -82,9 +89,12 @@ def case_of(play: list[Line]) -> str | None:
     return "oos-hog" if "hog" in users else None
 
 
-def judge(lines: list[Line], w: dict[str, Workload]) -> list[tuple[str, float, float, float]]:
-    """(case, raw error, probe before, probe after) for each case play of one
-    trace, as tests/test_simulate_oos.py computes them."""
+Case = tuple[str, list[Line], StepModel, float, float]
+
+
+def cases(lines: list[Line], w: dict[str, Workload]) -> list[Case]:
+    """(case, its steps, the step model fitted on the run's calibration, probe
+    before, probe after) for each case play of one trace."""
     cut = plays(lines)
     if len(cut) >= 4 and not case_of(cut[0]) and not case_of(cut[1]) and case_of(cut[2]):
         # The warm-up ran into the calibration (the module run alone: no
@@ -101,11 +111,54 @@ def judge(lines: list[Line], w: dict[str, Workload]) -> list[tuple[str, float, f
         case = case_of(case_play)
         if case is None or case_of(probe) is not None:
             break
-        raw = time_error(model, case_play, w[case])
         after = machine_drift(reference, decode_step_us(probe, w["e2e-agree"]))
-        out.append((case, raw, before, after))
+        out.append((case, case_play, model, before, after))
         before = after
     return out
+
+
+def judge(lines: list[Line], w: dict[str, Workload]) -> list[tuple[str, float, float, float]]:
+    """(case, raw error, probe before, probe after) for each case play of one
+    trace, as tests/test_simulate_oos.py computes them."""
+    return [(c, time_error(m, p, w[c]), b, a) for c, p, m, b, a in cases(lines, w)]
+
+
+def rates(paths: list[str], w: dict[str, Workload]) -> None:
+    """test_simulate_oos' second check on each trace: every user's tok/s
+    simulated at the case's step length and at its own steps' (the one
+    judged), against the engine's; then, per case and user, the largest
+    error of each over the traces."""
+    from sim_drift import at_measured_length
+    from test_simulate_oos import ENGINE_FLAGS, KV_TOKENS, POLICY
+
+    from outrate.observe.trace import engine_rate, user_tokens
+    from outrate.simulate.engine import engine_from_flags
+    from vllm_integration.offline.simulator import simulate
+
+    engine = engine_from_flags(ENGINE_FLAGS, kv_cache_tokens=KV_TOKENS)
+    worst: dict[tuple[str, str], list[float]] = {}
+    for path in paths:
+        print(path)
+        for case, steps, model, _, _ in cases(list(read_trace(path)), w):
+            whole = time_error(model, steps, w[case])
+            at_case = simulate(w[case], engine, str(POLICY), at_measured_length(model, whole))
+            for user, stats in sorted(at_case.users.items()):
+                real = engine_rate(user_tokens(steps, user))
+                own_error = time_error(model, steps, w[case], user)
+                own = simulate(w[case], engine, str(POLICY), at_measured_length(model, own_error))
+                errors = [(x - real) / real for x in (stats.rate, own.users[user].rate)]
+                print(
+                    f"  {case:16s} {user:9s} engine {real:6.1f} tok/s; simulated at the "
+                    f"case's length {errors[0]:+6.1%}, at its own steps' ({own_error:+.1%}) "
+                    f"{errors[1]:+6.1%}"
+                )
+                top = worst.setdefault((case, user), [0.0, 0.0])
+                worst[(case, user)] = [max(a, abs(b)) for a, b in zip(top, errors, strict=True)]
+    print()
+    for (case, user), (a, b) in sorted(worst.items()):
+        print(
+            f"{case:16s} {user:9s} largest |error|: at the case's length {a:.1%}, its own {b:.1%}"
+        )
 
 
 def _within(xs: list[float]) -> str:
@@ -147,6 +200,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("traces", nargs="*")
     parser.add_argument("--play", type=int, default=0, metavar="N")
     parser.add_argument("--out", type=Path, default=None, metavar="DIR")
+    parser.add_argument("--rates", action="store_true", help="each user's tok/s, simulated")
     args = parser.parse_args(argv)
     paths = args.traces
     if args.play:
@@ -156,6 +210,9 @@ def main(argv: list[str]) -> int:
         print(f"no traces: give TRACE.jsonl files, or run make test first ({DEFAULT_GLOB})")
         return 1
     w = {n: load_workload(WORKLOADS / f"{n}.yaml").workload for n in ("e2e-agree", *CASES)}
+    if args.rates:
+        rates(paths, w)
+        return 0
     found: dict[str, list[float]] = {c: [] for c in CASES}
     noise = []
     for path in paths:

@@ -33,16 +33,17 @@ WORKLOADS = REPO / "examples" / "workloads"
 PLAYS = (("e2e-agree", 3), ("e2e-agree", 15), ("e2e-idle", 0), ("oos-hog", 0), ("e2e-agree", 5))
 
 
-def _trace(tmp_path: Path, slower: float) -> Path:
-    """The plays simulated one after another into one trace, 2 s apart; from
-    the case's start the machine slows steadily, every step longer by a
-    factor rising from 1 to `slower` at the probe's end (the time warped
-    by its integral)."""
+def _trace(tmp_path: Path, slower: float, case: str = "oos-hog") -> Path:
+    """The plays simulated one after another into one trace, 2 s apart (the
+    case: `case`); from the case's start the machine slows steadily, every
+    step longer by a factor rising from 1 to `slower` at the probe's end
+    (the time warped by its integral)."""
     model = StepModel(fixed_us=3000, per_decode_us=500, per_prefill_us=30)
     engine = engine_from_flags(["--max-num-seqs", "12", "--max-num-active-seqs", "8"])
     lines: list[dict] = []
     start = ramp = 0
     for i, (name, seconds) in enumerate(PLAYS):
+        name = case if i == 3 else name
         w = load_workload(WORKLOADS / f"{name}.yaml").workload
         if seconds:
             w = w.model_copy(update={"duration": seconds * 10**9})
@@ -104,3 +105,20 @@ def test_a_warm_up_run_into_the_calibration_is_cut_off(tmp_path, capsys):
     assert "skipped" not in printed
     found = re.search(r"oos-hog +raw +([-+][\d.]+)%", printed)
     assert found is not None and abs(float(found.group(1))) <= 5
+
+
+def test_rates_replays_the_tests_scheduling_check(tmp_path, capsys):
+    """--rates on a trace the simulator wrote (no machine to take out): every
+    user's tok/s simulated at its own steps' length is the engine's, the
+    reader's (unlimited: its rate is the step length's) included. What the
+    user's own length reads is tested in tests/test_simulate.py; on the
+    engine's traces, docs/simulate.md ("Out of sample")."""
+    trace = _trace(tmp_path, 1.0, "oos-interactive")
+    assert carry_over.main(["--rates", str(trace)]) == 0
+    printed = capsys.readouterr().out
+    print(printed)
+    own = dict(
+        re.findall(r"oos-interactive +(\S+) +largest \|error\|: .*, its own ([\d.]+)%", printed)
+    )
+    assert set(own) == {"chat", "member-1", "member-2", "member-3", "reader"}, printed
+    assert all(float(x) <= 2 for x in own.values()), printed
