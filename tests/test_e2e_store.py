@@ -7,7 +7,11 @@ starts cover replicas, data parallel and the outage (a data-parallel server
 of its own cost ~2 min more on two cores).
 
 Pacing is judged on the engines' own traces, merged: CLOCK_MONOTONIC is one
-clock for every process here."""
+clock for every process here. A rate's floor is a share of what one exact
+GCRA limit grants at the times the engines stepped (`Replicas.allowed`, as
+e2e_support.check_pacing judges one engine): the rate itself unless the
+machine stalled them past the burst, as in a fresh run where a thread of
+the servers waited 64% and then 77% of the play for a CPU."""
 
 from __future__ import annotations
 
@@ -41,7 +45,13 @@ from serverproc import (  # noqa: E402
 
 from outrate.budget.shared.credit import LEASE_INTERVAL_S  # noqa: E402
 from outrate.budget.shared.lease import ENGINES_KEY  # noqa: E402
-from outrate.observe.trace import engine_rate, max_window_excess, read_trace, user_tokens  # noqa: E402
+from outrate.observe.trace import (  # noqa: E402
+    engine_rate,
+    max_window_excess,
+    read_trace,
+    steps_allowed_rate,
+    user_tokens,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -76,6 +86,22 @@ class Replicas:
             if (replica is None or rep == replica) and (engine is None or i == engine):
                 out += user_tokens(read_trace(path), user, since, until)
         return sorted(out)
+
+    def allowed(self, steps: list[tuple[int, int]], streams: int, replica=None) -> float:
+        """The rate `steps` (a user's, from `steps`) could have had under one
+        exact GCRA limit at the times the engines serving it stepped
+        (`steps_allowed_rate`, as e2e_support.check_pacing judges one
+        engine): RATE where they step evenly and often enough, less where
+        the machine stalled them past the burst."""
+        lines = [
+            r
+            for rep, path in self.traces
+            if replica is None or rep == replica
+            for r in read_trace(path)
+            if "step" in r
+        ]
+        lines.sort(key=lambda r: r["t"])
+        return min(RATE, steps_allowed_rate(lines, steps, RATE, BURST_NS, streams))
 
     def metrics(self, i: int) -> str:
         url = self.servers[i].root_url + "/metrics"
@@ -213,6 +239,7 @@ def test_one_user_on_two_replicas_gets_one_rate(replicas):
     per = [sum(k for _, k in replicas.steps("alice", since, replica=i)) for i in (A, B)]
     excess = max_window_excess(merged, RATE, BURST_NS)
     rate = engine_rate(merged)
+    allowed = replicas.allowed(merged, 4)
     free = engine_rate(replicas.steps("free", since))
     lease = [
         (
@@ -223,14 +250,15 @@ def test_one_user_on_two_replicas_gets_one_rate(replicas):
         for i in (A, B)
     ]
     print(
-        f"alice over 2 replicas (3 engines): {per} tokens, {rate:.2f} tok/s, worst window "
+        f"alice over 2 replicas (3 engines): {per} tokens, {rate:.2f} tok/s (the engines' "
+        f"steps allowed {allowed:.2f}), worst window "
         f"{excess:+.2f} (slack {SLACK:.1f}); free user beside her {free:.0f} tok/s; store "
         "errors, round trips, mean round trip per replica: "
         f"{[(e, n, round(t / max(n, 1) * 1000, 2)) for e, n, t in lease]}"
     )
     assert sum(per) == 200
     assert excess <= SLACK
-    assert rate >= 0.95 * RATE
+    assert rate >= 0.95 * allowed
     assert min(per) >= 0.35 * 200  # both replicas' streams progress
     assert free > 3 * RATE  # not throttled (its absolute speed is the VM's load)
 
@@ -240,9 +268,13 @@ def test_one_user_on_one_replica_still_gets_the_rate(replicas):
     steps = replicas.steps("alice", since)
     excess = max_window_excess(steps, RATE, BURST_NS)
     rate = engine_rate(steps)
-    print(f"alice on one replica: {rate:.2f} tok/s, worst window {excess:+.2f}")
+    allowed = replicas.allowed(steps, 2, replica=A)
+    print(
+        f"alice on one replica: {rate:.2f} tok/s (its steps allowed {allowed:.2f}), worst "
+        f"window {excess:+.2f}"
+    )
     assert excess <= SLACK
-    assert rate >= 0.95 * RATE
+    assert rate >= 0.95 * allowed
 
 
 def test_data_parallel_ranks_share_one_budget(replicas):
@@ -252,14 +284,15 @@ def test_data_parallel_ranks_share_one_budget(replicas):
     merged = replicas.steps("alice", since)
     excess = max_window_excess(merged, RATE, BURST_NS)
     rate = engine_rate(merged)
+    allowed = replicas.allowed(merged, 4, replica=B)
     print(
-        f"data parallel 2: alice {per_rank} tokens per rank, {rate:.2f} tok/s, worst window "
-        f"{excess:+.2f} (slack {SLACK:.1f})"
+        f"data parallel 2: alice {per_rank} tokens per rank, {rate:.2f} tok/s (the ranks' "
+        f"steps allowed {allowed:.2f}), worst window {excess:+.2f} (slack {SLACK:.1f})"
     )
     assert sum(per_rank) == 120
     assert min(per_rank) >= 30  # both ranks served her
     assert excess <= SLACK
-    assert rate >= 0.9 * RATE
+    assert rate >= 0.9 * allowed
 
 
 def test_redis_down_then_back(replicas):
