@@ -138,8 +138,8 @@ def _wait_for_gate() -> None:
 
 def _busy() -> tuple[int, int]:
     """The machine's CPU time so far, busy and all (jiffies, /proc/stat)."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
+    with open("/proc/stat") as f:  # user nice system idle iowait irq softirq steal (guest: in user)
+        fields = [int(x) for x in f.readline().split()[1:9]]
     return sum(fields) - fields[3] - fields[4], sum(fields)  # less idle and iowait
 
 
