@@ -128,7 +128,7 @@ def rates(paths: list[str], w: dict[str, Workload]) -> None:
     simulated at the case's step length and at its own steps' (the one
     judged), against the engine's; then, per case and user, the largest
     error of each over the traces."""
-    from sim_drift import at_measured_length
+    from sim_drift import at_measured_length, at_own_length
     from test_simulate_oos import ENGINE_FLAGS, KV_TOKENS, POLICY
 
     from outrate.observe.trace import engine_rate, user_tokens
@@ -144,8 +144,8 @@ def rates(paths: list[str], w: dict[str, Workload]) -> None:
             at_case = simulate(w[case], engine, str(POLICY), at_measured_length(model, whole))
             for user, stats in sorted(at_case.users.items()):
                 real = engine_rate(user_tokens(steps, user))
-                own_error = time_error(model, steps, w[case], user)
-                own = simulate(w[case], engine, str(POLICY), at_measured_length(model, own_error))
+                mine, own_error = at_own_length(model, steps, w[case], user)
+                own = simulate(w[case], engine, str(POLICY), mine)
                 errors = [(x - real) / real for x in (stats.rate, own.users[user].rate)]
                 print(
                     f"  {case:16s} {user:9s} engine {real:6.1f} tok/s; simulated at the "

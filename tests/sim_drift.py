@@ -126,6 +126,18 @@ def at_measured_length(model: StepModel, error: float) -> StepModel:
     )
 
 
+def at_own_length(
+    model: StepModel, steps: list[dict], workload, user: str
+) -> tuple[StepModel, float]:
+    """`model` at the length of the steps `user` decoded in
+    (`at_measured_length` of `time_error(..., user)`), and that error: the
+    machine moves within a play, and a user no limit holds runs at the
+    speed of its own stretch of it (tests/test_simulate_oos.py judges each
+    user's tok/s there; benchmarks/carry_over.py --rates replays it)."""
+    error = time_error(model, steps, workload, user)
+    return at_measured_length(model, error), error
+
+
 def at_measured(model: StepModel, steps: list[dict], workload) -> tuple[StepModel, float]:
     """`model` at the step length a run measured (`at_measured_length`) and
     with the run's own client turnaround (`calibrate` on the run, where it

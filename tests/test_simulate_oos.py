@@ -69,6 +69,7 @@ from sim_drift import (
     CALIBRATION_S,
     PROBE_S,
     at_measured_length,
+    at_own_length,
     bracket,
     last,
     machine_drift,
@@ -291,15 +292,9 @@ def test_the_simulator_schedules_a_workload_it_never_saw_as_the_engine_does(
     report = [run.describe(case)]
     failures, known = [], []
     for user, stats in result.users.items():
-        # Its tok/s at the length of the steps it decoded in: within one play
-        # the machine moves (sim_drift), and a user that is not held to a
-        # rate runs at the speed of its own stretch of the play.
-        own = time_error(calibrated.model, run.steps, run.workload, user)
-        sim_rate = (
-            simulate(run.workload, engine, str(POLICY), at_measured_length(calibrated.model, own))
-            .users[user]
-            .rate
-        )
+        # Its tok/s at the length of the steps it decoded in (sim_drift).
+        mine, own = at_own_length(calibrated.model, run.steps, run.workload, user)
+        sim_rate = simulate(run.workload, engine, str(POLICY), mine).users[user].rate
         real_rate = engine_rate(user_tokens(run.steps, user))
         real_ttft = statistics.median(ttfts.get(user, [0.0]))
         sim_ttft = (stats.ttft_p50 or 0) / 1e9
