@@ -204,12 +204,16 @@ def _all_in(lines: list[dict], user: str, streams: int, tokens: int) -> tuple[fl
 
 def _lone_step_rate(lines: list[dict], user: str) -> float:
     """Steps per second the machine made at the time with `user`'s work
-    alone in them: the median length of the steps that charged `user` and
-    nobody else, output or prompt tokens (each to the next step's line),
-    NaN under 10 such steps.
+    alone in them: their count over their summed length (the steps that
+    charged `user` and nobody else, output or prompt tokens, each to the
+    next step's line), NaN under 10 such steps.
     What `user` would get without borrowers, measured in the same seconds
     as what it got beside them: on two cores shared with another test lane
-    the step length moves by a third between runs a few seconds apart."""
+    the step length moves by a third between runs a few seconds apart. The
+    mean, not the median: tok/s is one over the mean step, and the
+    machine's stalls are in it (CI, brisk beside the borrower, nothing
+    borrowed in its steps: its median lone step allowed 147 tok/s, it got
+    130.6; here the mean lone step is 3-6% longer than the median)."""
     at = {r["step"]: r["t"] for r in lines}
     lengths = [
         at[r["step"] + 1] - r["t"]
@@ -218,7 +222,7 @@ def _lone_step_rate(lines: list[dict], user: str) -> float:
         and set(r.get("prompt", {})) <= {user}
         and r["step"] + 1 in at
     ]
-    return 1e9 / statistics.median(lengths) if len(lengths) >= 10 else float("nan")
+    return len(lengths) * 1e9 / sum(lengths) if len(lengths) >= 10 else float("nan")
 
 
 def _due(rate: float, streams: int, lone: float, alone: float) -> float:
@@ -226,10 +230,10 @@ def _due(rate: float, streams: int, lone: float, alone: float) -> float:
     rate, what its streams get from the machine's lone steps in the same
     seconds (where enough were lone to tell), and its tok/s alone a few
     seconds before. The last two measure what the machine gives it without
-    borrowers, each its own way: the median lone step misses the machine's
-    stalls (in one run brisk made 143 tok/s alone while its median step
-    allowed 234), and a run a few seconds before misses how the load moved
-    since (105 alone, then 78 beside at 78 steps/s). Borrowers that take
+    borrowers, each its own way: the lone steps miss the machine's stalls
+    in the other steps (in one run brisk made 143 tok/s alone while its
+    median lone step allowed 234), and a run a few seconds before misses
+    how the load moved since (105 alone, then 78 beside at 78 steps/s). Borrowers that take
     its time leave it far under both: 0.48-0.63x with lending by slots."""
     due = min(rate, alone)
     return due if math.isnan(lone) else min(due, streams * lone)
