@@ -35,6 +35,7 @@ def check_invariants(s) -> None:
     for u in s._users.values():
         resident = [r for r in list(s.running) + held if r.__dict__["_outrate"].user is u]
         assert u.resident == len(resident), u.key
+    assert not s.parking.parked and len(s.parking) == 0  # back in the queue (parking.py)
 
 
 @pytest.mark.parametrize("kind", KINDS)

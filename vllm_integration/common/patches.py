@@ -54,7 +54,8 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "Scheduler.schedule",
         "step/scheduler.py",
-        "release held requests, displace, cap admission by held slots; then "
+        "release held requests, displace, cap admission by held slots, park "
+        "the waiting requests admission would only defer again; then "
         "the one refund point, holds, metrics and trace",
         _HOOK,
         ("vllm.v1.core.sched.scheduler:Scheduler.schedule",),
@@ -83,7 +84,8 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "Scheduler.get_request_counts",
         "step/scheduler.py",
-        "held requests are running requests to the engine and its stats",
+        "held requests are running requests to the engine and its stats, "
+        "parked ones waiting (stock asks during schedule())",
         "vLLM counts requests a scheduler parks",
         ("vllm.v1.core.sched.scheduler:Scheduler.get_request_counts",),
     ),

@@ -4,7 +4,9 @@ gives its slot to a waiting user with budget (fair displacement).
 
 Plain Python over the scheduler's records (state.py) and the `BudgetStore`:
 no vLLM import. The scheduler (scheduler.py) calls `admit` from stock's
-waiting loop and `displacement` once per step; it does the preempting.
+waiting loop, `parks` once per user with a deferred waiting request at a
+step's start (parking.py) and `displacement` once per step; it does the
+preempting and the parking.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from outrate.budget.limiter import Limit
 from outrate.budget.store import BudgetStore
 from outrate.observe.metrics import Metrics
 from vllm_integration.step.holdback import Holdback
@@ -74,20 +77,19 @@ class Admission:
         limit = limiter.limit_of(u.bucket, now)
         if limit.shadow:
             pass  # computed and counted, never enforced
-        elif limit.max_streams is not None and u.resident >= limit.max_streams:
+        elif _at_max_streams(u, limit):
             return self._defer(rs, "max_streams")  # waits without blocking anyone else
         elif self.prompts is not None and not self.prompts.can_start(request, rs, step, now):
             return self._defer(rs, "prompt")  # no prompt budget for a first chunk
-        elif u.refused_step == step or u.n_held or not (u.left or limiter.available(u.bucket, now)):
-            # (u.left: tokens it took for this step and has not spent: budget too)
+        elif self._out_of_budget(u, step, now):
             lending = self.lending
-            if lending is not None and limit.excess is not None and not limit.shadow:
+            if lending is not None and limit.excess is not None:
                 # A user with a peak, over its rate: its new prompts come in
                 # only on spare capacity (lending.py), never to prefill ahead
                 # in a slot a committed newcomer may need.
                 if not lending.admit(rs, request, now):
                     return self._defer(rs, "budget")
-            elif not self.can_prefill_ahead(request) or running + 1 >= max_active:
+            elif _no_free_seat(running, max_active) or not self.can_prefill_ahead(request):
                 ready = limiter.ready_at(u.bucket, now)
                 if st.blocked_ready == 0 or ready < st.blocked_ready:
                     st.blocked_ready = ready
@@ -99,6 +101,38 @@ class Admission:
         u.resident += 1
         st.admits.append(request)
         return True
+
+    def parks(self, u: UserState, step: int, now: int, running: int, max_active: int) -> str:
+        """Why `admit` would defer every waiting request of `u` in step
+        `step`, starting now with `running` visible requests of `max_active`
+        (stock's waiting loop only adds to them): "max_streams", or "budget"
+        (out of it, no seat free to prefill ahead in, no peak to borrow by);
+        "" when one of them may be admitted, or is judged on its own (a
+        prompt budget, a peak). `admit`'s own tests, asked once per user: the
+        scheduler parks `u`'s requests deferred for that reason for the
+        step (parking.py)."""
+        limit = self.limiter.limit_of(u.bucket, now)
+        if limit.shadow:
+            return ""
+        if _at_max_streams(u, limit):
+            return "max_streams"
+        if limit.excess is not None and self.lending is not None:
+            return ""
+        if self.prompts is not None and self.prompts.paces(u, now):
+            return ""
+        if _no_free_seat(running, max_active) and self._out_of_budget(u, step, now):
+            return "budget"
+        return ""
+
+    def _out_of_budget(self, u: UserState, step: int, now: int) -> bool:
+        """`u` may not start a request this step: refused a token in it,
+        holding held requests (they come back first), or with no token left
+        (`u.left`: taken for this step and not spent yet, budget too)."""
+        return (
+            u.refused_step == step
+            or bool(u.n_held)
+            or not (u.left or self.limiter.available(u.bucket, now))
+        )
 
     @staticmethod
     def undo_unadmitted(admits: list[Request], running_status: object) -> None:
@@ -135,6 +169,7 @@ class Admission:
 
     def _defer(self, rs: RequestState, reason: str) -> bool:
         """Admission deferred; counted once per deferral, not per step."""
+        self.st.deferrals += 1
         if rs.deferred != reason:
             rs.deferred = reason
             self.metrics.deferred[reason] += 1
@@ -179,3 +214,13 @@ class Admission:
                 continue
             best = u
         return None if best is None else self.holdback.displacement_victim(best, users)
+
+
+def _at_max_streams(u: UserState, limit: Limit) -> bool:
+    return limit.max_streams is not None and u.resident >= limit.max_streams
+
+
+def _no_free_seat(running: int, max_active: int) -> bool:
+    """No seat for a request out of budget to prefill ahead in: the last
+    free one is kept for users with budget."""
+    return running + 1 >= max_active

@@ -244,6 +244,15 @@ class PromptPacer:
         rs.prompt_step = -1
         self.metrics.prompt_refunded += rs.prompt_counted
 
+    def paces(self, u: UserState, now: int) -> bool:
+        """Whether `u`'s prompts wait for a prompt budget (a limit, not in
+        shadow): else `can_start` admits all of them."""
+        pb = u.pbucket
+        if pb is None:
+            return False
+        lim = self.table.limit_of(pb, now)
+        return lim.rate is not None and not lim.shadow
+
     def can_start(self, request: Request, rs: RequestState, step: int, now: int) -> bool:
         """Whether a waiting request may be admitted now: its user has prompt
         budget for a first chunk (without chunked prefill: for all of its

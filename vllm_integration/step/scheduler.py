@@ -4,13 +4,16 @@ vllm_integration/common/patches.py).
 
 One step, top to bottom (`schedule`): swap in a reloaded policy; release held
 requests whose user's budget returned; displace one held request if every
-resident slot is taken and a user with budget waits; run stock `schedule()`,
-during which the hooks charge each sampling dispatch (`_reserve_prefill_lookahead`)
-and defer admissions (`_handle_blocked_waiting_request`); then settle the step
+resident slot is taken and a user with budget waits; park the waiting
+requests admission would only defer again (parking.py); run stock
+`schedule()`, during which the hooks charge each sampling dispatch
+(`_reserve_prefill_lookahead`) and defer admissions
+(`_handle_blocked_waiting_request`); put the parked back; then settle the step
 (`_after_schedule`): refunds, requeue, holds, wake-ups and the trace.
 
 The machinery lives beside it: `Holdback` (holdback.py) parks throttled
-running requests outside `running` and wakes them; `Admission`
+running requests outside `running` and wakes them; `Parking` (parking.py)
+keeps deferred waiting requests out of stock's waiting loop; `Admission`
 (admission.py) defers, displaces and answers a refused charge; `Ledger`
 (ledger.py) counts each token and settles refunds and unspent tokens;
 `StepRecorder` (recorder.py) collects a step's trace line; `StepScratch`
@@ -51,6 +54,7 @@ from vllm_integration.step.holdback import Holdback
 from vllm_integration.step.kv import HeldFirstAllocation
 from vllm_integration.step.ledger import Ledger
 from vllm_integration.step.lending import Lending, lends
+from vllm_integration.step.parking import Parking
 from vllm_integration.step.prompts import PromptPacer
 from vllm_integration.step.quotas import FOLD_INTERVAL_NS, QuotaMeter
 from vllm_integration.step.recorder import StepRecorder
@@ -127,6 +131,7 @@ class OutrateMixin:
             caching=bool(self.cache_config.enable_prefix_caching),  # type: ignore[attr-defined]
             block_size=self.block_size,  # type: ignore[attr-defined]
         )
+        self.parking = Parking(self.admission, self._st)
         self.lending = Lending(self.limiter, self.metrics, self.holdback, self._st)
         # Borrowing spends only step time no committed user needs: learned while lending runs.
         self.step_cost = self.lending.cost = StepCost(step_model or Prior())
@@ -262,7 +267,7 @@ class OutrateMixin:
 
     def get_request_counts(self) -> tuple[int, int]:
         running, waiting = super().get_request_counts()  # type: ignore[misc]
-        return running + len(self.holdback), waiting
+        return running + len(self.holdback), waiting + len(self.parking)
 
     def reset_prefix_cache(
         self, reset_running_requests: bool = False, reset_connector: bool = False
@@ -366,11 +371,20 @@ class OutrateMixin:
         # Held requests keep resident slots: admission needs
         # running + held < max_num_seqs and running < max_num_active_seqs.
         self.max_num_active_reqs = min(self._cfg_active, self.max_num_running_reqs - len(holdback))
+        st = self._st
+        if st.deferrals and len(self.waiting):  # requests admission would defer again: out
+            st.deferrals = self.parking.park(
+                self.waiting, self._step, now, len(self.running), self.max_num_active_reqs
+            )
+        else:
+            st.deferrals = 0
         visited = len(self.running)  # what stock's running loop walks: no held request
         try:
             out = super().schedule(throttle_prefills)  # type: ignore[misc]
         finally:
             self.max_num_active_reqs = self._cfg_active
+            if self.parking.parked:  # back where they were (parking.py)
+                self.parking.unpark(self.waiting, not self._priority)
         if self._lends:
             self.step_cost.dispatched(
                 now, len(out.num_scheduled_tokens), out.total_num_scheduled_tokens
