@@ -80,7 +80,7 @@ class Admission:
         elif _at_max_streams(u, limit):
             return self._defer(rs, "max_streams")  # waits without blocking anyone else
         elif self.prompts is not None and not self.prompts.can_start(request, rs, step, now):
-            return self._defer(rs, "prompt")  # no prompt budget for a first chunk
+            return self._defer(rs, "prompt", False)  # no prompt budget for a first chunk
         elif self._out_of_budget(u, step, now):
             lending = self.lending
             if lending is not None and limit.excess is not None:
@@ -88,7 +88,7 @@ class Admission:
                 # only on spare capacity (lending.py), never to prefill ahead
                 # in a slot a committed newcomer may need.
                 if not lending.admit(rs, request, now):
-                    return self._defer(rs, "budget")
+                    return self._defer(rs, "budget", False)
             elif _no_free_seat(running, max_active) or not self.can_prefill_ahead(request):
                 ready = limiter.ready_at(u.bucket, now)
                 if st.blocked_ready == 0 or ready < st.blocked_ready:
@@ -167,9 +167,12 @@ class Admission:
             st.refused.append(request)
         return 0
 
-    def _defer(self, rs: RequestState, reason: str) -> bool:
-        """Admission deferred; counted once per deferral, not per step."""
-        self.st.deferrals += 1
+    def _defer(self, rs: RequestState, reason: str, parks: bool = True) -> bool:
+        """Admission deferred; counted once per deferral, not per step.
+        `parks`: for a reason `parks` may give (the next step looks for
+        requests to park only after one with such deferrals)."""
+        if parks:
+            self.st.deferrals += 1
         if rs.deferred != reason:
             rs.deferred = reason
             self.metrics.deferred[reason] += 1

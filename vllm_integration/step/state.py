@@ -199,6 +199,7 @@ class StepScratch:
         self.borrow_quota: dict[UserState, int] = {}  # per user: its share left for new prompts
         self.borrow_timed = False  # borrow_tokens is bounded by step time too (running prefills)
         self.prefill_granted = 0  # tokens of running prefill chunks this step (prompts.py)
-        # Requests deferred or parked this step: the next step parks only
-        # after one that had some (parking.py). Set at a step's start.
+        # Requests deferred for max_streams or budget (not by a peak's
+        # lending) or parked this step: the next step parks only after one
+        # that had some (parking.py). Set at a step's start.
         self.deferrals = 0
