@@ -2,6 +2,7 @@
 64 streams over 8 users in under 10 s of wall time (on the 2-core machine).
 
     python benchmarks/bench_simulate.py [--seconds 60] [--async] [--check]
+    python benchmarks/bench_simulate.py --steps WORKLOAD POLICY [ENGINE FLAGS...]
 
 The workload: 8 users with 8 closed-loop streams each (prompts 100-800
 tokens, outputs 50-400, think 0-1 s); half of the users limited to 150 tok/s
@@ -13,6 +14,11 @@ the command, several seconds here), with the steps and tokens simulated.
 
 A report, not a test: exits 0 unless --check is given and the target is
 missed. tests/test_simulate_cli.py smoke-runs it with --seconds 2.
+
+`--steps` simulates a workload file under a policy file instead (engine
+flags after them) and prints the scheduler's own time a step, `schedule()`
+alone, median and mean: what docs/performance.md ("Deferred waiting
+requests") reads on examples/workloads/oos-hog.yaml.
 """
 
 from __future__ import annotations
@@ -51,7 +57,40 @@ users:
 """
 
 
+def schedule_us(workload: str, policy: str, flags: list[str]) -> int:
+    """`--steps`: `schedule()`'s wall time a step over one simulation."""
+    import statistics
+
+    from outrate.simulate.engine import engine_from_flags
+    from outrate.simulate.stepmodel import StepModel
+    from outrate.simulate.workload import load_workload
+    from vllm_integration.offline.simulator import Simulation
+
+    sim = Simulation(
+        load_workload(workload).workload, engine_from_flags(flags), policy, StepModel()
+    )
+    sched, times = sim.sched, []
+    schedule = sched.schedule
+
+    def timed(*args: object) -> object:
+        t = time.perf_counter_ns()
+        out = schedule(*args)
+        times.append(time.perf_counter_ns() - t)
+        return out
+
+    sched.schedule = timed
+    sim.run()
+    print(
+        f"{workload}: {len(times)} steps, schedule() median "
+        f"{statistics.median(times) / 1e3:.0f} us, mean {statistics.fmean(times) / 1e3:.0f} us"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--steps"]:
+        return schedule_us(argv[1], argv[2], argv[3:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=60.0, help="simulated seconds")
     ap.add_argument("--async", dest="async_", action="store_true", help="AsyncScheduler")

@@ -293,6 +293,23 @@ def test_the_benchmark_smoke_runs():
     assert bench_simulate.main(["--seconds", "2"]) == 0
 
 
+@pytest.mark.vllm
+def test_the_benchmark_times_a_step_of_a_workload(capsys):
+    pytest.importorskip("vllm")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_simulate
+
+    w = REPO / "examples" / "workloads"
+    flags = ["--max-num-seqs", "12", "--max-num-active-seqs", "8"]
+    assert (
+        bench_simulate.main(
+            ["--steps", str(w / "oos-hog.yaml"), str(w / "oos-policy.yaml")] + flags
+        )
+        == 0
+    )
+    assert re.search(r"\d+ steps, schedule\(\) median \d+ us, mean \d+ us", capsys.readouterr().out)
+
+
 # -- the simulator states its size and its error (issue 36) ----------------------
 
 
