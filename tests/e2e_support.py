@@ -10,6 +10,7 @@ import os
 import threading
 import time
 import urllib.request
+from collections.abc import Iterable
 from pathlib import Path
 
 from build_tiny_model import build
@@ -290,6 +291,19 @@ def check_pacing(server, streams, user, limit, since_ns, report):
     assert excess <= 1e-6, report
     assert rate >= 0.95 * min(limit, capacity), report
     return steps
+
+
+def engines_allowed(
+    traces: Iterable[Path], steps: list[tuple[int, int]], rate: float, burst_ns: int, streams: int
+) -> float:
+    """The rate a user's `steps` (over several engines) could have had under
+    one exact GCRA limit at the times those engines stepped, their traces
+    merged (`steps_allowed_rate`, as `check_pacing` judges one engine): at
+    most `rate`, less where the machine stalled them past the burst."""
+    lines = sorted(
+        (r for path in traces for r in read_trace(path) if "step" in r), key=lambda r: r["t"]
+    )
+    return min(rate, steps_allowed_rate(lines, steps, rate, burst_ns, streams))
 
 
 def assert_complete(streams: list[Stream]) -> None:

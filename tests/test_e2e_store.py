@@ -32,7 +32,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("redis")
 
 from build_tiny_model import build  # noqa: E402
-from e2e_support import REPO, assert_complete, start_together  # noqa: E402
+from e2e_support import REPO, assert_complete, engines_allowed, start_together  # noqa: E402
 from loadgen import run_concurrently  # noqa: E402
 from redis_support import RedisServer  # noqa: E402
 from serverproc import (  # noqa: E402
@@ -49,7 +49,6 @@ from outrate.observe.trace import (  # noqa: E402
     engine_rate,
     max_window_excess,
     read_trace,
-    steps_allowed_rate,
     user_tokens,
 )
 
@@ -93,15 +92,8 @@ class Replicas:
         (`steps_allowed_rate`, as e2e_support.check_pacing judges one
         engine): RATE where they step evenly and often enough, less where
         the machine stalled them past the burst."""
-        lines = [
-            r
-            for rep, path in self.traces
-            if replica is None or rep == replica
-            for r in read_trace(path)
-            if "step" in r
-        ]
-        lines.sort(key=lambda r: r["t"])
-        return min(RATE, steps_allowed_rate(lines, steps, RATE, BURST_NS, streams))
+        paths = [path for rep, path in self.traces if replica is None or rep == replica]
+        return engines_allowed(paths, steps, RATE, BURST_NS, streams)
 
     def metrics(self, i: int) -> str:
         url = self.servers[i].root_url + "/metrics"

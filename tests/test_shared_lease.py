@@ -27,7 +27,7 @@ from shared_support import (  # noqa: E402
 
 from outrate.budget.shared.credit import credit_of  # noqa: E402
 from outrate.budget.shared.lease import user_keys  # noqa: E402
-from outrate.observe.trace import engine_rate, max_window_excess  # noqa: E402
+from outrate.observe.trace import engine_rate, gcra_allowed, max_window_excess  # noqa: E402
 
 pytestmark = pytest.mark.waits  # make test's waits lane (tests/lanes.py)
 
@@ -211,9 +211,12 @@ def test_with_more_users_than_the_cap_each_keeps_its_rate(fresh):
     t0 = time.monotonic_ns()
     warm, end = t0 + S // 2, t0 + 4 * S  # 3.5 s counted: one stall of the VM is not the rate
     late0 = 0
+    loops: list[int] = []
     while (now := time.monotonic_ns()) < end:  # the scheduler: every 10 ms, all it may
         if now >= warm and not late0:
             late0, rounds0 = runner.late_ns + 1, len(sent)
+        if now >= warm:
+            loops.append(now)
         for i, b in enumerate(buckets):
             k = lim.take_upto(b, now, 1000)
             if now >= warm:
@@ -232,7 +235,12 @@ def test_with_more_users_than_the_cap_each_keeps_its_rate(fresh):
     )
     assert max(len(calls) for calls in rounds) <= 100
     assert runner.max_horizon_us >= 3 * runner.interval_ns // 1000
-    floor = 100 * max(0.0, span - late) / span
+    # At most what one exact GCRA grants at the times this loop ran (on a
+    # loaded machine the loop over 300 users slips: a fresh run read a
+    # median of 88.3 tok/s with the lease thread 34 ms late in all).
+    ran = gcra_allowed(loops, 100, 100_000_000, 1000, drained=True) / span
+    floor = min(ran, 100 * max(0.0, span - late) / span)
+    print(f"the loop's own times allow {ran:.1f} tok/s a user")
     assert rates[150] >= 0.9 * floor
     assert rates[0] >= 0.75 * floor  # every user gets its turns
 
