@@ -8,10 +8,12 @@ to visit it again every step: the hook, then stock's skip and requeue, ~2 us
 each here. A user with many requests queued (oos-hog's 36) made every step
 dearer for everyone: `schedule()` 116-120 us a step (median, the simulator
 on oos-hog) against 35-36 us with the hog at 12 streams; parked, 51-57 us.
-At a step's start `Admission.parks` is asked
-once per user with a waiting request, and the requests that admission
-deferred for the reason it gives, the last time it saw them, are taken
-out; after stock's `schedule()` they go back where they were. Nothing else
+
+At a step's start `Admission.parks` is asked once per user with a deferred
+waiting request, and the requests admission last deferred for the reason
+it gives are taken out; after stock's `schedule()` they go back where they
+were (what stock prepended during the step, a preempted request, stays
+first: stock adds nothing else to the queue inside `schedule()`). Nothing else
 changes: admission would have deferred each of them again, for the same
 reason (a reason that changes is seen by admission first), so the counts,
 the queue's order and what is admitted are stock's and admission's own.
