@@ -90,9 +90,7 @@ class Admission:
                 if not lending.admit(rs, request, now):
                     return self._defer(rs, "budget", False)
             elif _no_free_seat(running, max_active) or not self.can_prefill_ahead(request):
-                ready = limiter.ready_at(u.bucket, now)
-                if st.blocked_ready == 0 or ready < st.blocked_ready:
-                    st.blocked_ready = ready
+                st.blocked_until(limiter.ready_at(u.bucket, now))
                 return self._defer(rs, "budget")
         rs.deferred = ""
         if rs.prompt_waiting:

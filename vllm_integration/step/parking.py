@@ -66,9 +66,7 @@ class Parking:
             if reason is None:
                 reason = why[u] = self.admission.parks(u, step, now, running, active)
                 if reason == "budget" and running < active:  # stock's loop would reach it
-                    ready = self.admission.limiter.ready_at(u.bucket, now)
-                    if st.blocked_ready == 0 or ready < st.blocked_ready:
-                        st.blocked_ready = ready
+                    st.blocked_until(self.admission.limiter.ready_at(u.bucket, now))
             if reason and reason == rs.deferred:
                 parked.add(r)
         if parked:

@@ -316,5 +316,4 @@ class PromptPacer:
         lent = self.table.borrow_ready_at(pb, now)
         if lent is not None and lent < ready:
             ready = lent
-        if st.blocked_ready == 0 or ready < st.blocked_ready:
-            st.blocked_ready = ready
+        st.blocked_until(ready)

@@ -203,3 +203,9 @@ class StepScratch:
         # lending) or parked this step: the next step parks only after one
         # that had some (parking.py). Set at a step's start.
         self.deferrals = 0
+
+    def blocked_until(self, ready: int) -> None:
+        """A user blocking admission is ready at `ready`: the engine's idle
+        wait ends at the earliest such time (`blocked_ready`)."""
+        if self.blocked_ready == 0 or ready < self.blocked_ready:
+            self.blocked_ready = ready
