@@ -221,6 +221,9 @@ def main(argv: list[str]) -> int:
         except ValueError as e:
             print(f"{path}: skipped, {e}")
             continue
+        if not judged:
+            print(f"{path}: skipped, no case was played (a run cut short)")
+            continue
         probes = [a for *_, a in judged]
         noise.append(max(probes) - min(probes))
         print(path)

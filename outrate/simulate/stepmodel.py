@@ -3,9 +3,16 @@ engine's trace.
 
 The model is linear, as a step's cost is to first order:
 
-    step = fixed + per_decode x (requests decoding one token)
+    step = fixed + per_decode x max(requests decoding one token, min_decodes)
                  + per_prefill x (prompt tokens computed)
                  + wake, for the first step after the engine waited
+
+`min_decodes` is where the batch starts to cost: on vLLM's CPU platform
+here a step of one or two decoding requests takes as long as one of three
+(the step's fixed work dominates a small batch), so a line through steps of
+three to five, extrapolated down, priced the small steps of a throttled
+workload ~25% short (docs/simulate.md, "Out of sample"). `calibrate` picks
+it by least squares among 0 (none) to MAX_MIN_DECODES.
 
 The wake cost is what an engine pays to start again after a step that ran
 nothing (outrate's idle wait for a throttled user's budget, or no request
@@ -54,6 +61,9 @@ IDLE_FACTOR = 10
 MIN_WOKE = 5
 """Steps after an idle one, and steps not after one, needed to fit the wake
 cost (fewer of either: it is kept)."""
+MAX_MIN_DECODES = 4
+"""The largest `min_decodes` calibrate tries; each needs MIN_WOKE steps with
+fewer requests decoding to be told from a plain line."""
 
 
 @dataclass(frozen=True)
@@ -68,21 +78,26 @@ class StepModel:
     wake_us: float = 0.0
     """Added to the first step after one that ran nothing (`calibrate` fits
     it from such steps, where the trace has MIN_WOKE of them; 0 by default)."""
+    min_decodes: int = 0
+    """A step is priced as if at least this many requests decode (0: the
+    plain line; `calibrate` fits it)."""
     source: str = "defaults"
     fit: str = ""
     """How it was fitted, one line (`calibrate` writes it into the model file)."""
 
     def step_ns(self, decode: int, prefill: int, woke: bool = False) -> int:
         """A step's length: `woke`, the first after one that ran nothing."""
-        us = self.fixed_us + self.per_decode_us * decode + self.per_prefill_us * prefill
+        decoding = max(decode, self.min_decodes)
+        us = self.fixed_us + self.per_decode_us * decoding + self.per_prefill_us * prefill
         if woke:
             us += self.wake_us
         return max(int(us * 1000), 1)
 
     def describe(self) -> str:
         wake = f" + {self.wake_us:g}us after an idle step" if self.wake_us else ""
+        floor = f" (at least {self.min_decodes})" if self.min_decodes else ""
         return (
-            f"step = {self.fixed_us:g}us + {self.per_decode_us:g}us/decode "
+            f"step = {self.fixed_us:g}us + {self.per_decode_us:g}us/decode{floor} "
             f"+ {self.per_prefill_us:g}us/prompt token{wake}; turnaround "
             f"{self.turnaround_us:g}us ({self.source})"
         )
@@ -118,16 +133,19 @@ def load_step_model(path: str | os.PathLike[str]) -> StepModel:
     fit = data.get("fit", "")
     if not isinstance(fit, str):
         raise OutrateError(f"{source}: fit: must be a string (got {fit!r})")
-    unknown = set(data) - known - {"source", "fit"}
+    unknown = set(data) - known - {"min_decodes", "source", "fit"}
     if unknown:
         raise OutrateError(f"{source}: unknown key {sorted(unknown)[0]!r}")
-    values: dict[str, float] = {}
+    values: dict[str, Any] = {}
     for key in known & set(data):
         v = data[key]
         if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
             raise OutrateError(f"{source}: {key}: must be a number >= 0 (got {v!r})")
         values[key] = float(v)
-    return StepModel(**values, source=source, fit=fit)
+    floor = data.get("min_decodes", 0)
+    if isinstance(floor, bool) or not isinstance(floor, int) or floor < 0:
+        raise OutrateError(f"{source}: min_decodes: must be a whole number >= 0 (got {floor!r})")
+    return StepModel(**values, min_decodes=floor, source=source, fit=fit)
 
 
 @dataclass(frozen=True)
@@ -231,7 +249,7 @@ def calibrate(
     if len(samples) < 10:
         raise OutrateError(f"{source}: fewer than 10 consecutive steps with tokens: nothing to fit")
     kept = _busy(samples)
-    rows = [[1.0, d, p, float(w)] for d, p, w, _ in kept]
+    rows = _rows(kept, 0)
     ys = [s[3] for s in kept]
     fitted = prompt_means is not None or traced
     fixed = {} if fitted else {2: base.per_prefill_us}
@@ -258,7 +276,8 @@ def calibrate(
             f"{'with' if woke < MIN_WOKE else 'without'} a wait): "
             f"wake cost kept ({base.wake_us:g}us)"
         )
-    coef = _fit(rows, ys, fixed)
+    floor, coef = _fit_floor(kept, fixed)
+    rows = _rows(kept, floor)
     mean = statistics.fmean(ys)
     predicted = [sum(c * x for c, x in zip(coef, r, strict=True)) for r in rows]
     errors = sorted(abs(y - p) for y, p in zip(ys, predicted, strict=True))
@@ -277,6 +296,7 @@ def calibrate(
         per_prefill_us=round(coef[2], 3),
         turnaround_us=round(turnaround, 1),
         wake_us=round(coef[3], 3),
+        min_decodes=floor,
         source=f"calibrated from {source}",
     )
     result = Calibration(
@@ -293,6 +313,37 @@ def calibrate(
         mean_error=(sum(predicted) - sum(ys)) / sum(ys) if sum(ys) > 0 else 0.0,
     )
     return replace(result, model=replace(model, fit=result.fit_line(source)))
+
+
+def _rows(kept: list[Sample], floor: int) -> list[list[float]]:
+    """The fit's columns: 1, requests decoding (at least `floor`), prompt
+    tokens, woke."""
+    return [[1.0, max(d, floor), p, float(w)] for d, p, w, _ in kept]
+
+
+def _fit_floor(kept: list[Sample], fixed: dict[int, float]) -> tuple[int, list[float]]:
+    """`min_decodes` and the coefficients that fit `kept` best: each floor
+    from 0 (none) up is fitted while MIN_WOKE steps decode fewer requests than it
+    (fewer: the data cannot tell it from a plain line) and as many decode
+    more (the slope above it), and the one with the least squared residual is kept; a
+    tie keeps the smaller."""
+    ys = [s[3] for s in kept]
+    best: tuple[float, int, list[float]] | None = None
+    for floor in range(MAX_MIN_DECODES + 1):
+        if floor and (1 in fixed or sum(s[0] > floor for s in kept) < MIN_WOKE):
+            break  # too little above the floor to fit a slope, or no slope fitted
+        if floor and sum(s[0] < floor for s in kept) < MIN_WOKE:
+            continue  # too little below it to tell it by
+        rows = _rows(kept, floor)
+        coef = _fit(rows, ys, fixed)
+        sse = sum(
+            (y - sum(c * x for c, x in zip(coef, r, strict=True))) ** 2
+            for r, y in zip(rows, ys, strict=True)
+        )
+        if best is None or sse < best[0]:
+            best = (sse, floor, coef)
+    assert best is not None  # floor 0 is always fitted
+    return best[1], best[2]
 
 
 Sample = tuple[float, float, bool, float]
