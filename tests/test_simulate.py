@@ -5,6 +5,7 @@ recovers a step model from a trace the scheduler itself wrote."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -168,6 +169,34 @@ def test_the_wake_cost_after_an_idle_step_is_simulated_and_recovered(tmp_path):
     assert abs(m.per_decode_us - 200) < 30, cal.describe()
     no_wake = StepModel(fixed_us=3000, per_decode_us=200, per_prefill_us=15)
     assert time_error(no_wake, read_trace(trace), w) < -0.04, cal.describe()
+    assert abs(time_error(truth, read_trace(trace), w)) < 0.02
+
+
+def test_how_the_wake_cost_grows_with_the_wait_is_recovered(tmp_path):
+    """Throttled users alone one after another, at three rates: the engine
+    waits ~30, ~9 and ~2 ms between their tokens. Stepped with a wake cost
+    that grows with the wait (time constant 8 ms), the fit finds that time
+    constant among those it tries, and the cost; a model charging all of it
+    after every wait is long on these steps."""
+    truth = StepModel(
+        fixed_us=2000, per_decode_us=200, per_prefill_us=15, wake_us=2000, wake_tau_us=8000
+    )
+    w = workload(
+        "  busy: {streams: 3, prompt: 50, output: 100, stop: 3s}\n"
+        "  slow: {streams: 1, prompt: 20, output: 15, start: 3s, stop: 6s}\n"
+        "  mid: {streams: 1, prompt: 20, output: 20, start: 6s, stop: 9s}\n"
+        "  quick: {streams: 1, prompt: 20, output: 40, start: 9s}\n",
+        duration="12s",
+    )
+    pol = policy(tmp_path, "users:\n  slow: 30\n  mid: 80\n  quick: 200\n")
+    trace = tmp_path / "trace.jsonl"
+    simulate(w, engine("--max-num-seqs", "16"), pol, truth, trace=trace)
+    cal = calibrate(read_trace(trace), w)
+    m = cal.model
+    assert m.wake_tau_us == 8000 and abs(m.wake_us - 2000) < 300, cal.describe()
+    assert "e^(-wait/8ms)" in cal.describe()
+    flat = replace(truth, wake_tau_us=0)
+    assert time_error(flat, read_trace(trace), w) > 0.03
     assert abs(time_error(truth, read_trace(trace), w)) < 0.02
 
 

@@ -238,6 +238,7 @@ def calibrate_metrics(
         per_prefill_us=round(coef[2], 3),
         turnaround_us=base.turnaround_us,
         wake_us=base.wake_us,
+        wake_tau_us=base.wake_tau_us,
         source=f"calibrated from {source}",
     )
     fit = (

@@ -5,7 +5,8 @@ The model is linear, as a step's cost is to first order:
 
     step = fixed + per_decode x max(requests decoding one token, min_decodes)
                  + per_prefill x (prompt tokens computed)
-                 + wake, for the first step after the engine waited
+                 + wake x (1 - exp(-wait / wake_tau)), for the first step
+                   after the engine waited
 
 `min_decodes` is where the batch starts to cost: on vLLM's CPU platform
 here a step of one or two decoding requests takes as long as one of three
@@ -16,11 +17,13 @@ it by least squares among 0 (none) to MAX_MIN_DECODES.
 
 The wake cost is what an engine pays to start again after a step that ran
 nothing (outrate's idle wait for a throttled user's budget, or no request
-at all): on vLLM's CPU platform here ~2 ms on a ~2.5 ms step after a wait
-of 16-32 ms, less after a shorter one (one figure here, fitted where the
-trace waits: docs/simulate.md, "Out of sample"). A workload whose users
-are throttled pays it on a fifth or more of its steps; one that keeps the
-engine busy almost never.
+at all): on vLLM's CPU platform here ~1.5 ms on a ~2.5 ms step after a wait
+of 16-32 ms, less after a shorter one. A workload whose users are throttled
+pays it on a fifth or more of its steps; one that keeps the engine busy
+almost never. `calibrate` fits how it grows with the wait (`wake_tau_us`)
+where the trace waits for lengths at least WAIT_SPREAD apart; otherwise
+the whole of it is charged after any wait (docs/simulate.md, "Out of
+sample").
 
 The defaults are rough figures for an 8B model in bf16 on one H100-class GPU
 (7 ms a step, 40 us more per sequence decoding, 60 us per prompt token:
@@ -44,6 +47,7 @@ because throughput follows the mean step, stalls included.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 from collections.abc import Iterable
@@ -61,6 +65,12 @@ IDLE_FACTOR = 10
 MIN_WOKE = 5
 """Steps after an idle one, and steps not after one, needed to fit the wake
 cost (fewer of either: it is kept)."""
+WAIT_SPREAD = 4
+"""How far apart (a ratio) the trace's waits must be to fit how the wake
+cost grows with them: the MIN_WOKE-th shortest and longest."""
+WAKE_TAUS_US = (0.0, 500.0, 1000.0, 2000.0, 4000.0, 8000.0, 16000.0, 32000.0)
+"""The time constants calibrate tries for the wake cost (0: all of it after
+any wait)."""
 MAX_MIN_DECODES = 4
 """The largest `min_decodes` calibrate tries; each needs MIN_WOKE steps with
 fewer requests decoding to be told from a plain line."""
@@ -76,8 +86,12 @@ class StepModel:
     its last token, beyond its think time: the API server and the client, both
     ways (`calibrate` measures it; 0 by default)."""
     wake_us: float = 0.0
-    """Added to the first step after one that ran nothing (`calibrate` fits
-    it from such steps, where the trace has MIN_WOKE of them; 0 by default)."""
+    """Added to the first step after one that ran nothing, after a long
+    wait (`calibrate` fits it from such steps, where the trace has MIN_WOKE
+    of them; 0 by default)."""
+    wake_tau_us: float = 0.0
+    """How the wake cost grows with the wait: wake_us x (1 - exp(-wait /
+    wake_tau_us)); 0: all of it after any wait."""
     min_decodes: int = 0
     """A step is priced as if at least this many requests decode (0: the
     plain line; `calibrate` fits it)."""
@@ -85,16 +99,24 @@ class StepModel:
     fit: str = ""
     """How it was fitted, one line (`calibrate` writes it into the model file)."""
 
-    def step_ns(self, decode: int, prefill: int, woke: bool = False) -> int:
-        """A step's length: `woke`, the first after one that ran nothing."""
+    def step_ns(self, decode: int, prefill: int, waited_us: float = 0.0) -> int:
+        """A step's length: `waited_us`, how long the engine waited before it
+        (0: the step before it ran)."""
         decoding = max(decode, self.min_decodes)
         us = self.fixed_us + self.per_decode_us * decoding + self.per_prefill_us * prefill
-        if woke:
-            us += self.wake_us
+        us += self.wake_us * self.wake_share(waited_us)
         return max(int(us * 1000), 1)
+
+    def wake_share(self, waited_us: float) -> float:
+        """How much of the wake cost a step pays after waiting `waited_us`."""
+        if waited_us <= 0:
+            return 0.0
+        return 1.0 if self.wake_tau_us <= 0 else -math.expm1(-waited_us / self.wake_tau_us)
 
     def describe(self) -> str:
         wake = f" + {self.wake_us:g}us after an idle step" if self.wake_us else ""
+        if self.wake_us and self.wake_tau_us:
+            wake += f" (1 - e^(-wait/{self.wake_tau_us / 1000:g}ms) of it)"
         floor = f" (at least {self.min_decodes})" if self.min_decodes else ""
         return (
             f"step = {self.fixed_us:g}us + {self.per_decode_us:g}us/decode{floor} "
@@ -129,7 +151,14 @@ def load_step_model(path: str | os.PathLike[str]) -> StepModel:
     data = data.get("model", data) if isinstance(data, dict) else data
     if not isinstance(data, dict):
         raise OutrateError(f"{source}: expected a JSON object with fixed_us, per_decode_us, ...")
-    known = {"fixed_us", "per_decode_us", "per_prefill_us", "turnaround_us", "wake_us"}
+    known = {
+        "fixed_us",
+        "per_decode_us",
+        "per_prefill_us",
+        "turnaround_us",
+        "wake_us",
+        "wake_tau_us",
+    }
     fit = data.get("fit", "")
     if not isinstance(fit, str):
         raise OutrateError(f"{source}: fit: must be a string (got {fit!r})")
@@ -249,7 +278,7 @@ def calibrate(
     if len(samples) < 10:
         raise OutrateError(f"{source}: fewer than 10 consecutive steps with tokens: nothing to fit")
     kept = _busy(samples)
-    rows = _rows(kept, 0)
+    rows = _rows(kept, 0, 0.0)
     ys = [s[3] for s in kept]
     fitted = prompt_means is not None or traced
     fixed = {} if fitted else {2: base.per_prefill_us}
@@ -268,7 +297,7 @@ def calibrate(
         if col not in fixed and len({r[col] for r in rows}) < 2:
             fixed[col] = base_of[col]  # constant: not separable from the fixed part
             notes.append(f"the {what} count never varied: its cost is kept")
-    woke = sum(s[2] for s in kept)
+    woke = sum(s[2] > 0 for s in kept)
     if min(woke, len(kept) - woke) < MIN_WOKE:  # too few either way: not separable
         fixed[3] = base.wake_us
         notes.append(
@@ -276,8 +305,8 @@ def calibrate(
             f"{'with' if woke < MIN_WOKE else 'without'} a wait): "
             f"wake cost kept ({base.wake_us:g}us)"
         )
-    floor, coef = _fit_floor(kept, fixed)
-    rows = _rows(kept, floor)
+    floor, tau, coef = _fit_shape(kept, fixed)
+    rows = _rows(kept, floor, tau)
     mean = statistics.fmean(ys)
     predicted = [sum(c * x for c, x in zip(coef, r, strict=True)) for r in rows]
     errors = sorted(abs(y - p) for y, p in zip(ys, predicted, strict=True))
@@ -296,6 +325,7 @@ def calibrate(
         per_prefill_us=round(coef[2], 3),
         turnaround_us=round(turnaround, 1),
         wake_us=round(coef[3], 3),
+        wake_tau_us=tau,
         min_decodes=floor,
         source=f"calibrated from {source}",
     )
@@ -315,40 +345,64 @@ def calibrate(
     return replace(result, model=replace(model, fit=result.fit_line(source)))
 
 
-def _rows(kept: list[Sample], floor: int) -> list[list[float]]:
+def _rows(kept: list[Sample], floor: int, tau_us: float) -> list[list[float]]:
     """The fit's columns: 1, requests decoding (at least `floor`), prompt
-    tokens, woke."""
-    return [[1.0, max(d, floor), p, float(w)] for d, p, w, _ in kept]
+    tokens, the share of the wake cost paid (`StepModel.wake_share` with
+    `tau_us`)."""
+    shape = StepModel(wake_tau_us=tau_us)
+    return [[1.0, max(d, floor), p, shape.wake_share(w)] for d, p, w, _ in kept]
 
 
-def _fit_floor(kept: list[Sample], fixed: dict[int, float]) -> tuple[int, list[float]]:
-    """`min_decodes` and the coefficients that fit `kept` best: each floor
-    from 0 (none) up is fitted while MIN_WOKE steps decode fewer requests than it
-    (fewer: the data cannot tell it from a plain line) and as many decode
-    more (the slope above it), and the one with the least squared residual is kept; a
-    tie keeps the smaller."""
+def _sse(rows: list[list[float]], ys: list[float], coef: list[float]) -> float:
+    pairs = zip(rows, ys, strict=True)
+    return sum((y - sum(c * x for c, x in zip(coef, r, strict=True))) ** 2 for r, y in pairs)
+
+
+def _fit_shape(kept: list[Sample], fixed: dict[int, float]) -> tuple[int, float, list[float]]:
+    """`min_decodes`, `wake_tau_us` and the coefficients that fit `kept`
+    best, by least squares, a tie keeping the simpler:
+    - each floor from 0 (none) up, while MIN_WOKE steps decode more than it
+      (the slope above it), skipping one that fewer decode less than (the
+      data cannot tell it from a plain line);
+    - then, at that floor, each of WAKE_TAUS_US, where the waits before
+      MIN_WOKE steps are WAIT_SPREAD apart (`_waits_vary`)."""
     ys = [s[3] for s in kept]
-    best: tuple[float, int, list[float]] | None = None
+    best: tuple[float, int, float, list[float]] | None = None
     for floor in range(MAX_MIN_DECODES + 1):
         if floor and (1 in fixed or sum(s[0] > floor for s in kept) < MIN_WOKE):
-            break  # too little above the floor to fit a slope, or no slope fitted
+            break
         if floor and sum(s[0] < floor for s in kept) < MIN_WOKE:
-            continue  # too little below it to tell it by
-        rows = _rows(kept, floor)
+            continue
+        rows = _rows(kept, floor, 0.0)
         coef = _fit(rows, ys, fixed)
-        sse = sum(
-            (y - sum(c * x for c, x in zip(coef, r, strict=True))) ** 2
-            for r, y in zip(rows, ys, strict=True)
-        )
+        sse = _sse(rows, ys, coef)
         if best is None or sse < best[0]:
-            best = (sse, floor, coef)
+            best = (sse, floor, 0.0, coef)
     assert best is not None  # floor 0 is always fitted
-    return best[1], best[2]
+    if 3 not in fixed and _waits_vary(kept):
+        floor = best[1]
+        for tau in WAKE_TAUS_US[1:]:
+            rows = _rows(kept, floor, tau)
+            coef = _fit(rows, ys, fixed)
+            sse = _sse(rows, ys, coef)
+            if sse < best[0]:
+                best = (sse, floor, tau, coef)
+    return best[1], best[2], best[3]
 
 
-Sample = tuple[float, float, bool, float]
-"""(requests decoding, prompt tokens, whether the step follows one that ran
-nothing, step length in us)."""
+def _waits_vary(kept: list[Sample]) -> bool:
+    """Whether the waits before steps differ enough to tell how the wake
+    cost grows with them: the MIN_WOKE-th longest at least WAIT_SPREAD x
+    the MIN_WOKE-th shortest (a wait the trace cannot size, its first
+    step's, left out)."""
+    waits = sorted(s[2] for s in kept if 0 < s[2] < math.inf)
+    return len(waits) >= 2 * MIN_WOKE and waits[-MIN_WOKE] >= WAIT_SPREAD * waits[MIN_WOKE - 1]
+
+
+Sample = tuple[float, float, float, float]
+"""(requests decoding, prompt tokens, how long the engine waited before the
+step in us (0: the step before it ran; inf: not known), step length in
+us)."""
 
 
 def _busy(samples: list[Sample]) -> list[Sample]:
@@ -378,23 +432,33 @@ def _samples(
     follows one that ran nothing (woke) when the step before it has no line
     (nothing to say: it scheduled nothing), or a line without tokens (only
     held requests), or came more than IDLE_FACTOR x the median step before
-    it (the engine waited for a request)."""
+    it (the engine waited for a request); the wait is the time since the
+    last step that ran started, less the median step (its own length)."""
     default_prompt = statistics.fmean(prompt_means.values()) if prompt_means else 0.0
 
     def ran(rec: dict[str, Any] | None) -> bool:
         return rec is not None and bool(rec.get("charged") or (traced and rec.get("prompt")))
 
     gaps = [steps[n + 1]["t"] - r["t"] for n, r in steps.items() if ran(r) and n + 1 in steps]
-    idle_ns = IDLE_FACTOR * statistics.median(gaps) if gaps else 0
+    median_ns = statistics.median(gaps) if gaps else 0
+    idle_ns = IDLE_FACTOR * median_ns
     samples: list[Sample] = []
+    ran_at: int | None = None  # when the last step that ran started
     for number, rec in steps.items():
+        if not ran(rec):
+            continue
+        ran_before, ran_at = ran_at, rec["t"]
         nxt = steps.get(number + 1)
         charged: dict[str, int] = rec.get("charged", {})
         prompt: dict[str, int] = rec.get("prompt", {})
-        if nxt is None or not ran(rec) or (user is not None and not charged.get(user)):
+        if nxt is None or (user is not None and not charged.get(user)):
             continue
         last = steps.get(number - 1)
-        woke = last is None or not ran(last) or rec["t"] - last["t"] > idle_ns
+        waited = 0.0
+        if last is None or not ran(last) or rec["t"] - last["t"] > idle_ns:
+            # the step that ran before it took about the median step
+            known = ran_before is not None
+            waited = max((rec["t"] - ran_before - median_ns) / 1000, 1.0) if known else math.inf
         refunded: dict[str, int] = rec.get("refunded", {})
         released: dict[str, int] = rec.get("released", {})
         before: dict[str, int] = last.get("charged", {}) if last is not None else {}
@@ -410,7 +474,7 @@ def _samples(
             started = sum(rec.get("first", {}).values())
         elif prompt_means is not None:
             prefill = sum(k * prompt_means.get(u, default_prompt) for u, k in new.items())
-        samples.append((n - started, prefill, woke, (nxt["t"] - rec["t"]) / 1000))
+        samples.append((n - started, prefill, waited, (nxt["t"] - rec["t"]) / 1000))
     return samples
 
 
@@ -448,8 +512,8 @@ def decode_step_us(lines: Iterable[dict[str, Any]], workload: Workload) -> dict[
     if not samples:
         return {}
     out: dict[int, list[float]] = {}
-    for decoding, prefill, woke, us in _busy(samples):
-        if prefill == 0 and not woke:
+    for decoding, prefill, waited, us in _busy(samples):
+        if prefill == 0 and not waited:
             out.setdefault(int(decoding), []).append(us)
     return out
 

@@ -18,7 +18,8 @@ idle wait (`outrate_idle_wait_ns`, until the earliest throttled user is
 ready, at most 50 ms), or 1 ms when requests exist that no throttling
 explains (vLLM's own loop), or until the next arrival when idle. Any new
 arrival ends a wait at once, as a request on the input queue does. The
-first step after such a wait adds the model's wake cost (`wake_us`).
+first step after such a wait adds the model's wake cost for a wait that
+long (`StepModel.wake_share`).
 
 The model directory is only a `config.json` (no weights, no tokenizer):
 the scheduler needs the model's length, nothing else.
@@ -51,6 +52,8 @@ START_NS = 1_000 * 1_000_000_000
 """The virtual clock's start (not 0: outrate reads 0 as "no time")."""
 BUSY_LOOP_NS = 1_000_000
 """vLLM's engine loop sleeps 1 ms when requests exist and none can run."""
+WAITED_AT_START_NS = 10**12
+"""The first step finds the engine idle for long: all of the wake cost."""
 TOKEN = 7
 """The token every fabricated step samples (requests ignore EOS anyway)."""
 PROGRESS_EVERY_S = 0.25
@@ -282,7 +285,7 @@ class Simulation:
         behind = 1 if self.engine.async_scheduling else 0
         report_at = started + PROGRESS_EVERY_S
         n = 0
-        woke = True  # the engine starts from idle
+        waited_ns = WAITED_AT_START_NS  # the engine starts from idle
         while clock.now < end:
             n += 1
             if progress is not None and n % 256 == 0 and time.perf_counter() >= report_at:
@@ -301,12 +304,12 @@ class Simulation:
                 wake = self._idle_until(now, end)
                 self.rec.step(now, wake - now, 0, kvm.usage, held, len(sched.waiting), False)
                 clock.now = wake
-                woke = True
+                waited_ns += wake - now
                 continue
             requests = sched.requests
             decode = self._count_prompts(scheduled, requests, now)
-            dt = model.step_ns(decode, out.total_num_scheduled_tokens - decode, woke)
-            woke = False
+            dt = model.step_ns(decode, out.total_num_scheduled_tokens - decode, waited_ns / 1000)
+            waited_ns = 0
             samplers = [r for r in scheduled if not requests[r].is_prefill_chunk]
             pending.append((out, samplers))
             clock.now = now + dt
