@@ -18,7 +18,7 @@ again), a case played twice where the test replayed it. The plays are told
 apart by the idle gaps between them and by the users each step charged.
 
 For every case play it computes what the test does, with the step model of
-this checkout (tests/sim_drift.py, outrate/simulate/stepmodel.py): the
+this checkout (tests/sim_drift.py, outrate/simulate/tracefit.py): the
 model fitted on the calibration and e2e-idle, its error on the case's steps
 (`raw`), the probes' decode-only steps against the calibration's, before
 the case (the previous probe; for the first case, the calibration's last
@@ -55,7 +55,8 @@ sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "examples")]
 from sim_drift import CALIBRATION_S, bracket, last, machine_drift, model_error  # noqa: E402
 
 from outrate.observe.trace import read_trace  # noqa: E402
-from outrate.simulate.stepmodel import StepModel, calibrate, decode_step_us, time_error  # noqa: E402
+from outrate.simulate.stepmodel import StepModel  # noqa: E402
+from outrate.simulate.tracefit import calibrate, decode_step_us, time_error  # noqa: E402
 from outrate.simulate.workload import Workload, load_workload  # noqa: E402
 
 WORKLOADS = REPO / "examples" / "workloads"

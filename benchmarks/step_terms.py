@@ -5,7 +5,7 @@ tests/test_simulate_oos.py's server (docs/simulate.md, "Out of sample").
 
 Each trace holds the calibration run (e2e-agree.yaml), the three cases and
 their probes, back to back. It is cut into workloads by which users each
-step charged; the model `T = a + b D + c P` (outrate/simulate/stepmodel.py's
+step charged; the model `T = a + b D + c P` (outrate/simulate/tracefit.py's
 samples: D requests decoding, P the workload's mean prompt per new request)
 is fitted on the calibration part and asked about each case, then again
 with one more term read from the trace per step. Plain least squares (no
@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from outrate.observe.trace import read_trace  # noqa: E402
-from outrate.simulate.stepmodel import IDLE_FACTOR, _samples, prompt_means_of  # noqa: E402
+from outrate.simulate.tracefit import IDLE_FACTOR, _samples, prompt_means_of  # noqa: E402
 from outrate.simulate.workload import Workload, load_workload  # noqa: E402
 
 NAMES = ("e2e-agree", "oos-hog", "oos-interactive", "oos-mix")

@@ -43,7 +43,8 @@ from e2e_support import wait_idle
 from workload_player import Played, Player
 
 from outrate.observe.trace import read_trace
-from outrate.simulate.stepmodel import StepModel, calibrate, time_error
+from outrate.simulate.stepmodel import StepModel
+from outrate.simulate.tracefit import calibrate, time_error
 from outrate.simulate.workload import load_workload
 
 PROBE_S = 5
@@ -55,7 +56,7 @@ MIN_SHAPE = 5
 
 def model_error(run_error: float, machine: float) -> float:
     """The model's own step-length error on a run: its error on the run
-    (`stepmodel.time_error`, (modelled - measured) / measured) with the
+    (`tracefit.time_error`, (modelled - measured) / measured) with the
     machine's move since the calibration taken out (`machine_drift`: its
     steps that much longer, so the model, fitted before, that much short)."""
     return (1 + run_error) * (1 + machine) - 1
@@ -63,7 +64,7 @@ def model_error(run_error: float, machine: float) -> float:
 
 def machine_drift(reference: dict[int, list[float]], probe: dict[int, list[float]]) -> float:
     """How much longer (+) or shorter (-) the probe's decode-only steps ran
-    than the reference run's (`stepmodel.decode_step_us` of each): per batch
+    than the reference run's (`tracefit.decode_step_us` of each): per batch
     size seen at least MIN_SHAPE times in both, the ratio of the median
     lengths, averaged weighted by the probe's count. NaN where no batch size
     is shared: the machine cannot be told."""

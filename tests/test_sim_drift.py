@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from sim_drift import bracket, last, machine_drift, model_error, told, unjudgeable
 
-from outrate.simulate.stepmodel import decode_step_us
+from outrate.simulate.tracefit import decode_step_us
 from outrate.simulate.workload import load_workload
 
 WORKLOAD = load_workload(

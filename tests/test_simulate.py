@@ -14,7 +14,8 @@ pytest.importorskip("vllm")
 
 from outrate.observe.trace import read_trace  # noqa: E402
 from outrate.simulate.engine import EngineSpec, engine_from_flags  # noqa: E402
-from outrate.simulate.stepmodel import StepModel, calibrate, time_error  # noqa: E402
+from outrate.simulate.stepmodel import StepModel  # noqa: E402
+from outrate.simulate.tracefit import calibrate, time_error  # noqa: E402
 from outrate.simulate.workload import parse_workload  # noqa: E402
 from vllm_integration.offline.simulator import simulate  # noqa: E402
 

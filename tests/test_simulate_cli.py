@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 
 from outrate.cli import app
 from outrate.errors import OutrateError
-from outrate.simulate.stepmodel import StepModel, calibrate, load_step_model
+from outrate.simulate.stepmodel import StepModel, load_step_model
+from outrate.simulate.tracefit import calibrate
 
 REPO = Path(__file__).resolve().parent.parent
 WORKLOADS = REPO / "examples" / "workloads"

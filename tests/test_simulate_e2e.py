@@ -41,11 +41,8 @@ from outrate.simulate.counters import Reading, scrape_engine  # noqa: E402
 from outrate.simulate.engine import engine_from_flags  # noqa: E402
 from outrate.simulate.metricsfit import calibrate_metrics  # noqa: E402
 from outrate.simulate.report import RunResult  # noqa: E402
-from outrate.simulate.stepmodel import (  # noqa: E402
-    StepModel,
-    calibrate,
-    time_error,
-)
+from outrate.simulate.stepmodel import StepModel  # noqa: E402
+from outrate.simulate.tracefit import calibrate, time_error  # noqa: E402
 from outrate.simulate.workload import load_workload  # noqa: E402
 from vllm_integration.offline.simulator import simulate  # noqa: E402
 

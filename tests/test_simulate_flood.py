@@ -34,7 +34,8 @@ from outrate.cli import app  # noqa: E402
 from outrate.observe.trace import max_window_excess, read_trace  # noqa: E402
 from outrate.simulate.engine import engine_from_flags  # noqa: E402
 from outrate.simulate.report import format_compare, format_time  # noqa: E402
-from outrate.simulate.stepmodel import StepModel, calibrate  # noqa: E402
+from outrate.simulate.stepmodel import StepModel  # noqa: E402
+from outrate.simulate.tracefit import calibrate  # noqa: E402
 from outrate.simulate.workload import load_workload, parse_workload  # noqa: E402
 from vllm_integration.offline.simulator import Simulation, simulate  # noqa: E402
 from vllm_integration.step.steptime import Prior, StepCost  # noqa: E402

@@ -85,7 +85,7 @@ from workload_player import Played  # noqa: E402
 
 from outrate.observe.trace import engine_rate, user_tokens  # noqa: E402
 from outrate.simulate.engine import engine_from_flags  # noqa: E402
-from outrate.simulate.stepmodel import (  # noqa: E402
+from outrate.simulate.tracefit import (  # noqa: E402
     Calibration,
     calibrate,
     decode_step_us,

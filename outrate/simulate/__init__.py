@@ -1,7 +1,7 @@
 """`outrate simulate`: what a policy and an engine configuration do to each
 user, before they are deployed. The vLLM-free parts live here: the workload
 file (`workload`, `values`), the requests it sends (`plan`), the step-time
-model and its calibration from a trace (`stepmodel`) or from vLLM's
+model (`stepmodel`) and its calibration from a trace (`tracefit`) or from vLLM's
 counters on /metrics (`counters`, `metricsfit`), the engine flags
 (`engine`), what a run records (`record`) and reports (`report`), the
 figures (`plot`), one question asked once, side by side or as a sweep
@@ -10,7 +10,8 @@ scheduler with outrate's, on a virtual clock: vllm_integration/offline/simulator
 
 from outrate.simulate.engine import EngineSpec, engine_from_flags
 from outrate.simulate.report import RunResult, UserStats
-from outrate.simulate.stepmodel import Calibration, StepModel, calibrate, load_step_model
+from outrate.simulate.stepmodel import StepModel, load_step_model
+from outrate.simulate.tracefit import Calibration, calibrate
 from outrate.simulate.workload import (
     LoadedWorkload,
     Workload,

@@ -29,8 +29,9 @@ from outrate.observe.trace import read_trace
 from outrate.simulate.agreement import format_agreement, rate_agreement
 from outrate.simulate.engine import engine_from_flags
 from outrate.simulate.size import Size
-from outrate.simulate.stepmodel import StepModel, calibrate, load_step_model
+from outrate.simulate.stepmodel import StepModel, load_step_model
 from outrate.simulate.study import ProgressFor, Runner, plan_configs, run_study
+from outrate.simulate.tracefit import calibrate
 from outrate.simulate.workload import load_workload, workload_json_schema
 
 

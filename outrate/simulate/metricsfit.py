@@ -8,7 +8,7 @@ together take
 
 and while the engine was busy that is the interval's wall time. Each interval
 is a sample (mean step, decode batch and prompt tokens a step) for
-stepmodel's least squares, weighted by its steps so that the fitted total
+tracefit's least squares, weighted by its steps so that the fitted total
 time is the measured one: the trace's regression, on averages.
 
 What the counters cannot say: the turnaround (kept from the base model, and
@@ -34,7 +34,8 @@ from typing import Any
 
 from outrate.errors import OutrateError
 from outrate.simulate.counters import COUNTERS, STEPS, MetricsError, Reading
-from outrate.simulate.stepmodel import IDLE_FACTOR, StepModel, _fit
+from outrate.simulate.stepmodel import StepModel
+from outrate.simulate.tracefit import IDLE_FACTOR, fit_nonnegative
 from outrate.units import format_count
 
 MIN_INTERVALS = 5
@@ -182,7 +183,7 @@ def calibrate_metrics(
     rows = [[i.steps**0.5, i.decoded / i.steps**0.5, i.prompt / i.steps**0.5] for i in kept]
     ys = [i.seconds * 1e6 / i.steps**0.5 for i in kept]
     try:
-        coef = _fit(rows, ys, fixed)
+        coef = fit_nonnegative(rows, ys, fixed)
     except OutrateError as e:
         raise MetricsError(
             f"{source}: the intervals do not vary enough to fit the step model (the decode "
@@ -273,7 +274,11 @@ def _jackknife(
     fits = []
     for leave in range(n):
         try:
-            fits.append(_fit(rows[:leave] + rows[leave + 1 :], ys[:leave] + ys[leave + 1 :], fixed))
+            fits.append(
+                fit_nonnegative(
+                    rows[:leave] + rows[leave + 1 :], ys[:leave] + ys[leave + 1 :], fixed
+                )
+            )
         except OutrateError:  # that interval alone made it vary: as unsure as can be
             return (math.inf, math.inf, math.inf)
     means = [statistics.fmean(f[c] for f in fits) for c in range(3)]

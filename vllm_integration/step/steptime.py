@@ -40,7 +40,7 @@ HALF_LIFE_STEPS = 200
 machine's jitter, short enough to follow a neighbour's load."""
 IDLE_FACTOR = 10
 """A gap longer than this many predicted steps is the engine waiting, not a
-step (outrate/simulate/stepmodel.py's rule, against the prediction)."""
+step (outrate/simulate/tracefit.py's rule, against the prediction)."""
 PRIOR_WEIGHT = 1.0
 """The prior counts as this many steps, in each coefficient's direction."""
 FREE_US = 1e-3
