@@ -3,17 +3,10 @@ engine's trace.
 
 The model is linear, as a step's cost is to first order:
 
-    step = fixed + per_decode x max(requests decoding one token, min_decodes)
+    step = fixed + per_decode x (requests decoding one token)
                  + per_prefill x (prompt tokens computed)
                  + wake x (1 - exp(-wait / wake_tau)), for the first step
                    after the engine waited
-
-`min_decodes` is where the batch starts to cost: on vLLM's CPU platform
-here a step of one or two decoding requests takes as long as one of three
-(the step's fixed work dominates a small batch), so a line through steps of
-three to five, extrapolated down, priced the small steps of a throttled
-workload ~25% short (docs/simulate.md, "Out of sample"). `calibrate` picks
-it by least squares among 0 (none) to MAX_MIN_DECODES.
 
 The wake cost is what an engine pays to start again after a step that ran
 nothing (outrate's idle wait for a throttled user's budget, or no request
@@ -62,9 +55,6 @@ class StepModel:
     wake_tau_us: float = 0.0
     """How the wake cost grows with the wait: wake_us x (1 - exp(-wait /
     wake_tau_us)); 0: all of it after any wait."""
-    min_decodes: int = 0
-    """A step is priced as if at least this many requests decode (0: the
-    plain line; `calibrate` fits it)."""
     source: str = "defaults"
     fit: str = ""
     """How it was fitted, one line (`calibrate` writes it into the model file)."""
@@ -72,8 +62,7 @@ class StepModel:
     def step_ns(self, decode: int, prefill: int, waited_us: float = 0.0) -> int:
         """A step's length: `waited_us`, how long the engine waited before it
         (0: the step before it ran)."""
-        decoding = max(decode, self.min_decodes)
-        us = self.fixed_us + self.per_decode_us * decoding + self.per_prefill_us * prefill
+        us = self.fixed_us + self.per_decode_us * decode + self.per_prefill_us * prefill
         us += self.wake_us * self.wake_share(waited_us)
         return max(int(us * 1000), 1)
 
@@ -87,9 +76,8 @@ class StepModel:
         wake = f" + {self.wake_us:g}us after an idle step" if self.wake_us else ""
         if self.wake_us and self.wake_tau_us:
             wake += f" (1 - e^(-wait/{self.wake_tau_us / 1000:g}ms) of it)"
-        floor = f" (at least {self.min_decodes})" if self.min_decodes else ""
         return (
-            f"step = {self.fixed_us:g}us + {self.per_decode_us:g}us/decode{floor} "
+            f"step = {self.fixed_us:g}us + {self.per_decode_us:g}us/decode "
             f"+ {self.per_prefill_us:g}us/prompt token{wake}; turnaround "
             f"{self.turnaround_us:g}us ({self.source})"
         )
@@ -132,16 +120,13 @@ def load_step_model(path: str | os.PathLike[str]) -> StepModel:
     fit = data.get("fit", "")
     if not isinstance(fit, str):
         raise OutrateError(f"{source}: fit: must be a string (got {fit!r})")
-    unknown = set(data) - known - {"min_decodes", "source", "fit"}
+    unknown = set(data) - known - {"source", "fit"}
     if unknown:
         raise OutrateError(f"{source}: unknown key {sorted(unknown)[0]!r}")
-    values: dict[str, Any] = {}
+    values: dict[str, float] = {}
     for key in known & set(data):
         v = data[key]
         if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
             raise OutrateError(f"{source}: {key}: must be a number >= 0 (got {v!r})")
         values[key] = float(v)
-    floor = data.get("min_decodes", 0)
-    if isinstance(floor, bool) or not isinstance(floor, int) or floor < 0:
-        raise OutrateError(f"{source}: min_decodes: must be a whole number >= 0 (got {floor!r})")
-    return StepModel(**values, min_decodes=floor, source=source, fit=fit)
+    return StepModel(**values, source=source, fit=fit)

@@ -17,9 +17,9 @@ The fit is ordinary least squares on every step but the ones the engine
 idled after (longer than `IDLE_FACTOR` x the median): a mean-unbiased model,
 because throughput follows the mean step, stalls included.
 
-Where the trace shows it, the fit also picks `min_decodes` (0 to
-MAX_MIN_DECODES) and `wake_tau_us` (WAKE_TAUS_US), each by the least
-squared error (docs/simulate.md, "The step-time model").
+Where the trace's waits differ enough to show it, the fit also picks how
+the wake cost grows with the wait (`wake_tau_us`, one of WAKE_TAUS_US) by
+the least squared error (docs/simulate.md, "The step-time model").
 """
 
 from __future__ import annotations
@@ -45,9 +45,6 @@ cost grows with them: the MIN_WOKE-th shortest and longest."""
 WAKE_TAUS_US = (0.0, 500.0, 1000.0, 2000.0, 4000.0, 8000.0, 16000.0, 32000.0)
 """The time constants calibrate tries for the wake cost (0: all of it after
 any wait)."""
-MAX_MIN_DECODES = 4
-"""The largest `min_decodes` calibrate tries; each needs MIN_WOKE steps with
-fewer requests decoding to be told from a plain line."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +150,7 @@ def calibrate(
     if len(samples) < 10:
         raise OutrateError(f"{source}: fewer than 10 consecutive steps with tokens: nothing to fit")
     kept = _busy(samples)
-    rows = _rows(kept, 0, 0.0)
+    rows = _rows(kept, 0.0)
     ys = [s[3] for s in kept]
     fitted = prompt_means is not None or traced
     fixed = {} if fitted else {2: base.per_prefill_us}
@@ -180,8 +177,8 @@ def calibrate(
             f"{'with' if woke < MIN_WOKE else 'without'} a wait): "
             f"wake cost kept ({base.wake_us:g}us)"
         )
-    floor, tau, coef = _fit_shape(kept, fixed)
-    rows = _rows(kept, floor, tau)
+    tau, coef = _fit_wake(kept, fixed)
+    rows = _rows(kept, tau)
     mean = statistics.fmean(ys)
     predicted = [sum(c * x for c, x in zip(coef, r, strict=True)) for r in rows]
     errors = sorted(abs(y - p) for y, p in zip(ys, predicted, strict=True))
@@ -201,7 +198,6 @@ def calibrate(
         turnaround_us=round(turnaround, 1),
         wake_us=round(coef[3], 3),
         wake_tau_us=tau,
-        min_decodes=floor,
         source=f"calibrated from {source}",
     )
     result = Calibration(
@@ -220,49 +216,30 @@ def calibrate(
     return replace(result, model=replace(model, fit=result.fit_line(source)))
 
 
-def _rows(kept: list[Sample], floor: int, tau_us: float) -> list[list[float]]:
-    """The fit's columns: 1, requests decoding (at least `floor`), prompt
-    tokens, the share of the wake cost paid (`StepModel.wake_share` with
-    `tau_us`)."""
+def _rows(kept: list[Sample], tau_us: float) -> list[list[float]]:
+    """The fit's columns: 1, requests decoding, prompt tokens, the share of
+    the wake cost paid (`StepModel.wake_share` with `tau_us`)."""
     shape = StepModel(wake_tau_us=tau_us)
-    return [[1.0, max(d, floor), p, shape.wake_share(w)] for d, p, w, _ in kept]
+    return [[1.0, d, p, shape.wake_share(w)] for d, p, w, _ in kept]
 
 
-def _sse(rows: list[list[float]], ys: list[float], coef: list[float]) -> float:
-    pairs = zip(rows, ys, strict=True)
-    return sum((y - sum(c * x for c, x in zip(coef, r, strict=True))) ** 2 for r, y in pairs)
-
-
-def _fit_shape(kept: list[Sample], fixed: dict[int, float]) -> tuple[int, float, list[float]]:
-    """`min_decodes`, `wake_tau_us` and the coefficients that fit `kept`
-    best, by least squares, a tie keeping the simpler:
-    - each floor from 0 (none) up, while MIN_WOKE steps decode more than it
-      (the slope above it), skipping one that fewer decode less than (the
-      data cannot tell it from a plain line);
-    - then, at that floor, each of WAKE_TAUS_US, where the waits before
-      MIN_WOKE steps are WAIT_SPREAD apart (`_waits_vary`)."""
+def _fit_wake(kept: list[Sample], fixed: dict[int, float]) -> tuple[float, list[float]]:
+    """`wake_tau_us` and the coefficients that fit `kept` best: each of
+    WAKE_TAUS_US where the waits are WAIT_SPREAD apart (`_waits_vary`;
+    else 0, all of the cost after any wait), the least squared error kept,
+    a tie keeping the smaller."""
     ys = [s[3] for s in kept]
-    best: tuple[float, int, float, list[float]] | None = None
-    for floor in range(MAX_MIN_DECODES + 1):
-        if floor and (1 in fixed or sum(s[0] > floor for s in kept) < MIN_WOKE):
-            break
-        if floor and sum(s[0] < floor for s in kept) < MIN_WOKE:
-            continue
-        rows = _rows(kept, floor, 0.0)
+    taus = WAKE_TAUS_US if 3 not in fixed and _waits_vary(kept) else (0.0,)
+    best: tuple[float, float, list[float]] | None = None
+    for tau in taus:
+        rows = _rows(kept, tau)
         coef = fit_nonnegative(rows, ys, fixed)
-        sse = _sse(rows, ys, coef)
+        pairs = zip(rows, ys, strict=True)
+        sse = sum((y - sum(c * x for c, x in zip(coef, r, strict=True))) ** 2 for r, y in pairs)
         if best is None or sse < best[0]:
-            best = (sse, floor, 0.0, coef)
-    assert best is not None  # floor 0 is always fitted
-    if 3 not in fixed and _waits_vary(kept):
-        floor = best[1]
-        for tau in WAKE_TAUS_US[1:]:
-            rows = _rows(kept, floor, tau)
-            coef = fit_nonnegative(rows, ys, fixed)
-            sse = _sse(rows, ys, coef)
-            if sse < best[0]:
-                best = (sse, floor, tau, coef)
-    return best[1], best[2], best[3]
+            best = (sse, tau, coef)
+    assert best is not None  # taus is never empty
+    return best[1], best[2]
 
 
 def _waits_vary(kept: list[Sample]) -> bool:
