@@ -3,14 +3,16 @@ judge replayed on the traces its server left (docs/simulate.md, "Out of
 sample"; issue 40, item 8).
 
     python benchmarks/carry_over.py [TRACE.jsonl ...]
-    python benchmarks/carry_over.py --play N [--out DIR]
+    python benchmarks/carry_over.py --play N [--out DIR] [--cases A,B,...]
     python benchmarks/carry_over.py --rates [TRACE.jsonl ...]
 
 With no argument it reads every `/tmp/outrate-quiet-*/test_simulate_oos/
 trace.jsonl` (each `make test` leaves one: tests/sim_servers.py). With
 `--play N` it starts the module's server (the tiny model, the same flags
 and policy) and plays the module's sequence N times, one trace per run
-under DIR, then judges those. A trace holds the plays of one run back to
+under DIR, then judges those (`--cases`: other cases in its place, e.g.
+oos-prefix.yaml, which the test does not play, three times:
+`--cases oos-prefix,oos-prefix,oos-prefix`). A trace holds the plays of one run back to
 back, each after the engine went idle: the 3 s warm-up, the 15 s
 calibration (e2e-agree.yaml), e2e-idle.yaml, then each case (oos-hog,
 oos-interactive, oos-mix: 20 s) followed by its 5 s probe (e2e-agree.yaml
@@ -61,6 +63,9 @@ from outrate.simulate.workload import Workload, load_workload  # noqa: E402
 
 WORKLOADS = REPO / "examples" / "workloads"
 CASES = ("oos-hog", "oos-interactive", "oos-mix")
+"""What tests/test_simulate_oos.py plays, and `--play` by default."""
+OTHERS = ("oos-prefix",)
+"""Cases the test does not play, for `--play N --cases ...`."""
 DEFAULT_GLOB = "/tmp/outrate-quiet-*/test_simulate_oos/trace.jsonl"
 GAP_NS = 450_000_000
 """Between two plays the engine idles at least this long (the test waits
@@ -85,6 +90,8 @@ def plays(lines: list[Line]) -> list[list[Line]]:
 def case_of(play: list[Line]) -> str | None:
     """Which case a play is, by the users it charged (None: not a case)."""
     users = {u.split("-")[0] for r in play for u in r.get("charged", {})}
+    if "single" in users:
+        return "oos-prefix"
     if "member" in users:
         return "oos-mix" if "hog" in users else "oos-interactive"
     return "oos-hog" if "hog" in users else None
@@ -166,7 +173,7 @@ def _within(xs: list[float]) -> str:
     return f"{sum(abs(x) <= BOUND for x in xs)} of {len(xs)} plays within {BOUND:.0%}"
 
 
-def play_runs(n: int, out: Path) -> list[str]:
+def play_runs(n: int, out: Path, cases: tuple[str, ...] = CASES) -> list[str]:
     """The module's sequence played `n` times on one server of its own
     (tests/sim_servers.py's, as the module has it); one trace per run under
     `out`."""
@@ -184,7 +191,7 @@ def play_runs(n: int, out: Path) -> list[str]:
             steps = []
             for name, seconds in (("e2e-agree", 3), ("e2e-agree", CALIBRATION_S), ("e2e-idle", 0)):
                 steps += play(server, WORKLOADS / f"{name}.yaml", seconds)[2]
-            for case in CASES:
+            for case in cases:
                 steps += play(server, WORKLOADS / f"{case}.yaml")[2]
                 steps += play(server, WORKLOADS / "e2e-agree.yaml", PROBE_S)[2]
             path = out / f"run-{run + 1}.jsonl"
@@ -201,20 +208,29 @@ def main(argv: list[str]) -> int:
     parser.add_argument("traces", nargs="*")
     parser.add_argument("--play", type=int, default=0, metavar="N")
     parser.add_argument("--out", type=Path, default=None, metavar="DIR")
+    parser.add_argument("--cases", default=",".join(CASES), help="what --play plays, in order")
     parser.add_argument("--rates", action="store_true", help="each user's tok/s, simulated")
     args = parser.parse_args(argv)
     paths = args.traces
     if args.play:
-        paths += play_runs(args.play, args.out or Path(tempfile.mkdtemp(prefix="carry-over-")))
+        cases = tuple(args.cases.split(","))
+        unknown = set(cases) - {*CASES, *OTHERS}
+        if unknown:
+            parser.error(
+                f"--cases: unknown {sorted(unknown)[0]!r} (known: {', '.join((*CASES, *OTHERS))})"
+            )
+        out = args.out or Path(tempfile.mkdtemp(prefix="carry-over-"))
+        paths += play_runs(args.play, out, cases)
     paths = paths or sorted(glob.glob(DEFAULT_GLOB))
     if not paths:
         print(f"no traces: give TRACE.jsonl files, or run make test first ({DEFAULT_GLOB})")
         return 1
-    w = {n: load_workload(WORKLOADS / f"{n}.yaml").workload for n in ("e2e-agree", *CASES)}
+    known = ("e2e-agree", *CASES, *OTHERS)
+    w = {n: load_workload(WORKLOADS / f"{n}.yaml").workload for n in known}
     if args.rates:
         rates(paths, w)
         return 0
-    found: dict[str, list[float]] = {c: [] for c in CASES}
+    found: dict[str, list[float]] = {c: [] for c in (*CASES, *OTHERS)}
     noise = []
     for path in paths:
         try:

@@ -122,3 +122,19 @@ def test_rates_replays_the_tests_scheduling_check(tmp_path, capsys):
     )
     assert set(own) == {"chat", "member-1", "member-2", "member-3", "reader"}, printed
     assert all(float(x) <= 2 for x in own.values()), printed
+
+
+def test_a_case_the_test_does_not_play_is_told_by_its_users(tmp_path, capsys):
+    """oos-prefix (`--play N --cases oos-prefix,...`): its single user tells
+    the play from oos-interactive and oos-mix, which have the tier too, and
+    the model, the engine here, carries over to it. An unknown case is
+    refused before anything plays."""
+    trace = _trace(tmp_path, 1.0, "oos-prefix")
+    assert carry_over.main([str(trace)]) == 0
+    printed = capsys.readouterr().out
+    found = re.search(r"oos-prefix +raw +[-+][\d.]+% .* model +([-+][\d.]+)%", printed)
+    assert found is not None and abs(float(found.group(1))) <= 5, printed
+    with pytest.raises(SystemExit) as refused:
+        carry_over.main(["--play", "1", "--cases", "oos-hog,oos-nope"])
+    assert refused.value.code == 2
+    assert "--cases: unknown 'oos-nope'" in capsys.readouterr().err

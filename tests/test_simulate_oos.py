@@ -208,10 +208,11 @@ class CaseRun:
 
 @pytest.fixture(scope="module")
 def calibration_run(sim_server) -> tuple[Calibration, dict[int, list[float]], float]:
-    """The step model fitted on 15 s of the calibration workload and 6 s of
-    its throttled user alone (e2e-idle.yaml: the engine waits between its
-    tokens, so the fit sees the steps after a wait, which the busy 15 s
-    have almost none of); the 15 s run's decode-only step lengths (what
+    """The step model fitted on 15 s of the calibration workload and 7 s of
+    throttled users alone in turn (e2e-idle.yaml: the engine waits ~30,
+    ~10 and ~2 ms between their tokens, so the fit sees the steps after a
+    wait, which the busy 15 s have almost none of, and how their cost grows
+    with the wait); the 15 s run's decode-only step lengths (what
     each probe is held against); and its last PROBE_S seconds read as a
     probe (the first case's probe before)."""
     workload, _, busy = play(sim_server, "e2e-agree", seconds=CALIBRATION_S)
