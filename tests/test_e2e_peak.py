@@ -259,6 +259,30 @@ def _model_error(lines: list[dict], user: str) -> float:
     return real / predicted - 1 if predicted else float("nan")
 
 
+def _split_by_lending(lines: list[dict], user: str, lender: str) -> str:
+    """`user`'s steps with and without `lender`'s borrowed tokens in them:
+    how many, their mean length, and that over the step model's prediction
+    at dispatch. Printed with the check, so that a failure says whether the
+    lent steps ran past their prediction (the model's error) or the lone
+    steps were long already (the machine)."""
+    at = {r["step"]: r["t"] for r in lines}
+    parts: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
+    for r in lines:
+        if user in r.get("charged", {}) and "predicted_us" in r and r["step"] + 1 in at:
+            lent = bool(r.get("borrowed", {}).get(lender))
+            parts[lent].append((at[r["step"] + 1] - r["t"], r["predicted_us"] * 1000))
+    said = []
+    for lent, name in ((True, "lent"), (False, "not lent")):
+        if parts[lent]:
+            real = sum(a for a, _ in parts[lent])
+            predicted = sum(b for _, b in parts[lent])
+            said.append(
+                f"{len(parts[lent])} {name}, {real / len(parts[lent]) / 1e6:.2f} ms each, "
+                f"{real / predicted - 1:+.0%} past the prediction"
+            )
+    return "; ".join(said) or "no step with a prediction"
+
+
 def _run(server, user: str, streams: int, tokens: int) -> tuple:
     """Of `user`'s streams of `tokens` tokens: (engine tok/s past the burst,
     `_all_in`, engine time to first token p50 in steps, client time to first
@@ -444,7 +468,8 @@ def test_a_committed_rate_holds_in_tokens_per_second(server):
         f"the borrower's full batch ran {full:.0f} steps/s; it borrowed {lent} tokens in "
         f"brisk's {len(mine)} steps, which ran {error:+.1%} past the step model's prediction; "
         f"steps with brisk's work alone ran at {lone_alone:.0f}/s "
-        f"alone and {lone:.0f}/s beside: due {_due(rate, 1, lone, alone):.1f} tok/s beside"
+        f"alone and {lone:.0f}/s beside: due {_due(rate, 1, lone, alone):.1f} tok/s beside; "
+        f"its steps beside: {_split_by_lending(lines, 'brisk', 'borrower')}"
     )
     # Beside the borrower it gets its rate, or what the machine gives it
     # without borrowers (`_due`). (Alone it usually gets its rate: its rate
