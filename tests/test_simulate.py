@@ -148,6 +148,16 @@ def test_calibration_recovers_the_model_from_the_schedulers_own_trace(tmp_path):
     assert without.model.per_prefill_us == StepModel().per_prefill_us and not without.prefill_fitted
 
 
+def _stepped_and_fitted(tmp_path: Path, w, policy_text: str, truth: StepModel):
+    """`w` simulated under the policy with steps as long as `truth` says
+    (`--max-num-seqs 16`), and the model calibrated on its trace: (the
+    trace's path, the calibration)."""
+    trace = tmp_path / "trace.jsonl"
+    pol = policy(tmp_path, policy_text)
+    simulate(w, engine("--max-num-seqs", "16"), pol, truth, trace=trace)
+    return trace, calibrate(read_trace(trace), w)
+
+
 def test_the_wake_cost_after_an_idle_step_is_simulated_and_recovered(tmp_path):
     """A throttled user leaves the engine idle between its tokens: the step
     after each wait costs `wake_us` more in the simulator, and calibrating
@@ -160,10 +170,7 @@ def test_the_wake_cost_after_an_idle_step_is_simulated_and_recovered(tmp_path):
         "  slow: {streams: 3, prompt: 50, output: 100}\n",
         duration="10s",
     )
-    pol = policy(tmp_path, "users:\n  slow: 40\n")
-    trace = tmp_path / "trace.jsonl"
-    simulate(w, engine("--max-num-seqs", "16"), pol, truth, trace=trace)
-    cal = calibrate(read_trace(trace), w)
+    trace, cal = _stepped_and_fitted(tmp_path, w, "users:\n  slow: 40\n", truth)
     m = cal.model
     assert abs(m.wake_us - 2000) < 300, cal.describe()
     assert abs(m.fixed_us - 3000) < 300, cal.describe()
@@ -189,10 +196,9 @@ def test_how_the_wake_cost_grows_with_the_wait_is_recovered(tmp_path):
         "  quick: {streams: 1, prompt: 20, output: 40, start: 9s}\n",
         duration="12s",
     )
-    pol = policy(tmp_path, "users:\n  slow: 30\n  mid: 80\n  quick: 200\n")
-    trace = tmp_path / "trace.jsonl"
-    simulate(w, engine("--max-num-seqs", "16"), pol, truth, trace=trace)
-    cal = calibrate(read_trace(trace), w)
+    trace, cal = _stepped_and_fitted(
+        tmp_path, w, "users:\n  slow: 30\n  mid: 80\n  quick: 200\n", truth
+    )
     m = cal.model
     assert m.wake_tau_us == 8000 and abs(m.wake_us - 2000) < 300, cal.describe()
     assert "e^(-wait/8ms)" in cal.describe()
