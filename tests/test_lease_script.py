@@ -99,9 +99,10 @@ def test_grants_follow_server_time(link, redis_server):
     tat = first.now_us + u.tol_us + first.wait_us  # the script's TAT after the burst
     time.sleep(0.057)
     second = one(link, call("bob", lim, want=10_000))
-    room = second.now_us + u.tol_us - tat
+    room = min(second.now_us, tat) + u.tol_us - tat  # an idle bucket's TAT is now
     assert second.granted == room * u.p // u.num + 1  # tokens that conform at server now
-    assert 5 <= second.granted <= 7
+    if second.now_us - first.now_us < 90_000:  # the sleep was not stretched past the burst
+        assert 5 <= second.granted <= 7  # (a loaded machine once slept 172 ms: 11, full)
     # With a horizon past the burst, what conforms by server now + H.
     tat += second.granted * 10_000
     time.sleep(0.031)
