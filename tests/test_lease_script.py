@@ -101,7 +101,7 @@ def test_grants_follow_server_time(link, redis_server):
     second = one(link, call("bob", lim, want=10_000))
     room = min(second.now_us, tat) + u.tol_us - tat  # an idle bucket's TAT is now
     assert second.granted == room * u.p // u.num + 1  # tokens that conform at server now
-    if second.now_us - first.now_us < 90_000:  # the sleep was not stretched past the burst
+    if second.now_us - first.now_us < 80_000:  # not stretched: one token a 10 ms slept
         assert 5 <= second.granted <= 7  # (a loaded machine once slept 172 ms: 11, full)
     # With a horizon past the burst, what conforms by server now + H.
     tat += second.granted * 10_000
