@@ -13,10 +13,10 @@ nothing (outrate's idle wait for a throttled user's budget, or no request
 at all): on vLLM's CPU platform here ~1.5 ms on a ~2.5 ms step after a wait
 of 16-32 ms, less after a shorter one. A workload whose users are throttled
 pays it on a fifth or more of its steps; one that keeps the engine busy
-almost never. `calibrate` fits how it grows with the wait (`wake_tau_us`)
-where the trace waits for lengths at least WAIT_SPREAD apart; otherwise
-the whole of it is charged after any wait (docs/simulate.md, "Out of
-sample").
+almost never. `calibrate` (outrate/simulate/tracefit.py) fits how it
+grows with the wait (`wake_tau_us`) where the trace's waits are far
+enough apart to show it; otherwise the whole of it is charged after any
+wait (docs/simulate.md, "Out of sample").
 
 The defaults are rough figures for an 8B model in bf16 on one H100-class GPU
 (7 ms a step, 40 us more per sequence decoding, 60 us per prompt token:
@@ -50,7 +50,7 @@ class StepModel:
     ways (`calibrate` measures it; 0 by default)."""
     wake_us: float = 0.0
     """Added to the first step after one that ran nothing, after a long
-    wait (`calibrate` fits it from such steps, where the trace has MIN_WOKE
+    wait (`calibrate` fits it from such steps, where the trace has enough
     of them; 0 by default)."""
     wake_tau_us: float = 0.0
     """How the wake cost grows with the wait: wake_us x (1 - exp(-wait /
