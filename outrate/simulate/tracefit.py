@@ -177,8 +177,7 @@ def calibrate(
             f"{'with' if woke < MIN_WOKE else 'without'} a wait): "
             f"wake cost kept ({base.wake_us:g}us)"
         )
-    tau, coef = _fit_wake(kept, fixed)
-    rows = _rows(kept, tau)
+    tau, coef, rows = _fit_wake(kept, fixed)
     mean = statistics.fmean(ys)
     predicted = [sum(c * x for c, x in zip(coef, r, strict=True)) for r in rows]
     errors = sorted(abs(y - p) for y, p in zip(ys, predicted, strict=True))
@@ -223,23 +222,25 @@ def _rows(kept: list[Sample], tau_us: float) -> list[list[float]]:
     return [[1.0, d, p, shape.wake_share(w)] for d, p, w, _ in kept]
 
 
-def _fit_wake(kept: list[Sample], fixed: dict[int, float]) -> tuple[float, list[float]]:
-    """`wake_tau_us` and the coefficients that fit `kept` best: each of
-    WAKE_TAUS_US where the waits are WAIT_SPREAD apart (`_waits_vary`;
-    else 0, all of the cost after any wait), the least squared error kept,
-    a tie keeping the smaller."""
+def _fit_wake(
+    kept: list[Sample], fixed: dict[int, float]
+) -> tuple[float, list[float], list[list[float]]]:
+    """`wake_tau_us`, the coefficients that fit `kept` best and the fit's
+    rows at that time constant: each of WAKE_TAUS_US where the waits are
+    WAIT_SPREAD apart (`_waits_vary`; else 0, all of the cost after any
+    wait), the least squared error kept, a tie keeping the smaller."""
     ys = [s[3] for s in kept]
     taus = WAKE_TAUS_US if 3 not in fixed and _waits_vary(kept) else (0.0,)
-    best: tuple[float, float, list[float]] | None = None
+    best: tuple[float, float, list[float], list[list[float]]] | None = None
     for tau in taus:
         rows = _rows(kept, tau)
         coef = fit_nonnegative(rows, ys, fixed)
         pairs = zip(rows, ys, strict=True)
         sse = sum((y - sum(c * x for c, x in zip(coef, r, strict=True))) ** 2 for r, y in pairs)
         if best is None or sse < best[0]:
-            best = (sse, tau, coef)
+            best = (sse, tau, coef, rows)
     assert best is not None  # taus is never empty
-    return best[1], best[2]
+    return best[1], best[2], best[3]
 
 
 def _waits_vary(kept: list[Sample]) -> bool:
