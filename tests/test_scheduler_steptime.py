@@ -81,6 +81,24 @@ def test_a_direction_no_step_varied_keeps_the_prior():
     assert c == pytest.approx(60, rel=0.01)
 
 
+def test_a_slope_the_steps_drive_negative_keeps_the_prior():
+    """Steps whose length falls as they hold more requests (a loaded
+    machine's noise, when the batch varies little): the solve's slope is
+    negative. Clipped to 0 it read as "borrowers cost nothing", and with no
+    spare time `seqs_within(0)` lent any number (a committed user at 0.77x
+    of its rate on a real engine, every step lent). The slope keeps the
+    prior's instead: no time, no borrower."""
+    cost = StepCost(Prior(7000, 900, 200))
+    for i in range(600):
+        n = 1 + i % 12
+        cost.learn(n, 0, 13_000 - 100 * n)
+    a, b, c = cost.coef
+    assert b == 900  # the prior's, not 0
+    assert a > 0 and c == pytest.approx(200, rel=0.01)
+    assert cost.seqs_within(0) == 0
+    assert cost.seqs_within(1800) == 2
+
+
 def test_what_fits_in_spare_time():
     cost = StepCost(Prior(7000, 1000, 200))
     assert cost.seqs_within(0) == 0

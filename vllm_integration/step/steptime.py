@@ -131,8 +131,14 @@ class StepCost:
         self.coef = self._solve()
 
     def _solve(self) -> tuple[float, float, float]:
-        """(S + wI) theta = Sxy + w prior, by Cramer's rule; negative
-        coefficients clipped to 0 (work never makes a step shorter)."""
+        """(S + wI) theta = Sxy + w prior, by Cramer's rule. A coefficient
+        the solve drives below 0 takes the prior's value: work never makes a
+        step shorter, so a negative one is noise in a direction the recent
+        steps did not vary. Lending itself makes such a direction: while it
+        fills every free seat, each step holds the same number of requests.
+        A slope clipped to 0 there read as "borrowers cost nothing", and the
+        rule lent without a time bound (a committed user at 0.77x of its
+        rate on a real engine, every step lent)."""
         s, v, w = self.sxx, self.sxy, PRIOR_WEIGHT
         pa, pb, pc = self.prior
         m00, m01, m02, m11, m12, m22 = s[0] + w, s[1], s[2], s[3] + w, s[4], s[5] + w
@@ -149,7 +155,7 @@ class StepCost:
         a = (c00 * r0 + c01 * r1 + c02 * r2) / det
         b = (c01 * r0 + c11 * r1 + c12 * r2) / det
         c = (c02 * r0 + c12 * r1 + c22 * r2) / det
-        return (a if a > 0 else 0.0, b if b > 0 else 0.0, c if c > 0 else 0.0)
+        return (a if a >= 0 else pa, b if b >= 0 else pb, c if c >= 0 else pc)
 
     # -- what fits -------------------------------------------------------------
 
