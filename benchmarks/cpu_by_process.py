@@ -8,7 +8,9 @@ It runs the command and samples /proc every 0.5 s: each process's CPU
 time (user + system, all its threads) as last seen, its command line and
 its parent. A process that lives less than a sample is missed, and so is
 what a process spends after its last sample (at most 0.5 s of it). At the
-end every process started meanwhile is charged to its tree's root, the
+end every process the command started (itself and what descends from
+it; not another job's processes on the machine, nor one whose parent ended
+unseen) is charged to its tree's root, the
 process just below the command, `tests/lanes.py` or a pytest run (or the
 pytest run itself), and the roots
 are summed by kind: `outrate serve` and stock servers (start-up, and the
@@ -85,8 +87,18 @@ def report(seen: dict[tuple[int, int], Proc], started: set[int], top: int) -> No
         alive = [q for q in by_pid.get(p.ppid, []) if q.first <= p.first + SAMPLE_S]
         return alive[-1] if alive else None
 
+    def below_top(p: Proc) -> bool:
+        q: Proc | None = p
+        while q is not None:
+            if q.pid == top:
+                return True
+            q = parent(q)
+        return False
+
     roots: dict[int, list] = {}
     for p in new:
+        if not below_top(p):
+            continue  # not the command's: another job's process on the machine
         root, up = p, parent(p)
         while up is not None and up.pid != top and "-m pytest" not in root.cmd:
             if "lanes.py" in up.cmd:
