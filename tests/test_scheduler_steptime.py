@@ -85,9 +85,9 @@ def test_a_slope_the_steps_drive_negative_keeps_the_prior():
     """Steps whose length falls as they hold more requests (a loaded
     machine's noise, when the batch varies little): the solve's slope is
     negative. Clipped to 0 it read as "borrowers cost nothing", and with no
-    spare time `seqs_within(0)` lent any number (a committed user at 0.77x
-    of its rate on a real engine, every step lent). The slope keeps the
-    prior's instead: no time, no borrower."""
+    spare time `seqs_within(0)` lent any number (the likely cause of a
+    committed user at 0.77x of its rate on a real engine, every step
+    lent). The slope keeps the prior's instead: no time, no borrower."""
     cost = StepCost(Prior(7000, 900, 200))
     for i in range(600):
         n = 1 + i % 12

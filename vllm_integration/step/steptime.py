@@ -137,8 +137,8 @@ class StepCost:
         steps did not vary. Lending itself makes such a direction: while it
         fills every free seat, each step holds the same number of requests.
         A slope clipped to 0 there read as "borrowers cost nothing", and the
-        rule lent without a time bound (a committed user at 0.77x of its
-        rate on a real engine, every step lent)."""
+        rule lent without a time bound (the likely cause of a committed user
+        at 0.77x of its rate on a real engine, every step lent)."""
         s, v, w = self.sxx, self.sxy, PRIOR_WEIGHT
         pa, pb, pc = self.prior
         m00, m01, m02, m11, m12, m22 = s[0] + w, s[1], s[2], s[3] + w, s[4], s[5] + w
