@@ -104,13 +104,17 @@ def cases(lines: list[Line], w: dict[str, Workload]) -> list[Case]:
     """(case, its steps, the step model fitted on the run's calibration, probe
     before, probe after) for each case play of one trace."""
     cut = plays(lines)
-    if len(cut) >= 4 and not case_of(cut[0]) and not case_of(cut[1]) and case_of(cut[2]):
-        # The warm-up ran into the calibration (the module run alone: no
-        # idle gap between them): the calibration is the last 15 s of both.
-        cut = [[], last(cut[0], CALIBRATION_S), *cut[1:]]
-    if len(cut) < 5 or case_of(cut[1]) or case_of(cut[2]):
+    first = next((i for i, p in enumerate(cut) if case_of(p)), len(cut))
+    if first < 2 or len(cut) < first + 2:
         raise ValueError(f"not a run of test_simulate_oos: {len(cut)} plays")
-    _, cal, idle, *rest = cut
+    # The calibration and e2e-idle are the two plays before the first case;
+    # what comes before them is the warm-up, in as many pieces as its idle
+    # gaps cut it (a make test run: two). With none before (the module run
+    # alone: no idle gap between warm-up and calibration), the calibration
+    # is the last 15 s of both.
+    cal, idle, rest = cut[first - 2], cut[first - 1], cut[first:]
+    if first == 2:
+        cal = last(cal, CALIBRATION_S)
     model = calibrate(cal + idle, w["e2e-agree"]).model
     reference = decode_step_us(cal, w["e2e-agree"])
     before = machine_drift(reference, decode_step_us(last(cal), w["e2e-agree"]))

@@ -107,6 +107,28 @@ def test_a_warm_up_run_into_the_calibration_is_cut_off(tmp_path, capsys):
     assert found is not None and abs(float(found.group(1))) <= 5
 
 
+def test_a_warm_up_cut_in_two_is_left_out(tmp_path, capsys):
+    """An idle gap inside the warm-up (a make test run: 1.5 s, then 0.7 s)
+    makes one play more before the calibration: the calibration is still
+    the play two before the first case. Read as the second play, the run
+    was skipped ("no case was played")."""
+    trace = _trace(tmp_path, 1.0)
+    lines = list(read_trace(trace))
+    warm = carry_over.plays(lines)[0]
+    half = warm[len(warm) // 2]["t"]
+    for r in lines:
+        if r["t"] < half:
+            r["t"] -= 2 * 10**9  # the warm-up's first half ends 2 s earlier: a gap
+    split = tmp_path / "split.jsonl"
+    split.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert len(carry_over.plays(list(read_trace(split)))) == len(PLAYS) + 1
+    assert carry_over.main([str(split)]) == 0
+    printed = capsys.readouterr().out
+    assert "skipped" not in printed
+    found = re.search(r"oos-hog +raw +([-+][\d.]+)%", printed)
+    assert found is not None and abs(float(found.group(1))) <= 5
+
+
 def test_rates_replays_the_tests_scheduling_check(tmp_path, capsys):
     """--rates on a trace the simulator wrote (no machine to take out): every
     user's tok/s simulated at its own steps' length is the engine's, the
