@@ -150,7 +150,6 @@ def calibrate(
     if len(samples) < 10:
         raise OutrateError(f"{source}: fewer than 10 consecutive steps with tokens: nothing to fit")
     kept = _busy(samples)
-    rows = _rows(kept, 0.0)
     ys = [s[3] for s in kept]
     fitted = prompt_means is not None or traced
     fixed = {} if fitted else {2: base.per_prefill_us}
@@ -165,8 +164,8 @@ def calibrate(
             f"{base.turnaround_us:g}us): pass the workload (--workload) to fit them"
         )
     base_of = {1: base.per_decode_us, 2: base.per_prefill_us}
-    for col, what in ((1, "per-decode"), (2, "prompt")):
-        if col not in fixed and len({r[col] for r in rows}) < 2:
+    for col, what in ((1, "per-decode"), (2, "prompt")):  # a sample's decode, prompt: col - 1
+        if col not in fixed and len({s[col - 1] for s in kept}) < 2:
             fixed[col] = base_of[col]  # constant: not separable from the fixed part
             notes.append(f"the {what} count never varied: its cost is kept")
     woke = sum(s[2] > 0 for s in kept)
