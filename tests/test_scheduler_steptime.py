@@ -28,6 +28,7 @@ pytest.importorskip("vllm")
 from test_scheduler_lending import policy  # noqa: E402
 from vllm_harness import MS, Driver, FakeClock, S, make_request, make_scheduler  # noqa: E402
 
+from outrate.observe.trace import TraceWriter, read_trace  # noqa: E402
 from outrate.policy.compiler import compile_policy  # noqa: E402
 from outrate.policy.loader import parse_policy  # noqa: E402
 from outrate.simulate.stepmodel import StepModel  # noqa: E402
@@ -128,14 +129,16 @@ def costed(seed: int = 0):
     return step_ns
 
 
-def run(kind, pol, plan, until, timed=True):
+def run(kind, pol, plan, until, timed=True, trace=None):
     """plan: [(step to add at, user, streams, max_tokens)]; runs until
     `until`'s requests are done. Returns the driver and the step each request
-    of `until` was added at."""
+    of `until` was added at. `trace`: a TraceWriter the scheduler writes to."""
     clock = FakeClock()
     sched = make_scheduler(kind, pol, clock, step_model=Prior(), **CFG)
     if not timed:
         sched.lending.cost = None  # slots and tokens alone bound borrowing (before issue 40)
+    if trace is not None:
+        sched.outrate_trace(trace)
     d = Driver(sched, clock, step_cost=costed())
     added: dict[str, int] = {}
     for i in range(20_000):
@@ -159,14 +162,16 @@ def steady_rate(d: Driver, user: str, skip: int = 20) -> float:
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
-def test_borrowing_spends_only_spare_time(kind):
+def test_borrowing_spends_only_spare_time(kind, tmp_path):
     """bob {rate: 100}, one stream of 300 tokens, beside alice {rate: 20,
     peak: unlimited} with 48 streams (3x max_num_seqs)."""
     pol = policy(alice=(20, "unlimited"), bob=(100, None))
     beside = [(0, "alice", 48, 5000), (30, "bob", 1, 300)]
     alone, _ = run(kind, pol, [(30, "bob", 1, 300)], "bob")
     before, _ = run(kind, pol, beside, "bob", timed=False)
-    after, _ = run(kind, pol, beside, "bob")
+    trace = TraceWriter(str(tmp_path / "t.jsonl"))
+    after, _ = run(kind, pol, beside, "bob", trace=trace)
+    trace.stop()
     a, x, y = (steady_rate(d, "bob") for d in (alone, before, after))
     print(f"bob alone {a:.1f} tok/s; beside alice {x:.1f} by slots alone, {y:.1f} by time")
     assert a >= 98  # alone, its rate: 7.9 ms steps
@@ -177,6 +182,13 @@ def test_borrowing_spends_only_spare_time(kind):
     t0, t1 = (f(t for t, u in after.timeline if u == "bob") for f in (min, max))
     got = sum(1 for t, u in after.timeline if u == "alice" and t0 <= t <= t1)
     assert got > 1.3 * 20 * (t1 - t0) / S  # over her committed 20 tok/s
+    # The trace says what lending priced a borrower at, step by step: the
+    # prior's 40 us at first, then the clock's 900 us, learnt as lending
+    # varied the batch (a slope near 0 would lend every free seat).
+    slopes = [r["per_seq_us"] for r in read_trace(tmp_path / "t.jsonl") if "predicted_us" in r]
+    print(f"per_seq_us over {len(slopes)} steps: {slopes[0]} first, {slopes[-1]} last")
+    assert slopes[0] == 40 and len(slopes) > 100
+    assert all(abs(x / PER_DECODE - 1) < 0.25 for x in slopes[len(slopes) // 4 :])
 
 
 PACED = """\

@@ -206,7 +206,7 @@ def test_the_engine_open_rewrites_a_trace_from_the_start(tmp_path: Path) -> None
     path = tmp_path / "trace.jsonl"
     for run in (1, 2):
         writer = TraceWriter(str(path), header={"run": run})
-        writer.step((run, run, 1, {"a": 1}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, 0))
+        writer.step((run, run, 1, {"a": 1}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, 0, 0))
         writer.stop()
     lines = read_trace(path)
     assert [line.get("run") for line in lines] == [2, None]
@@ -216,8 +216,8 @@ def test_the_engine_open_rewrites_a_trace_from_the_start(tmp_path: Path) -> None
 def test_prompt_tokens_are_a_step_field_left_out_when_empty(tmp_path: Path) -> None:
     path = tmp_path / "trace.jsonl"
     writer = TraceWriter(str(path))
-    writer.step((5, 5, 2, {}, {}, {}, {}, {}, {}, {}, {}, {"mallory": 101}, {}, {}, {}, 0))
-    writer.step((6, 6, 2, {"bob": 1}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, 0))
+    writer.step((5, 5, 2, {}, {}, {}, {}, {}, {}, {}, {}, {"mallory": 101}, {}, {}, {}, 0, 0))
+    writer.step((6, 6, 2, {"bob": 1}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, 0, 0))
     writer.stop()
     lines = read_trace(path)[1:]
     assert lines == [
@@ -242,7 +242,7 @@ _FULL_DISK = textwrap.dedent(
     writer = TraceWriter(sys.argv[1], header={"pad": "p" * 100})
     writer.start()
     for step in range(5000):
-        writer.step((step, step, 1, {"alice": 1}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, 0))
+        writer.step((step, step, 1, {"alice": 1}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, 0, 0))
     writer.stop()
     print("served on")
     """
@@ -267,14 +267,18 @@ def test_a_full_disk_stops_the_trace_once_and_nothing_else(limit: int, tmp_path:
     assert path.stat().st_size <= limit
 
 
-def test_a_steps_predicted_length_is_written_where_the_model_ran(tmp_path: Path) -> None:
+def test_a_steps_predicted_length_and_slope_are_written_where_the_model_ran(tmp_path: Path) -> None:
     path = tmp_path / "trace.jsonl"
     writer = TraceWriter(str(path))
-    writer.step((5, 5, 2, {"bob": 1}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, 7250))
-    writer.step((6, 6, 2, {"bob": 1}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, 0))
+    writer.step((5, 5, 2, {"bob": 1}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, 7250, 900))
+    writer.step((6, 6, 2, {"bob": 1}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, 7250, 0))
+    writer.step((7, 7, 2, {"bob": 1}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, 0, 0))
     writer.stop()
     lines = read_trace(path)[1:]
-    assert [r.get("predicted_us") for r in lines] == [7250, None]
-    path.write_text(path.read_text() + '{"t":7,"step":7,"predicted_us":7.5}\n')
-    with pytest.raises(OutrateError, match=r":4:1: <line>: not a trace line: predicted_us: exp"):
-        read_trace(path)
+    assert [r.get("predicted_us") for r in lines] == [7250, 7250, None]
+    assert [r.get("per_seq_us") for r in lines] == [900, 0, None]  # 0: free, said
+    for key, bad in (("predicted_us", "7.5"), ("per_seq_us", '"900"')):
+        line = f'{{"t":8,"step":8,"{key}":{bad}}}\n'
+        (tmp_path / "bad.jsonl").write_text(path.read_text() + line)
+        with pytest.raises(OutrateError, match=rf":5:1: <line>: not a trace line: {key}: exp"):
+            read_trace(tmp_path / "bad.jsonl")

@@ -21,8 +21,10 @@ prompt limit), `prompt_waiting` (requests that found no prompt budget for
 their next prompt position), `prompt_borrowed` (of the prompt tokens, the ones
 past the prompt rate, borrowed under its `peak` in spare step time). Where a
 rule has a `peak` (the step model runs), `predicted_us`: the step's length as
-the model predicted it at dispatch; the time to the next step's `t` is its
-real length. Keys with nothing to say are left out.
+the model predicted it at dispatch (the time to the next step's `t` is its
+real length), and `per_seq_us`: what the model priced one more request at,
+the cost lending divided the spare time by. Keys with nothing to say are
+left out.
 
 The scheduler only appends a tuple to a bounded deque; a daemon thread formats
 and writes, and stops writing at `max_bytes` (a last line says so). If the
@@ -56,9 +58,10 @@ MAX_PENDING = 200_000
 
 Counts = dict[str, int]
 _C = Counts
-Step = tuple[int, int, int, _C, _C, _C, _C, _C, _C, _C, _C, _C, _C, _C, _C, int]
+Step = tuple[int, int, int, _C, _C, _C, _C, _C, _C, _C, _C, _C, _C, _C, _C, int, int]
 """(t, step, running, charged, refunded, held, released, over, borrowed, first,
-arrived, prompt, prompt_over, prompt_waiting, prompt_borrowed, predicted_us)."""
+arrived, prompt, prompt_over, prompt_waiting, prompt_borrowed, predicted_us,
+per_seq_us)."""
 
 _KEYS = (
     "charged",
@@ -198,13 +201,14 @@ class TraceWriter:
 def _format(entry: Step | dict[str, Any]) -> str:
     if isinstance(entry, dict):
         return json.dumps(entry, separators=(",", ":"))
-    t, step, running, *maps, predicted = entry
+    t, step, running, *maps, predicted, per_seq = entry
     out: dict[str, Any] = {"t": t, "step": step, "running": running}
     for key, value in zip(_KEYS, maps, strict=True):
         if value:
             out[key] = value
-    if predicted:
+    if predicted:  # the model ran: its slope too, 0 included (free work)
         out["predicted_us"] = predicted
+        out["per_seq_us"] = per_seq
     return json.dumps(out, separators=(",", ":"))
 
 
@@ -253,7 +257,7 @@ def _not_a_trace_line(rec: Any) -> str | None:
     newer writers may add some)."""
     if not isinstance(rec, dict):
         return f"expected a JSON object (got {type(rec).__name__})"
-    for key in ("t", "step", "running", "predicted_us", "dropped", "truncated"):
+    for key in ("t", "step", "running", "predicted_us", "per_seq_us", "dropped", "truncated"):
         if key in rec and not _whole(rec[key]):
             return f"{key}: expected a whole number"
     for key in _KEYS:

@@ -51,6 +51,7 @@ class StepRecorder:
         now: int,
         running: int,
         predicted_us: int = 0,
+        per_seq_us: int = 0,
     ) -> None:
         """The step's line: the requests stock's loop visited (`running`: held
         ones are not among them); per user id, tokens charged this step
@@ -62,7 +63,8 @@ class StepRecorder:
         requests that found no prompt budget, and prompt tokens borrowed
         (past the prompt rate, under its peak: among the prompt ones); and
         the step's predicted length where the step model runs
-        (`StepCost.dispatched`). O(requests scheduled). Steps where nothing
+        (`StepCost.dispatched`), with the model's cost of one more request
+        (what lending priced a borrower at). O(requests scheduled). Steps where nothing
         happened write nothing."""
         charged: dict[str, int] = {}
         over: dict[str, int] = {}
@@ -118,6 +120,7 @@ class StepRecorder:
                     pwait,
                     prompt_borrowed,
                     predicted_us,
+                    per_seq_us,
                 )
             )
             self.held_by, self.released_by, self.refunded_by = {}, {}, {}

@@ -420,9 +420,12 @@ class OutrateMixin:
             self.holdback.arm_touched(st.touched, now)
         self.ledger.fold(st, now)
         if self.recorder is not None:
-            # the step's predicted length where the model runs (lending)
-            predicted = self.step_cost.timed_us() if self._lends else 0
-            self.recorder.write(scheduled, self.requests, self._step, now, visited, predicted)
+            # the step's predicted length and the slope lending used, where the model runs
+            cost = self.step_cost
+            predicted, per_seq = (cost.timed_us(), cost.per_seq_us()) if self._lends else (0, 0)
+            self.recorder.write(
+                scheduled, self.requests, self._step, now, visited, predicted, per_seq
+            )
         self.limiter.cleanup(now, 4)
         # Idle users of the prompt table go too; a shared prompt budget's step boundary.
         self.prompt_table.cleanup(now, 4)

@@ -87,6 +87,12 @@ class StepCost:
         a, b, c = self.coef
         return a + b * n + c * p
 
+    def per_seq_us(self) -> int:
+        """The cost of one more request as the model stands, in whole
+        microseconds: what `seqs_within` divides spare time by (the trace's
+        `per_seq_us`; 0 reads as free, and lends every free seat)."""
+        return round(self.coef[1])
+
     # -- learning --------------------------------------------------------------
 
     def dispatched(self, now: int, n: int, tokens: int) -> None:
