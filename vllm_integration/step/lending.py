@@ -88,19 +88,22 @@ def committed_queue(u: UserState, limiter: BudgetStore, now: int) -> int:
     return queued if queued > 0 else 0
 
 
-def _prompt_tokens(waiting: Iterable[Request], queued: dict[UserState, int]) -> int:
-    """The tokens the first `queued[u]` waiting requests of each user in
-    `queued` still have to compute: committed newcomers' prompts, in the
+def _prompt_tokens(
+    waiting: Iterable[Request], queued: dict[UserState, int]
+) -> dict[UserState, int]:
+    """Per user in `queued`, the tokens its first `queued[u]` waiting
+    requests still have to compute: committed newcomers' prompts, in the
     order stock admits them."""
     left = dict(queued)
     n = sum(left.values())
-    tokens = 0
+    tokens: dict[UserState, int] = {}
     for r in waiting:
         rs = r.__dict__.get(ATTR)
         if rs is None or not left.get(rs.user):
             continue
-        left[rs.user] -= 1
-        tokens += r.num_tokens - r.num_computed_tokens
+        u = rs.user
+        left[u] -= 1
+        tokens[u] = tokens.get(u, 0) + r.num_tokens - r.num_computed_tokens
         n -= 1
         if not n:
             break
@@ -137,6 +140,7 @@ class Lending:
         # no committed user needs. None: slots and tokens alone bound it.
         self.cost: StepCost | None = None
         self.prompt_peaks = False  # some rule has a prompt peak: prompt borrowers are ordered
+        self.prompts: BudgetStore | None = None  # the prompt budgets (prompts.py's table)
 
     def __len__(self) -> int:
         return len(self.running)
@@ -166,23 +170,39 @@ class Lending:
         borrowing = self.running
         committed = 0
         demand = 0
+        # Under a timed prompt peak: the prompt each user's committed
+        # requests have left (`_spare_us`: who is about to borrow it).
+        prefill: dict[UserState, int] | None = (
+            {} if self.prompt_peaks and self.cost is not None else None
+        )
         for r in running:
             if r not in borrowing:
                 committed += 1
                 left = r.num_tokens - r.num_computed_tokens
                 demand += left if left > 1 else 1
+                if prefill is not None and left > 1:
+                    rs = r.__dict__.get(ATTR)
+                    if rs is not None and rs.prompt_done < r.num_prompt_tokens:
+                        k = r.num_prompt_tokens - rs.prompt_done
+                        prefill[rs.user] = prefill.get(rs.user, 0) + k
         users = list(users)
         queued = {u: n for u in users if (n := committed_queue(u, self.limiter, now))}
         self.newcomers = n_wait = sum(queued.values())
         tokens = budget - demand
         if n_wait:  # their seats and their prompts first
-            tokens -= _prompt_tokens(waiting, queued)
+            newcomers = _prompt_tokens(waiting, queued)
+            tokens -= sum(newcomers.values())
+            if prefill is not None:
+                for u, k in newcomers.items():
+                    prefill[u] = prefill.get(u, 0) + k
         allowance = min(active - committed - n_wait, tokens)
         spare_us = -1.0  # the step time borrowers may fill (< 0: not bounded by time)
         if self.cost is not None:
             work = budget - tokens  # committed tokens this step (an upper bound)
             prompt = (work if work < budget else budget) - committed - n_wait  # beyond one each
-            spare_us = self._spare_us(users, queued, committed + n_wait, prompt, step)
+            spare_us = self._spare_us(
+                users, queued, committed + n_wait, prompt, step, now, prefill or {}
+            )
             if spare_us >= 0:
                 allowance = min(allowance, self.cost.seqs_within(spare_us))
         if allowance < 0:
@@ -254,6 +274,8 @@ class Lending:
         seqs: int,
         prompt: int,
         step: int,
+        now: int,
+        prefill: dict[UserState, int],
     ) -> float:
         """The step time borrowers may fill beside the committed work (`seqs`
         requests, `prompt` prompt tokens): `HEADROOM` x the longest step in
@@ -262,20 +284,51 @@ class Lending:
         predicted length (0 when that alone is longer). -1: no committed
         user has a finite rate to keep, and borrowing is bounded by slots
         and tokens alone (work conserving). Users borrowing now are past
-        their rate already (`_borrows`); rules in shadow promise nothing."""
+        their rate already (`_borrows`); rules in shadow promise nothing. A
+        user about to borrow prompt tokens in this step (`_prompt_short`:
+        `prefill`, the prompt its committed requests have left) counts as
+        committed only beside another borrower: a lone borrower's own rate
+        does not hold back its own borrowing, and two bound each other."""
         assert self.cost is not None
-        longest = 0.0
+        targets: list[tuple[float, bool]] = []  # (n_u / r_u, about to borrow)
+        borrowers = 0
         for u in users:
             lim = u.bucket.limit
-            if lim.rate is None or lim.shadow or self._borrows(u, step):
+            if lim.rate is None or lim.shadow:
+                continue
+            if self._borrows(u, step):
+                borrowers += 1
                 continue
             n = u.resident + queued.get(u, 0)
-            if n and (not longest or n * lim.token_s < longest):
-                longest = n * lim.token_s
+            if n:
+                short = bool(prefill) and self._prompt_short(u, prefill.get(u, 0), now)
+                borrowers += short
+                targets.append((n * lim.token_s, short))
+        longest = 0.0
+        for target, short in targets:
+            if short and borrowers == 1:
+                continue
+            if not longest or target < longest:
+                longest = target
         if not longest:
             return -1.0
         spare = HEADROOM * longest * 1e6 - self.cost.predict_us(seqs, prompt if prompt > 0 else 0)
         return spare if spare > 0 else 0.0
+
+    def _prompt_short(self, u: UserState, want: int, now: int) -> bool:
+        """Whether `u` borrows prompt tokens in this step: under a prompt
+        peak, its committed requests have more prompt left (`want`) than its
+        prompt budget holds now, and prompts.py lends it the rest. Without
+        this, a user whose budget fell short in no step before (its last
+        request's prompt done, a new one just in) was counted committed, and
+        its own output rate cut its own borrowed chunk (a prompt finished in
+        two steps instead of one: test_scheduler_prompt_peak's own
+        commitment)."""
+        pb, table = u.pbucket, self.prompts
+        if not want or pb is None or table is None:
+            return False
+        lim = table.limit_of(pb, now)
+        return lim.excess is not None and not lim.shadow and want > table.available(pb, now)
 
     def _borrows(self, u: UserState, step: int) -> bool:
         """Whether `u` borrows now: output tokens (a request running on spare

@@ -140,6 +140,7 @@ class OutrateMixin:
         if prompt_table is None:
             prompt_table = Limiter(self._policy.prompts, clock=clock)
         self.prompt_table = prompt_table
+        self.lending.prompts = prompt_table  # who is about to borrow prompt tokens
         chunked = bool(sc.enable_chunked_prefill)
         self.prompts = PromptPacer(
             self.prompt_table, self.metrics, self._st, chunked, self, _RUNNING
