@@ -1006,3 +1006,62 @@ def test_request_rates_with_several_api_servers_warn_or120(tmp_path):
     shared = lint_all(path, deployment_from_args(["-dp", "2", *store]))  # shared: exact
     assert not [f for f in shared.findings if f.code == "OR120"]
     assert "requests 5/s" in several.policy.summary()  # type: ignore[union-attr]
+
+
+# -- a rate that leaves lending no time (OR012) ----------------------------------
+
+
+def test_a_rate_no_step_can_give_beside_a_peak_warns_or012(tmp_path):
+    """A committed rate whose streams, all `--max-num-seqs` of them (or its
+    `max_streams`), need steps under 2 ms leaves every step its user runs
+    in with no time to lend (docs/time-aware-borrowing.md): the large
+    number written to mean no limit. Only where some rule has a peak."""
+    from outrate.check.deployment import deployment_from_args
+
+    path = tmp_path / "p.yaml"
+    text = (
+        "version: 1\n"
+        "default: {rate: 20, peak: unlimited, prompt: unlimited}\n"
+        "tiers:\n"
+        "  bulk: {rate: 1000000, prompt: unlimited}\n"
+        "users:\n"
+        "  big: {rate: 900000, prompt: unlimited}\n"
+        "  fine: {rate: 20000, prompt: unlimited}\n"
+        "  capped: {rate: 5000, max_streams: 4, prompt: unlimited}\n"
+        "  member: {tier: bulk}\n"
+    )
+    path.write_text(text)
+    found = [f for f in lint_all(path).findings if f.code == "OR012"]
+    assert [(f.location, f.message.split(":")[0]) for f in found] == [
+        (f"{path}:4:16", "tiers.bulk"),  # 1,024 streams at 1e6 tok/s: 1.02 ms
+        (f"{path}:6:15", "users.big"),
+        (f"{path}:8:18", "users.capped"),  # its 4 streams at 5,000 tok/s: 0.80 ms
+    ]
+    assert "even 1024 streams (vLLM's largest default --max-num-seqs, 1024) need a step " \
+        "every 1.02 ms" in found[0].message  # fmt: skip
+    assert "even 4 streams (its max_streams) need a step every 0.80 ms" in found[2].message
+    assert found[0].message.endswith("write rate: unlimited if no limit is meant")
+    # the engine's own --max-num-seqs: fewer streams, so lower rates are past it too
+    few = lint_all(path, deployment_from_args(["--max-num-seqs", "32"]))
+    assert [f.message.split(":")[0] for f in few.findings if f.code == "OR012"] == [
+        "tiers.bulk",
+        "users.big",
+        "users.fine",  # 32 / 20,000 tok/s: 1.60 ms
+        "users.capped",
+    ]
+    # no peak anywhere: nothing is lent, so nothing is blocked
+    path.write_text(text.replace("peak: unlimited, ", ""))
+    assert not [f for f in lint_all(path).findings if f.code == "OR012"]
+    # a prompt peak lends too
+    lends_prompts = "prompt: {rate: 5, peak: 50}"
+    path.write_text(text.replace("peak: unlimited, prompt: unlimited", lends_prompts))
+    assert len([f for f in lint_all(path).findings if f.code == "OR012"]) == 3
+
+
+def test_or012_on_a_hand_built_policy() -> None:
+    from outrate.check.lending import unlendable_rates
+
+    lender = Limit(20, 10**8, rule="default", peak="unlimited")
+    c = CompiledPolicy("built", lender, Limit(10**6, 10**8, rule="anonymous"), 10**8)
+    assert [(f.code, f.location) for f in unlendable_rates(c, 64)] == [("OR012", "built")]
+    assert unlendable_rates(c, None)[0].message.startswith("anonymous: rate 1000000 tok/s")

@@ -17,6 +17,8 @@ Codes are stable (tools and CI filter on them); never renumber, only add:
 - OR010 warning  anonymous requests borrow without a cap (peak unlimited) while an
                  identified user's borrowing is capped
 - OR011 warning  rules that cap output but leave prompts unlimited (one line)
+- OR012 warning  a committed rate so high that no engine step is short enough for
+                 it while some rule has a peak: its steps lend nothing
 - OR101 error    speculative decoding
 - OR102 error    data parallel size > 1 without a budget store (--outrate-store)
 - OR103 error    pipeline parallel size > 1
@@ -54,6 +56,7 @@ from typing import Any
 
 from outrate.budget.gcra import PEAK_UNLIMITED
 from outrate.check.deployment import Deployment
+from outrate.check.lending import unlendable_rates
 from outrate.check.prompts import open_prompts_message, open_prompts_rules, prompt_refusals
 from outrate.check.quotas import quota_refusals
 from outrate.check.rules import Finding, lint_deployment, lint_exposure
@@ -411,6 +414,8 @@ def lint_all(
         ]
     if compiled is not None:
         findings += lint_policy(compiled)
+        seqs = deployment.max_num_seqs if deployment is not None else None
+        findings += unlendable_rates(compiled, seqs)
     if deployment is not None:
         findings += lint_deployment(deployment)
         if compiled is not None:

@@ -39,7 +39,7 @@ def _located(
     chooses (the policy's start when the policy was built by hand)."""
     validated = policy.policy
     if validated is not None:
-        by_path = _limits_by_path(policy)
+        by_path = limits_by_path(policy)
         for path, rule in validated.rules():
             lim = by_path.get(path)
             if rule.prompt is not None and lim is not None and pick(lim):
@@ -49,7 +49,7 @@ def _located(
     return Problem(policy.source, 1, 1, f"{rules[0]}.prompt", message)
 
 
-def _limits_by_path(policy: CompiledPolicy) -> dict[tuple[str | int, ...], Limit]:
+def limits_by_path(policy: CompiledPolicy) -> dict[tuple[str | int, ...], Limit]:
     """Each written rule's path -> its compiled limit."""
     out: dict[tuple[str | int, ...], Limit] = {
         ("default",): policy.default,
@@ -123,7 +123,7 @@ def open_prompts_rules(policy: CompiledPolicy) -> list[tuple[tuple[str | int, ..
                 seen.add(lim.rule)
                 out.append(((), lim.rule))
         return out
-    by_path = _limits_by_path(policy)
+    by_path = limits_by_path(policy)
     for path, rule in validated.rules():
         got = by_path.get(path)
         if got is None or got.unlimited or got.shadow or rule.prompt is not None:
