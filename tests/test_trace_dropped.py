@@ -19,7 +19,7 @@ def policy():
 
 
 def step(t: int) -> Step:
-    return (t, t, 1, {"alice": 1}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, 0)
+    return (t, t, 1, {"alice": 1}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, 0, 0)
 
 
 def test_the_writer_counts_every_line_it_dropped_since_start(tmp_path):
