@@ -138,10 +138,15 @@ played again, once; the second is judged as it is (`_unstalled`)."""
 Play = TypeVar("Play", bound=tuple)
 
 
-def _unstalled(play: Callable[[int], Play], caplog: pytest.LogCaptureFixture) -> Play:
+def _unstalled(
+    play: Callable[[int], Play],
+    caplog: pytest.LogCaptureFixture,
+    starved: Callable[[Play], str | None] = lambda out: None,
+) -> Play:
     """`play(tries)` (its first item the engines), played again once if a
-    step of the engines' loop took over STALL_NS (`serverproc.replay_once`).
-    The log captured is the kept play's."""
+    step of the engines' loop took over STALL_NS, or `starved` says why the
+    play was the machine's (`serverproc.replay_once`). The log captured is
+    the kept play's."""
 
     def fresh(tries: int) -> Play:
         caplog.clear()
@@ -150,7 +155,7 @@ def _unstalled(play: Callable[[int], Play], caplog: pytest.LogCaptureFixture) ->
     def stalled(out: Play) -> str | None:
         stall = max(e.slowest_ns for e in out[0])
         if stall <= STALL_NS:
-            return None
+            return starved(out)
         return f"a step of the engines' loop took {stall / 1e6:.0f} ms (STALL_NS)"
 
     return replay_once(fresh, stalled)
@@ -357,10 +362,29 @@ def _cut_off_past_the_hold(d: Path) -> tuple[list[Engine], dict[str, int], dict[
         # read 15.95 tok/s against 16 on a fresh clone, the lanes beside it.
         run(engines, 18.5, [(1.5, partition)])
         stop(engines)
+        was = seen.pop("late_ns")
+        assert isinstance(was, list)
+        seen["late_ms"] = [(e.runner.late_ns - w) / 1e6 for e, w in zip(engines, was, strict=True)]
     finally:
         proxy.close()
         server.stop()
     return engines, marks, seen
+
+
+LATE_LEASES_MS = 500
+"""Lease rounds this late in all, over the 5 s after the heal (a round
+counts the time it came past two intervals after the one before), are the
+machine's: the lease thread did not get a core. On a fresh clone, the lanes
+beside it, both engines' rounds ran 1,649 and 1,753 ms late there, their
+steps fell from 18-20 a second to 6, and alice read 15.79 tok/s against 16;
+no step took STALL_NS. Such a play is played again, once."""
+
+
+def _late_leases(out: tuple) -> str | None:
+    late = out[2]["late_ms"]
+    if max(late) <= LATE_LEASES_MS:
+        return None
+    return f"lease rounds ran {max(late):.0f} ms late after the heal (LATE_LEASES_MS)"
 
 
 def test_an_engine_cut_off_past_the_hold_keeps_serving_within_its_stated_bound(tmp_path, caplog):
@@ -375,7 +399,7 @@ def test_an_engine_cut_off_past_the_hold_keeps_serving_within_its_stated_bound(t
     the rate."""
     caplog.set_level(logging.INFO, logger="vllm.outrate")
     engines, marks, seen = _unstalled(
-        lambda tries: _cut_off_past_the_hold(tmp_path / f"play{tries}"), caplog
+        lambda tries: _cut_off_past_the_hold(tmp_path / f"play{tries}"), caplog, _late_leases
     )
     b = engines[1]
     merged, excess, rate = report("partition past the hold", engines)
@@ -391,8 +415,7 @@ def test_an_engine_cut_off_past_the_hold_keeps_serving_within_its_stated_bound(t
     # steps a second from the heal on, and how late its lease rounds ran in
     # the window (a round more than two intervals after the one before).
     seconds = [(healed + i * S_NS, healed + (i + 1) * S_NS) for i in range(7)]
-    was = seen.pop("late_ns")
-    late = [(e.runner.late_ns - w) / 1e6 for e, w in zip(engines, was, strict=True)]
+    late = seen.pop("late_ms")
     tokens_s = [[sum(k for _, k in e.rec.tokens("alice", *w)) for w in seconds] for e in engines]
     steps_s = [[sum(w[0] <= x[0] < w[1] for x in e.rec.steps) for w in seconds] for e in engines]
     # B's floor: its rate/N, or what one exact GCRA at rate/N grants at the
