@@ -13,6 +13,7 @@ theoretical arrival time (TAT) in its limit's units.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from decimal import Decimal
 from fractions import Fraction
 
@@ -271,3 +272,9 @@ def per_window_text(lim: Limit) -> str:
     if window == 60:
         return f"{count}/min"
     return f"{count}/{format_rate(window)}s"
+
+
+def lends(limits: Iterable[Limit | None]) -> bool:
+    """Whether any of these limits has a peak, not in shadow (the scheduler
+    lends only then; lint's OR012 asks the same)."""
+    return any(lim is not None and lim.excess is not None and not lim.shadow for lim in limits)

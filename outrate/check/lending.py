@@ -12,7 +12,7 @@ anyone. It is usually a large number written to mean "no limit", which
 
 from __future__ import annotations
 
-from outrate.budget.gcra import Limit
+from outrate.budget.gcra import Limit, lends
 from outrate.check.prompts import limits_by_path
 from outrate.check.rules import Finding
 from outrate.policy.compiler import CompiledPolicy
@@ -23,16 +23,6 @@ takes ~2.5 ms (docs/simulate.md), a GPU's for a real model longer."""
 DEFAULT_MAX_NUM_SEQS = 1024
 """Where `--max-num-seqs` is not given, vLLM's largest default (by usage
 context and device): the most streams a user can have."""
-
-
-def lends(policy: CompiledPolicy) -> bool:
-    """Whether some rule borrows: an output or a prompt peak, not in shadow
-    (the scheduler's `_lending`)."""
-    for lim in policy.all_limits():
-        for which in (lim, lim.prompt):
-            if which is not None and which.excess is not None and not which.shadow:
-                return True
-    return False
 
 
 def _streams(lim: Limit, max_num_seqs: int) -> int:
@@ -52,7 +42,8 @@ def unlendable_rates(policy: CompiledPolicy, max_num_seqs: int | None) -> list[F
     """OR012 for each written rule whose committed rate needs steps shorter
     than SHORTEST_STEP_S with all its streams, while the policy lends.
     `max_num_seqs`: the engine's, None where not known."""
-    if not lends(policy):
+    limits = policy.all_limits()
+    if not lends(limits) and not lends(lim.prompt for lim in limits):
         return []
     seqs = max_num_seqs or DEFAULT_MAX_NUM_SEQS
     validated = policy.policy

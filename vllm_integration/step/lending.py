@@ -48,7 +48,6 @@ import heapq
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from outrate.budget.gcra import Limit
 from outrate.budget.store import BudgetStore
 from outrate.observe.metrics import Metrics
 from vllm_integration.step.holdback import Holdback
@@ -119,11 +118,6 @@ def _prompt_borrows(u: UserState, step: int) -> bool:
     """Whether `u` borrows prompt tokens now: under a prompt peak its prompt
     budget fell short of what it asked in the step before (prompts.py)."""
     return u.pshort_step >= step - 1
-
-
-def lends(limits: Iterable[Limit]) -> bool:
-    """Whether any of these limits has a peak (the scheduler lends only then)."""
-    return any(lim.excess is not None and not lim.shadow for lim in limits)
 
 
 class Lending:

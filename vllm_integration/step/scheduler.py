@@ -43,6 +43,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.sched.utils import remove_all
 from vllm.v1.request import Request, RequestStatus
 
+from outrate.budget.gcra import lends
 from outrate.budget.limiter import Limiter
 from outrate.budget.quota import QuotaBook
 from outrate.budget.store import BudgetStore
@@ -53,7 +54,7 @@ from vllm_integration.step.admission import Admission
 from vllm_integration.step.holdback import Holdback
 from vllm_integration.step.kv import HeldFirstAllocation
 from vllm_integration.step.ledger import Ledger
-from vllm_integration.step.lending import Lending, lends
+from vllm_integration.step.lending import Lending
 from vllm_integration.step.parking import Parking
 from vllm_integration.step.prompts import PromptPacer
 from vllm_integration.step.quotas import FOLD_INTERVAL_NS, QuotaMeter
