@@ -13,7 +13,7 @@ anyone. It is usually a large number written to mean "no limit", which
 from __future__ import annotations
 
 from outrate.budget.gcra import Limit, lends
-from outrate.check.prompts import limits_by_path
+from outrate.check.prompts import limits_by_path, rule_name
 from outrate.check.rules import Finding
 from outrate.policy.compiler import CompiledPolicy
 
@@ -57,8 +57,7 @@ def unlendable_rates(policy: CompiledPolicy, max_num_seqs: int | None) -> list[F
         if lim is None or getattr(rule, "tier", None) is not None or not _blocks(lim, seqs):
             continue  # a tier's users: the tier is named itself
         line, col = validated.position(*path, "rate") or validated.position(*path) or (1, 1)
-        name = f"match[{path[1]}]" if path[0] == "match" else ".".join(map(str, path))
-        out.append(_finding(name, lim, seqs, f"{policy.source}:{line}:{col}"))
+        out.append(_finding(rule_name(path), lim, seqs, f"{policy.source}:{line}:{col}"))
     return out
 
 

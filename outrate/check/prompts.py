@@ -49,6 +49,11 @@ def _located(
     return Problem(policy.source, 1, 1, f"{rules[0]}.prompt", message)
 
 
+def rule_name(path: tuple[str | int, ...]) -> str:
+    """A written rule's name in a finding: `users.alice`, `match[2]`."""
+    return f"match[{path[1]}]" if path[0] == "match" else ".".join(map(str, path))
+
+
 def limits_by_path(policy: CompiledPolicy) -> dict[tuple[str | int, ...], Limit]:
     """Each written rule's path -> its compiled limit."""
     out: dict[tuple[str | int, ...], Limit] = {
@@ -130,8 +135,7 @@ def open_prompts_rules(policy: CompiledPolicy) -> list[tuple[tuple[str | int, ..
             continue
         if getattr(rule, "tier", None) is not None:
             continue  # its tier's prompt, or the tier is named itself
-        name = f"match[{path[1]}]" if path[0] == "match" else ".".join(map(str, path))
-        out.append((path, name))
+        out.append((path, rule_name(path)))
     return out
 
 
