@@ -86,7 +86,7 @@ def rows(seg: list[Line], w: Workload, term: Term) -> np.ndarray:
         if n + 1 not in steps or not r.get("charged"):
             continue
         near = {k: steps[k] for k in (n - 1, n, n + 1) if k in steps}
-        d, p, _, y = _samples(near, means)[-1]  # step n's (n + 1 has no next here)
+        d, p, _, _, y = _samples(near, means)[-1]  # step n's (n + 1 has no next here)
         out.append([1.0, d, p, term(steps, n), y])
     a = np.array(out)
     return a[a[:, 4] <= IDLE_FACTOR * statistics.median(a[:, 4])]

@@ -180,6 +180,38 @@ def test_the_wake_cost_after_an_idle_step_is_simulated_and_recovered(tmp_path):
     assert abs(time_error(truth, read_trace(trace), w)) < 0.02
 
 
+def test_the_cost_of_holding_a_request_is_simulated_and_recovered(tmp_path):
+    """Throttled users with several streams each are held and released all
+    the time beside an unlimited one: each step costs `per_held_us` more
+    for each request it holds in the simulator, and calibrating on the
+    simulator's trace finds that cost (and the rest) again. A model without
+    it is short by the holds' share of the time."""
+    truth = StepModel(fixed_us=3000, per_decode_us=200, per_prefill_us=15, per_held_us=500)
+    w = workload(
+        "  open: {streams: 2, prompt: 60, output: {uniform: [20, 200]}}\n"
+        "  m: {count: 3, streams: 3, prompt: 40, output: 60}\n",
+        duration="10s",
+    )
+    limits = "users:\n  m-1: 25\n  m-2: 25\n  m-3: 25\n"
+    trace, cal = _stepped_and_fitted(tmp_path, w, limits, truth)
+    lines = read_trace(trace)
+    held = sum(sum(r.get("held", {}).values()) for r in lines if "step" in r)
+    assert held > 200, held  # the throttled streams rotate through holds
+    m = cal.model
+    assert abs(m.per_held_us - 500) < 50, cal.describe()
+    assert abs(m.per_decode_us - 200) < 30, cal.describe()
+    assert f"+ {m.per_held_us:g}us/request held" in m.describe()
+    without = replace(truth, per_held_us=0)
+    assert time_error(without, lines, w) < -0.03, cal.describe()
+    assert abs(time_error(truth, lines, w)) < 0.02
+    # the same trace with its holds left out: the cost cannot be sized, so
+    # it is kept (and said), and it prices nothing there
+    unheld = [{k: v for k, v in r.items() if k != "held"} for r in lines]
+    assert time_error(truth, unheld, w) == time_error(without, unheld, w)
+    kept = calibrate(unheld, w, base=replace(StepModel(), per_held_us=123))
+    assert kept.model.per_held_us == 123 and "hold cost kept" in kept.describe()
+
+
 def test_how_the_wake_cost_grows_with_the_wait_is_recovered(tmp_path):
     """Throttled users alone one after another, at three rates: the engine
     waits ~30, ~9 and ~2 ms between their tokens. Stepped with a wake cost

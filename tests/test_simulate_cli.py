@@ -164,6 +164,7 @@ def test_a_fit_never_goes_negative():
         ('{"wake_tau_us": -1}', "wake_tau_us: must be a number >= 0"),
         ('{"fixed_us": -1}', "fixed_us: must be a number >= 0"),
         ('{"wake_us": true}', "wake_us: must be a number >= 0"),
+        ('{"per_held_us": "1"}', "per_held_us: must be a number >= 0"),
         ('{"fixd_us": 1}', "unknown key 'fixd_us'"),
         ("[1]", "expected a JSON object"),
     ],

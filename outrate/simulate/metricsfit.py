@@ -227,6 +227,7 @@ def calibrate_metrics(
     kept_costs = [
         f"turnaround kept ({base.turnaround_us:g}us: /metrics cannot show it)",
         f"wake cost kept ({base.wake_us:g}us: /metrics cannot show idle steps)",
+        f"hold cost kept ({base.per_held_us:g}us: /metrics cannot show a step's holds)",
     ]
     kept_costs += [
         f"{name} kept ({base_of[col]:g}us: its count never varied)"
@@ -240,6 +241,7 @@ def calibrate_metrics(
         turnaround_us=base.turnaround_us,
         wake_us=base.wake_us,
         wake_tau_us=base.wake_tau_us,
+        per_held_us=base.per_held_us,
         source=f"calibrated from {source}",
     )
     fit = (

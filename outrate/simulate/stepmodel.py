@@ -7,6 +7,7 @@ The model is linear, as a step's cost is to first order:
                  + per_prefill x (prompt tokens computed)
                  + wake x (1 - exp(-wait / wake_tau)), for the first step
                    after the engine waited
+                 + per_held x (requests the step holds)
 
 The wake cost is what an engine pays to start again after a step that ran
 nothing (outrate's idle wait for a throttled user's budget, or no request
@@ -17,6 +18,13 @@ almost never. `calibrate` (outrate/simulate/tracefit.py) fits how it
 grows with the wait (`wake_tau_us`) where the trace's waits are far
 enough apart to show it; otherwise the whole of it is charged after any
 wait (docs/simulate.md, "Out of sample").
+
+A request outrate holds (its user out of budget) leaves the batch: the
+step that holds it pays ~0.3-0.5 ms a request on vLLM's CPU platform here,
+at the same number of requests decoding, in every workload tried, the
+calibration's included (docs/simulate.md, "Found: what holding a request
+costs"). A throttled user's streams are held and released all the time, so
+a workload of many throttled streams pays it on a good share of its steps.
 
 The defaults are rough figures for an 8B model in bf16 on one H100-class GPU
 (7 ms a step, 40 us more per sequence decoding, 60 us per prompt token:
@@ -55,15 +63,19 @@ class StepModel:
     wake_tau_us: float = 0.0
     """How the wake cost grows with the wait: wake_us x (1 - exp(-wait /
     wake_tau_us)); 0: all of it after any wait."""
+    per_held_us: float = 0.0
+    """Added for each request the step holds: taken out of the batch, its
+    user out of budget (`calibrate` fits it where the trace holds requests;
+    0 by default)."""
     source: str = "defaults"
     fit: str = ""
     """How it was fitted, one line (`calibrate` writes it into the model file)."""
 
-    def step_ns(self, decode: int, prefill: int, waited_us: float = 0.0) -> int:
+    def step_ns(self, decode: int, prefill: int, waited_us: float = 0.0, held: int = 0) -> int:
         """A step's length: `waited_us`, how long the engine waited before it
-        (0: the step before it ran)."""
+        (0: the step before it ran); `held`, requests it holds."""
         us = self.fixed_us + self.per_decode_us * decode + self.per_prefill_us * prefill
-        us += self.wake_us * self.wake_share(waited_us)
+        us += self.wake_us * self.wake_share(waited_us) + self.per_held_us * held
         return max(int(us * 1000), 1)
 
     def wake_share(self, waited_us: float) -> float:
@@ -76,9 +88,10 @@ class StepModel:
         wake = f" + {self.wake_us:g}us after an idle step" if self.wake_us else ""
         if self.wake_us and self.wake_tau_us:
             wake += f" (1 - e^(-wait/{self.wake_tau_us / 1000:g}ms) of it)"
+        held = f" + {self.per_held_us:g}us/request held" if self.per_held_us else ""
         return (
             f"step = {self.fixed_us:g}us + {self.per_decode_us:g}us/decode "
-            f"+ {self.per_prefill_us:g}us/prompt token{wake}; turnaround "
+            f"+ {self.per_prefill_us:g}us/prompt token{wake}{held}; turnaround "
             f"{self.turnaround_us:g}us ({self.source})"
         )
 
@@ -116,6 +129,7 @@ def load_step_model(path: str | os.PathLike[str]) -> StepModel:
         "turnaround_us",
         "wake_us",
         "wake_tau_us",
+        "per_held_us",
     }
     fit = data.get("fit", "")
     if not isinstance(fit, str):

@@ -19,7 +19,9 @@ because throughput follows the mean step, stalls included.
 
 Where the trace's waits differ enough to show it, the fit also picks how
 the wake cost grows with the wait (`wake_tau_us`, one of WAKE_TAUS_US) by
-the least squared error (docs/simulate.md, "The step-time model").
+the least squared error (docs/simulate.md, "The step-time model"). Where
+the trace holds requests (its `held` counts), it fits what a step pays for
+each request it holds (`per_held_us`).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ IDLE_FACTOR = 10
 """A gap longer than this many median steps is the engine waiting, not a step."""
 MIN_WOKE = 5
 """Steps after an idle one, and steps not after one, needed to fit the wake
-cost (fewer of either: it is kept)."""
+cost (fewer of either: it is kept); steps that held a request, and steps
+that held none, needed to fit the hold cost."""
 WAIT_SPREAD = 4
 """How far apart (a ratio) the trace's waits must be to fit how the wake
 cost grows with them: the MIN_WOKE-th shortest and longest."""
@@ -150,7 +153,7 @@ def calibrate(
     if len(samples) < 10:
         raise OutrateError(f"{source}: fewer than 10 consecutive steps with tokens: nothing to fit")
     kept = _busy(samples)
-    ys = [s[3] for s in kept]
+    ys = [s[-1] for s in kept]
     fitted = prompt_means is not None or traced
     fixed = {} if fitted else {2: base.per_prefill_us}
     notes = []
@@ -176,6 +179,14 @@ def calibrate(
             f"{'with' if woke < MIN_WOKE else 'without'} a wait): "
             f"wake cost kept ({base.wake_us:g}us)"
         )
+    holding = sum(s[3] > 0 for s in kept)
+    if min(holding, len(kept) - holding) < MIN_WOKE:
+        fixed[4] = base.per_held_us
+        notes.append(
+            f"{holding} of {len(kept)} steps held a request (fewer than {MIN_WOKE} "
+            f"{'that did' if holding < MIN_WOKE else 'that did not'}): "
+            f"hold cost kept ({base.per_held_us:g}us)"
+        )
     tau, coef, rows = _fit_wake(kept, fixed)
     mean = statistics.fmean(ys)
     predicted = [sum(c * x for c, x in zip(coef, r, strict=True)) for r in rows]
@@ -196,6 +207,7 @@ def calibrate(
         turnaround_us=round(turnaround, 1),
         wake_us=round(coef[3], 3),
         wake_tau_us=tau,
+        per_held_us=round(coef[4], 3),
         source=f"calibrated from {source}",
     )
     result = Calibration(
@@ -216,9 +228,9 @@ def calibrate(
 
 def _rows(kept: list[Sample], tau_us: float) -> list[list[float]]:
     """The fit's columns: 1, requests decoding, prompt tokens, the share of
-    the wake cost paid (`StepModel.wake_share` with `tau_us`)."""
+    the wake cost paid (`StepModel.wake_share` with `tau_us`), requests held."""
     shape = StepModel(wake_tau_us=tau_us)
-    return [[1.0, d, p, shape.wake_share(w)] for d, p, w, _ in kept]
+    return [[1.0, d, p, shape.wake_share(w), h] for d, p, w, h, _ in kept]
 
 
 def _fit_wake(
@@ -228,7 +240,7 @@ def _fit_wake(
     rows at that time constant: each of WAKE_TAUS_US where the waits are
     WAIT_SPREAD apart (`_waits_vary`; else 0, all of the cost after any
     wait), the least squared error kept, a tie keeping the smaller."""
-    ys = [s[3] for s in kept]
+    ys = [s[-1] for s in kept]
     taus = WAKE_TAUS_US if 3 not in fixed and _waits_vary(kept) else (0.0,)
     best: tuple[float, float, list[float], list[list[float]]] | None = None
     for tau in taus:
@@ -251,17 +263,17 @@ def _waits_vary(kept: list[Sample]) -> bool:
     return len(waits) >= 2 * MIN_WOKE and waits[-MIN_WOKE] >= WAIT_SPREAD * waits[MIN_WOKE - 1]
 
 
-Sample = tuple[float, float, float, float]
+Sample = tuple[float, float, float, float, float]
 """(requests decoding, prompt tokens, how long the engine waited before the
-step in us (0: the step before it ran; inf: not known), step length in
-us)."""
+step in us (0: the step before it ran; inf: not known), requests the step
+held, step length in us)."""
 
 
 def _busy(samples: list[Sample]) -> list[Sample]:
     """The samples but those the engine idled after (longer than IDLE_FACTOR
     x the median step)."""
-    median = statistics.median(s[3] for s in samples)
-    return [s for s in samples if s[3] <= IDLE_FACTOR * median]
+    median = statistics.median(s[-1] for s in samples)
+    return [s for s in samples if s[-1] <= IDLE_FACTOR * median]
 
 
 def traces_prompts(lines: Iterable[dict[str, Any]]) -> bool:
@@ -326,7 +338,8 @@ def _samples(
             started = sum(rec.get("first", {}).values())
         elif prompt_means is not None:
             prefill = sum(k * prompt_means.get(u, default_prompt) for u, k in new.items())
-        samples.append((n - started, prefill, waited, (nxt["t"] - rec["t"]) / 1000))
+        held = float(sum(rec.get("held", {}).values()))
+        samples.append((n - started, prefill, waited, held, (nxt["t"] - rec["t"]) / 1000))
     return samples
 
 
@@ -348,8 +361,8 @@ def time_error(
     if not samples:
         return 0.0
     kept = _busy(samples)
-    measured = sum(s[3] for s in kept)
-    modelled = sum(model.step_ns(int(d), int(p), w) / 1000 for d, p, w, _ in kept)
+    measured = sum(s[-1] for s in kept)
+    modelled = sum(model.step_ns(int(d), int(p), w, int(h)) / 1000 for d, p, w, h, _ in kept)
     return (modelled - measured) / measured if measured > 0 else 0.0
 
 
@@ -364,7 +377,7 @@ def decode_step_us(lines: Iterable[dict[str, Any]], workload: Workload) -> dict[
     if not samples:
         return {}
     out: dict[int, list[float]] = {}
-    for decoding, prefill, waited, us in _busy(samples):
+    for decoding, prefill, waited, _, us in _busy(samples):
         if prefill == 0 and not waited:
             out.setdefault(int(decoding), []).append(us)
     return out

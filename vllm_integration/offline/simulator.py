@@ -19,7 +19,8 @@ ready, at most 50 ms), or 1 ms when requests exist that no throttling
 explains (vLLM's own loop), or until the next arrival when idle. Any new
 arrival ends a wait at once, as a request on the input queue does. The
 first step after such a wait adds the model's wake cost for a wait that
-long (`StepModel.wake_share`).
+long (`StepModel.wake_share`), and a step its cost for each request it
+held (`StepModel.per_held_us`).
 
 The model directory is only a `config.json` (no weights, no tokenizer):
 the scheduler needs the model's length, nothing else.
@@ -219,6 +220,7 @@ class Simulation:
         self._seq = 0
         self._deferred_seen: dict[str, str] = {}
         self._deferred_total = 0
+        self._holds_total = 0
         self.partial = ""
 
     # -- arrivals ----------------------------------------------------------------
@@ -296,7 +298,7 @@ class Simulation:
             out = sched.schedule()
             scheduled: dict[str, int] = out.num_scheduled_tokens
             self._count_deferrals()
-            held = self._held()
+            held, holds = self._held(), self._holds()
             if not scheduled:
                 while pending:
                     self._apply(*pending.popleft(), now)
@@ -308,7 +310,8 @@ class Simulation:
                 continue
             requests = sched.requests
             decode = self._count_prompts(scheduled, requests, now)
-            dt = model.step_ns(decode, out.total_num_scheduled_tokens - decode, waited_ns / 1000)
+            prefill = out.total_num_scheduled_tokens - decode
+            dt = model.step_ns(decode, prefill, waited_ns / 1000, holds)
             waited_ns = 0
             samplers = [r for r in scheduled if not requests[r].is_prefill_chunk]
             pending.append((out, samplers))
@@ -381,6 +384,13 @@ class Simulation:
         if not self.outrate or not self.sched.n_held:
             return {}
         return {u.key: u.n_held for u in self.sched._users.values() if u.n_held}
+
+    def _holds(self) -> int:
+        """Requests the step just scheduled held (outrate's hold counter moved)."""
+        if not self.outrate:
+            return 0
+        before, self._holds_total = self._holds_total, self.sched.metrics.holds
+        return max(self._holds_total - before, 0)
 
     def _count_deferrals(self) -> None:
         """Admissions deferred this step, per user: counted like outrate's
