@@ -20,7 +20,7 @@ enough apart to show it; otherwise the whole of it is charged after any
 wait (docs/simulate.md, "Out of sample").
 
 A request outrate holds (its user out of budget) leaves the batch: the
-step that holds it pays ~0.3-0.5 ms a request on vLLM's CPU platform here,
+step that holds it pays ~0.25-0.6 ms a request on vLLM's CPU platform here,
 at the same number of requests decoding, in every workload tried, the
 calibration's included (docs/simulate.md, "Found: what holding a request
 costs"). A throttled user's streams are held and released all the time, so
