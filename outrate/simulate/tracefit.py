@@ -171,22 +171,18 @@ def calibrate(
         if col not in fixed and len({s[col - 1] for s in kept}) < 2:
             fixed[col] = base_of[col]  # constant: not separable from the fixed part
             notes.append(f"the {what} count never varied: its cost is kept")
-    woke = sum(s[2] > 0 for s in kept)
-    if min(woke, len(kept) - woke) < MIN_WOKE:  # too few either way: not separable
-        fixed[3] = base.wake_us
-        notes.append(
-            f"{woke} of {len(kept)} steps after an idle one (fewer than {MIN_WOKE} "
-            f"{'with' if woke < MIN_WOKE else 'without'} a wait): "
-            f"wake cost kept ({base.wake_us:g}us)"
-        )
-    holding = sum(s[3] > 0 for s in kept)
-    if min(holding, len(kept) - holding) < MIN_WOKE:
-        fixed[4] = base.per_held_us
-        notes.append(
-            f"{holding} of {len(kept)} steps held a request (fewer than {MIN_WOKE} "
-            f"{'that did' if holding < MIN_WOKE else 'that did not'}): "
-            f"hold cost kept ({base.per_held_us:g}us)"
-        )
+    occasional = (  # a sample's wait, held count: col - 1; fitted only where both kinds show
+        (3, "after an idle one", "with a wait", "without a wait", "wake cost", base.wake_us),
+        (4, "held a request", "that did", "that did not", "hold cost", base.per_held_us),
+    )
+    for col, what, did, did_not, cost, value in occasional:
+        count = sum(s[col - 1] > 0 for s in kept)
+        if min(count, len(kept) - count) < MIN_WOKE:  # too few either way: not separable
+            fixed[col] = value
+            notes.append(
+                f"{count} of {len(kept)} steps {what} (fewer than {MIN_WOKE} "
+                f"{did if count < MIN_WOKE else did_not}): {cost} kept ({value:g}us)"
+            )
     tau, coef, rows = _fit_wake(kept, fixed)
     mean = statistics.fmean(ys)
     predicted = [sum(c * x for c, x in zip(coef, r, strict=True)) for r in rows]
